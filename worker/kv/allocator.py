@@ -1,0 +1,448 @@
+"""Token-slot allocators: one paged pool (`TokenAllocator`) and the two-pool `SWATokenAllocator`.
+
+A pool of `size` token slots is cut into `size // page_size` pages. Page 0 (slots
+`[0, page_size)`) is the padding page and is never handed out, so real slots are
+`[page_size, size + page_size)` and every buffer indexed by a slot id has `size + page_size` rows.
+
+The SWA allocator keeps two such pools. The full index is the only primary address; the SWA slot
+of a token is found through `full_to_swa[full_idx]` (0 = none). The mapping has one more entry,
+the trailing sentinel `-1`, so that `translate(-1) == -1` (the "no last location" marker of
+`alloc_extend`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swaserve.worker.kv.errors import AllocatorCorrupted, InvalidFree
+
+NO_LAST_LOC = -1
+"""`last_loc` value of a request that holds no token yet."""
+
+
+def _check_sizes(size: int, page_size: int, what: str) -> None:
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {size!r}")
+    if size % page_size:
+        raise ValueError(f"{what}={size} is not a multiple of page_size={page_size}")
+
+
+class TokenAllocator:
+    """One paged pool of token slots.
+
+    Free pages live in a LongTensor queue (FIFO, so freed slots are reused last) and a boolean
+    mask that catches double frees at the call. All methods are O(request) tensor ops.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        _check_sizes(size, page_size, "size")
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        """Return every slot to the pool."""
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)  # [num_pages] int64
+        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)  # [num_pages+1] bool
+        self._page_is_free[0] = False
+
+    # ---- queries -------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Free token slots (whole free pages × page_size)."""
+        return int(self._free_pages.numel()) * self.page_size
+
+    def free_page_count(self) -> int:
+        return int(self._free_pages.numel())
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return num_tokens <= self.available_size()
+
+    def is_free(self, indices: torch.Tensor) -> torch.Tensor:
+        """Bool mask: is the page of each slot free? Indices must be in range."""
+        return self._page_is_free[self._pages_of(indices)]
+
+    # ---- commands ------------------------------------------------------------------------
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Take `num_tokens` slots (a multiple of page_size) in whole new pages.
+
+        Returns a LongTensor of slot ids, or None (nothing changed) when the pool is short.
+        """
+        if num_tokens < 0 or num_tokens % self.page_size:
+            raise ValueError(
+                f"alloc({num_tokens}): need a non-negative multiple of page_size={self.page_size}"
+            )
+        pages = self.alloc_pages(num_tokens // self.page_size)
+        if pages is None:
+            return None
+        return self.pages_to_slots(pages)
+
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        """Take `num_pages` whole pages; returns their page ids or None when short."""
+        if num_pages > self._free_pages.numel():
+            return None
+        pages = self._free_pages[:num_pages]  # [num_pages] int64
+        self._free_pages = self._free_pages[num_pages:]
+        self._page_is_free[pages] = False
+        return pages
+
+    def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)  # [len(pages)*P] int64
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Give back the pages that hold `indices` (any slot of a page frees the whole page).
+
+        Raises `InvalidFree` for slot ids out of range, the padding page, or a page that is
+        already free; in that case nothing is freed.
+        """
+        if indices.numel() == 0:
+            return
+        pages = torch.unique(self._pages_of(indices))
+        already = self._page_is_free[pages]
+        if bool(already.any()):
+            bad = pages[already][:8].tolist()
+            raise InvalidFree(f"double free: page(s) {bad} (page_size={self.page_size}) are already free")
+        self._page_is_free[pages] = True
+        self._free_pages = torch.cat((self._free_pages, pages))
+
+    def _pages_of(self, indices: torch.Tensor) -> torch.Tensor:
+        indices = indices.to(device=self.device, dtype=torch.int64).reshape(-1)
+        if indices.numel():
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < self.page_size or hi >= self.size + self.page_size:
+                raise InvalidFree(
+                    f"slot ids must lie in [{self.page_size}, {self.size + self.page_size}) "
+                    f"(slot 0..{self.page_size - 1} is padding); got min {lo}, max {hi}"
+                )
+        return torch.div(indices, self.page_size, rounding_mode="floor")
+
+    # ---- paged allocation for requests ---------------------------------------------------
+    def alloc_extend(
+        self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Slots for tokens `[prefix_len, seq_len)` of each request, concatenated.
+
+        Each request first fills the rest of its partly filled last page (continuing after
+        `last_loc`, its last slot, or `-1` when it has none), then takes new pages. Returns None
+        (nothing changed) when the pool is short.
+        """
+        prefix, seq, last = _extend_args(prefix_lens, seq_lens, last_loc, self.page_size)
+        plan = _extend_plan(prefix, seq, self.page_size)
+        pages = self.alloc_pages(sum(p.new_pages for p in plan))
+        if pages is None:
+            return None
+        return _fill_extend(plan, last, pages, self.page_size, self.device)
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request for its new token; `seq_lens` already count that token.
+
+        A request whose new token starts a page (`(seq_len - 1) % P == 0`) takes a new page; the
+        others continue at `last_loc + 1`. Returns None (nothing changed) when the pool is short.
+        """
+        seq, last = _decode_args(seq_lens, last_loc, self.page_size)
+        needs_page = (seq - 1) % self.page_size == 0
+        pages = self.alloc_pages(int(needs_page.sum()))
+        if pages is None:
+            return None
+        return _fill_decode(needs_page, last, pages, self.page_size)
+
+    # ---- integrity -----------------------------------------------------------------------
+    def check(self, owned: torch.Tensor | None = None) -> None:
+        """Raise `AllocatorCorrupted` if the free list is broken.
+
+        Free pages must be distinct, in range and agree with the mask. When `owned` (every slot
+        held by requests and the prefix cache) is given, free + owned must cover each page
+        exactly once.
+        """
+        pages = self._free_pages
+        if pages.numel():
+            if int(pages.min()) < 1 or int(pages.max()) > self.num_pages:
+                raise AllocatorCorrupted(f"free list holds page ids outside [1, {self.num_pages}]")
+            if torch.unique(pages).numel() != pages.numel():
+                dup = _duplicates(pages)
+                raise AllocatorCorrupted(f"double free: page(s) {dup} appear twice in the free list")
+        mask = torch.zeros_like(self._page_is_free)
+        mask[pages] = True
+        if not torch.equal(mask, self._page_is_free):
+            raise AllocatorCorrupted("free-page mask disagrees with the free list")
+        if owned is None:
+            return
+        owned_pages = self._pages_of(owned) if owned.numel() else owned.to(torch.int64)
+        owned_pages = torch.unique(owned_pages)
+        if bool(self._page_is_free[owned_pages].any()):
+            bad = owned_pages[self._page_is_free[owned_pages]][:8].tolist()
+            raise AllocatorCorrupted(f"page(s) {bad} are both free and owned")
+        if owned_pages.numel() + pages.numel() != self.num_pages:
+            leaked = self.num_pages - owned_pages.numel() - pages.numel()
+            raise AllocatorCorrupted(
+                f"leak: {leaked} page(s) are neither free nor owned "
+                f"({pages.numel()} free + {owned_pages.numel()} owned of {self.num_pages})"
+            )
+
+
+class SWATokenAllocator:
+    """Two pools, one address: full slots are primary, SWA slots hang off `full_to_swa`.
+
+    `alloc*` take a full slot and an SWA slot for every token (or nothing, when either pool is
+    short). `free` gives back both; `free_swa` gives back only the SWA side (whole pages when
+    P > 1) and zeroes the mapping, so calling it again is a no-op.
+    """
+
+    def __init__(
+        self, full_size: int, swa_size: int, page_size: int = 1, device: str | torch.device = "cpu"
+    ) -> None:
+        _check_sizes(full_size, page_size, "full_size")
+        _check_sizes(swa_size, page_size, "swa_size")
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.full = TokenAllocator(full_size, page_size, device)
+        self.swa = TokenAllocator(swa_size, page_size, device)
+        self.full_to_swa = torch.zeros(full_size + page_size + 1, dtype=torch.int64, device=self.device)  # [full_size+P+1] int64
+        self.full_to_swa[-1] = NO_LAST_LOC
+
+    @property
+    def full_size(self) -> int:
+        return self.full.size
+
+    @property
+    def swa_size(self) -> int:
+        return self.swa.size
+
+    def clear(self) -> None:
+        self.full.clear()
+        self.swa.clear()
+        self.full_to_swa.zero_()
+        self.full_to_swa[-1] = NO_LAST_LOC
+
+    # ---- queries -------------------------------------------------------------------------
+    def full_available_size(self) -> int:
+        return self.full.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.swa.available_size()
+
+    def available_size(self) -> int:
+        """Tokens that can be allocated now: the smaller of the two pools."""
+        return min(self.full_available_size(), self.swa_available_size())
+
+    def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
+        """Full → SWA slot ids (0 where the SWA KV is gone; -1 stays -1). Valid until the next
+        `alloc*` / `free*` touching those slots."""
+        return self.full_to_swa[full_idx.to(torch.int64)]
+
+    # ---- commands ------------------------------------------------------------------------
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """`num_tokens` (a multiple of P) full slots in new pages, each with an SWA slot."""
+        if num_tokens < 0 or num_tokens % self.page_size:
+            raise ValueError(
+                f"alloc({num_tokens}): need a non-negative multiple of page_size={self.page_size}"
+            )
+        if num_tokens > self.full.available_size() or num_tokens > self.swa.available_size():
+            return None
+        full_idx = self.full.alloc(num_tokens)
+        swa_idx = self.swa.alloc(num_tokens)
+        assert full_idx is not None and swa_idx is not None  # both were checked above
+        self.full_to_swa[full_idx] = swa_idx
+        return full_idx
+
+    def alloc_extend(
+        self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Paged extend on both pools (see `TokenAllocator.alloc_extend`).
+
+        The SWA side continues its own partly filled page through `translate(last_loc)`; a request
+        that continues a page must still hold SWA KV for its last token.
+        """
+        prefix, seq, last = _extend_args(prefix_lens, seq_lens, last_loc, self.page_size)
+        plan = _extend_plan(prefix, seq, self.page_size)
+        num_pages = sum(p.new_pages for p in plan)
+        if num_pages > self.full.free_page_count() or num_pages > self.swa.free_page_count():
+            return None
+        swa_last = self._translate_last_loc(last, prefix)
+        full_pages = self.full.alloc_pages(num_pages)
+        swa_pages = self.swa.alloc_pages(num_pages)
+        assert full_pages is not None and swa_pages is not None
+        full_idx = _fill_extend(plan, last, full_pages, self.page_size, self.device)
+        swa_idx = _fill_extend(plan, swa_last, swa_pages, self.page_size, self.device)
+        self.full_to_swa[full_idx] = swa_idx
+        return full_idx
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """Paged decode on both pools (see `TokenAllocator.alloc_decode`)."""
+        seq, last = _decode_args(seq_lens, last_loc, self.page_size)
+        needs_page = (seq - 1) % self.page_size == 0
+        num_pages = int(needs_page.sum())
+        if num_pages > self.full.free_page_count() or num_pages > self.swa.free_page_count():
+            return None
+        swa_last = self._translate_last_loc(last, seq - 1)
+        full_pages = self.full.alloc_pages(num_pages)
+        swa_pages = self.swa.alloc_pages(num_pages)
+        assert full_pages is not None and swa_pages is not None
+        full_idx = _fill_decode(needs_page, last, full_pages, self.page_size)
+        swa_idx = _fill_decode(needs_page, swa_last, swa_pages, self.page_size)
+        self.full_to_swa[full_idx] = swa_idx
+        return full_idx
+
+    def free(self, full_idx: torch.Tensor) -> None:
+        """Give back the full pages holding `full_idx` and their SWA pages.
+
+        Raises `InvalidFree` (nothing freed) for out-of-range ids or pages already free.
+        """
+        if full_idx.numel() == 0:
+            return
+        self.full.free(full_idx)
+        self.free_swa(full_idx)
+
+    def free_swa(self, full_idx: torch.Tensor) -> None:
+        """Give back only the SWA KV of `full_idx`; the full slots stay allocated.
+
+        With P > 1 this expands to the whole full pages that hold the indices. Only mapped
+        slots are freed and the mapping is zeroed, so repeating the call frees nothing.
+        """
+        if full_idx.numel() == 0:
+            return
+        full_idx = full_idx.to(device=self.device, dtype=torch.int64).reshape(-1)
+        pages = torch.unique(self.full._pages_of(full_idx))
+        if self.page_size > 1:
+            full_idx = self.full.pages_to_slots(pages)
+        swa_idx = self.full_to_swa[full_idx]
+        live = swa_idx[swa_idx > 0]
+        if live.numel():
+            self.swa.free(live)
+        self.full_to_swa[full_idx] = 0
+
+    def _translate_last_loc(self, last: torch.Tensor, filled_lens: torch.Tensor) -> torch.Tensor:
+        swa_last = self.full_to_swa[last]
+        continues = (filled_lens % self.page_size != 0) & (last >= 0)
+        if bool((continues & (swa_last <= 0)).any()):
+            raise ValueError(
+                "alloc: a request continues a partly filled page whose last token has no SWA KV "
+                "(its SWA was freed); the last page of a sequence must keep its SWA KV"
+            )
+        return swa_last
+
+    # ---- integrity -----------------------------------------------------------------------
+    def check(self, owned: torch.Tensor | None = None) -> None:
+        """Raise `AllocatorCorrupted` on a broken invariant (DESIGN §6).
+
+        Both free lists are sound; mapped SWA slots are distinct, live (not free) and together
+        with the free SWA slots cover the SWA pool exactly (no SWA leak); free full slots map to
+        nothing; the sentinel is intact. `owned`, when given, is checked against the full pool.
+        """
+        self.full.check(owned)
+        self.swa.check()
+        if int(self.full_to_swa[-1]) != NO_LAST_LOC:
+            raise AllocatorCorrupted("full_to_swa sentinel was overwritten")
+        mapping = self.full_to_swa[:-1]
+        if bool((mapping < 0).any()):
+            raise AllocatorCorrupted("full_to_swa holds negative SWA slot ids")
+        full_slots = torch.nonzero(mapping).reshape(-1)
+        swa_slots = mapping[full_slots]
+        if full_slots.numel():
+            if bool(self.full.is_free(full_slots).any()):
+                raise AllocatorCorrupted("a free full slot still maps to an SWA slot")
+            if int(swa_slots.min()) < self.page_size or int(swa_slots.max()) >= self.swa.size + self.page_size:
+                raise AllocatorCorrupted("full_to_swa holds SWA slot ids outside the SWA pool")
+            if torch.unique(swa_slots).numel() != swa_slots.numel():
+                raise AllocatorCorrupted(f"SWA slot(s) {_duplicates(swa_slots)} are owned twice")
+            if bool(self.swa.is_free(swa_slots).any()):
+                raise AllocatorCorrupted("a mapped SWA slot is also in the SWA free list")
+        # Every allocated SWA page is reachable from the mapping (otherwise it leaked).
+        used_pages = torch.unique(torch.div(swa_slots, self.page_size, rounding_mode="floor"))
+        if used_pages.numel() + self.swa.free_page_count() != self.swa.num_pages:
+            leaked = self.swa.num_pages - used_pages.numel() - self.swa.free_page_count()
+            raise AllocatorCorrupted(f"SWA leak: {leaked} page(s) are neither free nor mapped")
+
+
+# ---- shared paged-allocation arithmetic ---------------------------------------------------
+
+
+class _ExtendPart:
+    __slots__ = ("in_page", "new_pages", "new_tokens")
+
+    def __init__(self, in_page: int, new_tokens: int, new_pages: int) -> None:
+        self.in_page = in_page  # tokens that continue the partly filled last page
+        self.new_tokens = new_tokens  # tokens placed in new pages
+        self.new_pages = new_pages
+
+
+def _extend_args(
+    prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, page_size: int
+) -> tuple[list[int], list[int], torch.Tensor]:
+    prefix = torch.as_tensor(prefix_lens).reshape(-1).tolist()
+    seq = torch.as_tensor(seq_lens).reshape(-1).tolist()
+    last = torch.as_tensor(last_loc, dtype=torch.int64).reshape(-1)
+    if not (len(prefix) == len(seq) == last.numel()):
+        raise ValueError(
+            f"alloc_extend: prefix_lens, seq_lens and last_loc differ in length "
+            f"({len(prefix)}, {len(seq)}, {last.numel()})"
+        )
+    for i, (p, s) in enumerate(zip(prefix, seq)):
+        if p < 0 or s < p:
+            raise ValueError(f"alloc_extend: request {i} has prefix_len={p}, seq_len={s}")
+        if p % page_size and int(last[i]) < 0:
+            raise ValueError(
+                f"alloc_extend: request {i} continues a partly filled page (prefix_len={p}, "
+                f"page_size={page_size}) but has no last_loc"
+            )
+    return prefix, seq, last
+
+
+def _extend_plan(prefix: list[int], seq: list[int], page_size: int) -> list[_ExtendPart]:
+    plan = []
+    for p, s in zip(prefix, seq):
+        page_end = -(-p // page_size) * page_size  # end of the partly filled page
+        in_page = min(s, page_end) - p
+        new_tokens = s - p - in_page
+        plan.append(_ExtendPart(in_page, new_tokens, -(-new_tokens // page_size)))
+    return plan
+
+
+def _fill_extend(
+    plan: list[_ExtendPart], last: torch.Tensor, pages: torch.Tensor, page_size: int, device: torch.device
+) -> torch.Tensor:
+    out = []
+    page_cursor = 0
+    offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+    for part, last_slot in zip(plan, last.tolist()):
+        if part.in_page:
+            out.append(torch.arange(last_slot + 1, last_slot + 1 + part.in_page, dtype=torch.int64, device=device))
+        if part.new_pages:
+            req_pages = pages[page_cursor : page_cursor + part.new_pages]
+            page_cursor += part.new_pages
+            out.append((req_pages[:, None] * page_size + offsets).reshape(-1)[: part.new_tokens])
+    if not out:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.cat(out)  # [sum(seq - prefix)] int64
+
+
+def _decode_args(
+    seq_lens: torch.Tensor, last_loc: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = torch.as_tensor(seq_lens, dtype=torch.int64).reshape(-1)
+    last = torch.as_tensor(last_loc, dtype=torch.int64).reshape(-1)
+    if seq.numel() != last.numel():
+        raise ValueError(f"alloc_decode: {seq.numel()} seq_lens but {last.numel()} last_loc")
+    if seq.numel() and int(seq.min()) < 1:
+        raise ValueError("alloc_decode: seq_lens count the new token and must be >= 1")
+    continues = (seq - 1) % page_size != 0
+    if bool((continues & (last < 0)).any()):
+        raise ValueError("alloc_decode: a request continuing a page has no last_loc")
+    return seq, last.to(seq.device)
+
+
+def _fill_decode(
+    needs_page: torch.Tensor, last: torch.Tensor, pages: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    out = (last + 1).to(pages.device)  # [batch] int64
+    out[needs_page.to(pages.device)] = pages * page_size
+    return out
+
+
+def _duplicates(values: torch.Tensor) -> list[int]:
+    uniq, counts = torch.unique(values, return_counts=True)
+    return uniq[counts > 1][:8].tolist()

@@ -1,0 +1,184 @@
+"""KV buffers: `KVPool` (per-layer K/V tensors indexed by slot id) and `SWAKVPool` (a full pool
+plus an SWA pool behind one global layer numbering).
+
+Rows are slot ids of the matching allocator: `size + page_size` rows, the first page being padding.
+K and V may differ in head dim (MiMo-V2-Flash: K 192, V 128); full and SWA layers may differ in
+KV heads and dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of the KV of one layer kind."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """F or S of DESIGN §2: one token, one layer."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * _dtype_bytes(dtype)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """K/V buffers of `len(layouts)` layers, each `[size + page_size, heads, dim]`.
+
+    Layers may differ in layout: with `disable_hybrid_swa_memory` one pool serves full and SWA
+    layers alike, every layer indexed by the same slot ids.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        layouts: list[KVLayout],
+        *,
+        dtype: torch.dtype = torch.float32,
+        page_size: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if size < 0 or page_size <= 0:
+            raise ValueError(f"bad KV pool shape: size={size}, page_size={page_size}")
+        self.size = size
+        self.num_layers = len(layouts)
+        self.layouts = list(layouts)
+        self.dtype = dtype
+        self.page_size = page_size
+        self.device = torch.device(device)
+        rows = size + page_size
+        self.k_buffer = [
+            torch.zeros(rows, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=self.device)  # [rows, Hkv, Dk]
+            for lay in self.layouts
+        ]
+        self.v_buffer = [
+            torch.zeros(rows, lay.num_kv_heads, lay.v_head_dim, dtype=dtype, device=self.device)  # [rows, Hkv, Dv]
+            for lay in self.layouts
+        ]
+
+    def token_bytes(self) -> int:
+        """Bytes of one token across all layers of this pool."""
+        return sum(lay.token_bytes(self.dtype) for lay in self.layouts)
+
+    def kv_bytes(self) -> int:
+        return self.token_bytes() * (self.size + self.page_size)
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k_buffer[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v_buffer[layer]
+
+    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer], self.v_buffer[layer]
+
+    def set_kv_buffer(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of `len(loc)` tokens (`[n, heads, dim]`) at slot ids `loc` of `layer`."""
+        if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
+            raise ValueError(f"set_kv_buffer: {loc.shape[0]} locations but k {tuple(k.shape)}, v {tuple(v.shape)}")
+        self.k_buffer[layer][loc] = k.to(self.dtype)
+        self.v_buffer[layer][loc] = v.to(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSlot:
+    """Where a global layer's KV lives: its index inside the full or the SWA pool."""
+
+    local_id: int
+    is_swa: bool
+
+
+class SWAKVPool:
+    """A full pool and an SWA pool behind one global layer numbering.
+
+    `layers_mapping[global_layer] = LayerSlot(local_id, is_swa)`. Writes and reads of SWA layers
+    take SWA slot ids that the caller translated once per batch (`SWATokenAllocator.translate`);
+    this class never translates per layer.
+    """
+
+    def __init__(
+        self,
+        *,
+        full_size: int,
+        swa_size: int,
+        full_layer_ids: list[int],
+        swa_layer_ids: list[int],
+        full_layout: KVLayout,
+        swa_layout: KVLayout,
+        dtype: torch.dtype = torch.float32,
+        page_size: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        overlap = set(full_layer_ids) & set(swa_layer_ids)
+        if overlap:
+            raise ValueError(f"layer(s) {sorted(overlap)} are listed as both full and SWA")
+        all_ids = sorted([*full_layer_ids, *swa_layer_ids])
+        if all_ids != list(range(len(all_ids))):
+            raise ValueError(f"layer ids must be 0..{len(all_ids) - 1} exactly once, got {all_ids}")
+        self.page_size = page_size
+        self.full_pool = KVPool(
+            full_size, [full_layout] * len(full_layer_ids), dtype=dtype, page_size=page_size, device=device
+        )
+        self.swa_pool = KVPool(
+            swa_size, [swa_layout] * len(swa_layer_ids), dtype=dtype, page_size=page_size, device=device
+        )
+        self.layers_mapping: dict[int, LayerSlot] = {}
+        for local, layer in enumerate(sorted(full_layer_ids)):
+            self.layers_mapping[layer] = LayerSlot(local, False)
+        for local, layer in enumerate(sorted(swa_layer_ids)):
+            self.layers_mapping[layer] = LayerSlot(local, True)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers_mapping)
+
+    def is_swa_layer(self, layer: int) -> bool:
+        return self._slot(layer).is_swa
+
+    def kv_bytes(self) -> int:
+        return self.full_pool.kv_bytes() + self.swa_pool.kv_bytes()
+
+    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V buffers of a global layer; index them with full slot ids for full layers and
+        translated SWA slot ids for SWA layers."""
+        slot = self._slot(layer)
+        pool = self.swa_pool if slot.is_swa else self.full_pool
+        return pool.get_kv_buffer(slot.local_id)
+
+    def set_kv_buffer(
+        self,
+        layer: int,
+        full_loc: torch.Tensor,
+        swa_loc: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Write K/V for a global layer: full layers at `full_loc`, SWA layers at `swa_loc`
+        (translated once per batch)."""
+        slot = self._slot(layer)
+        if slot.is_swa:
+            if swa_loc is None:
+                raise ValueError(f"layer {layer} is an SWA layer: pass the translated swa_loc")
+            self.swa_pool.set_kv_buffer(slot.local_id, swa_loc, k, v)
+        else:
+            self.full_pool.set_kv_buffer(slot.local_id, full_loc, k, v)
+
+    def _slot(self, layer: int) -> LayerSlot:
+        try:
+            return self.layers_mapping[layer]
+        except KeyError:
+            raise ValueError(f"no layer {layer}; the pool has layers 0..{self.num_layers - 1}") from None

@@ -1,0 +1,78 @@
+"""Give back SWA KV that slid out of a running request's window.
+
+Positions of one request, with `pre_len` tokens already in the KV cache:
+
+    # [0, cache_protected_len)                 owned by the radix tree (never freed here)
+    # [cache_protected_len, swa_evicted_seqlen) SWA already freed by this request
+    # [swa_evicted_seqlen, boundary)            may be freed now
+    # [boundary, pre_len)                       the window (and the page of the last token)
+
+`boundary = floor_P(pre_len - W)` with the chunk cache (no prefix tree), and
+`floor_P(pre_len - max(W, P))` with the radix cache, whose page-aligned inserts must keep SWA KV
+for a whole page before the end; in both modes it never reaches the page holding token
+`pre_len - 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.worker.kv.allocator import SWATokenAllocator
+
+
+@dataclass(slots=True)
+class SWAFreeState:
+    """Per-request SWA bookkeeping: `[cache_protected_len, swa_evicted_seqlen)` is freed."""
+
+    swa_evicted_seqlen: int = 0
+    cache_protected_len: int = 0
+
+
+def swa_free_boundary(pre_len: int, *, sliding_window_size: int, page_size: int, radix_cache: bool) -> int:
+    """End (exclusive) of the positions whose SWA KV is out of the window; page-floored."""
+    if pre_len < 0 or sliding_window_size < 0 or page_size <= 0:
+        raise ValueError(
+            f"bad arguments: pre_len={pre_len}, sliding_window_size={sliding_window_size}, "
+            f"page_size={page_size}"
+        )
+    keep = max(sliding_window_size, page_size) if radix_cache else sliding_window_size
+    boundary = max(0, pre_len - keep) // page_size * page_size
+    last_page_start = max(0, pre_len - 1) // page_size * page_size
+    return min(boundary, last_page_start)
+
+
+def free_swa_out_of_window_slots(
+    allocator: SWATokenAllocator,
+    state: SWAFreeState,
+    token_indices: torch.Tensor,
+    pre_len: int,
+    *,
+    sliding_window_size: int,
+    radix_cache: bool,
+    min_free_tokens: int = 0,
+) -> int:
+    """Free the SWA slots of positions `[max(swa_evicted_seqlen, cache_protected_len), boundary)`.
+
+    `token_indices` holds the request's full slot ids by position (at least `pre_len` of them).
+    Nothing is freed until at least `min_free_tokens` positions are due (the eviction interval).
+    Mutates `state.swa_evicted_seqlen`; returns the number of positions freed.
+    """
+    page_size = allocator.page_size
+    if state.cache_protected_len % page_size:
+        raise ValueError(
+            f"cache_protected_len={state.cache_protected_len} is not page-aligned (P={page_size})"
+        )
+    if token_indices.numel() < pre_len:
+        raise ValueError(f"token_indices holds {token_indices.numel()} slots, fewer than pre_len={pre_len}")
+    start = max(state.swa_evicted_seqlen, state.cache_protected_len)
+    boundary = swa_free_boundary(
+        pre_len, sliding_window_size=sliding_window_size, page_size=page_size, radix_cache=radix_cache
+    )
+    if boundary <= start or boundary - start < min_free_tokens:
+        state.swa_evicted_seqlen = start
+        return 0
+    allocator.free_swa(token_indices[start:boundary])
+    state.swa_evicted_seqlen = boundary
+    return boundary - start
