@@ -1,4 +1,4 @@
-"""`swaserve` command line."""
+"""`swaserve` command line: one subcommand per job."""
 
 from __future__ import annotations
 
@@ -6,22 +6,24 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from swaserve.worker.kv import capacity
+
     parser = argparse.ArgumentParser(prog="swaserve", description="hybrid-SWA inference cluster")
     sub = parser.add_subparsers(dest="command", required=True)
     cap = sub.add_parser(
         "kv-capacity",
-        help="how many concurrent requests fit in a KV budget: single pool vs two pools",
-        add_help=False,
+        help="how many concurrent requests fit in a KV budget: one pool vs two pools",
+        description=capacity.__doc__,
     )
-    cap.add_argument("args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv)
-    if ns.command == "kv-capacity":
-        from swaserve.worker.kv.capacity_report import main as capacity_main
+    capacity.add_arguments(cap)
+    cap.set_defaults(run=capacity.run)
+    return parser
 
-        return capacity_main(ns.args)
-    parser.error(f"unknown command {ns.command}")
-    return 2
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

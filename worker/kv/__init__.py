@@ -16,7 +16,11 @@ from swaserve.worker.kv.pool_plan import (
     request_bound,
     requests_that_fit,
 )
-from swaserve.worker.kv.swa_freeing import SWAFreeState, free_swa_out_of_window_slots, swa_free_boundary
+from swaserve.worker.kv.swa_freeing import (
+    SWAFreeState,
+    free_swa_out_of_window_slots,
+    swa_free_boundary,
+)
 
 __all__ = [
     "AUTO_RATIO_SWA_MARGIN",

@@ -46,8 +46,12 @@ class TokenAllocator:
 
     def clear(self) -> None:
         """Return every slot to the pool."""
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)  # [num_pages] int64
-        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)  # [num_pages+1] bool
+        self._free_pages = torch.arange(
+            1, self.num_pages + 1, dtype=torch.int64, device=self.device
+        )  # [num_pages] int64
+        self._page_is_free = torch.ones(
+            self.num_pages + 1, dtype=torch.bool, device=self.device
+        )  # [num_pages+1] bool
         self._page_is_free[0] = False
 
     # ---- queries -------------------------------------------------------------------------
@@ -105,7 +109,9 @@ class TokenAllocator:
         already = self._page_is_free[pages]
         if bool(already.any()):
             bad = pages[already][:8].tolist()
-            raise InvalidFree(f"double free: page(s) {bad} (page_size={self.page_size}) are already free")
+            raise InvalidFree(
+                f"double free: page(s) {bad} (page_size={self.page_size}) are already free"
+            )
         self._page_is_free[pages] = True
         self._free_pages = torch.cat((self._free_pages, pages))
 
@@ -164,7 +170,9 @@ class TokenAllocator:
                 raise AllocatorCorrupted(f"free list holds page ids outside [1, {self.num_pages}]")
             if torch.unique(pages).numel() != pages.numel():
                 dup = _duplicates(pages)
-                raise AllocatorCorrupted(f"double free: page(s) {dup} appear twice in the free list")
+                raise AllocatorCorrupted(
+                    f"double free: page(s) {dup} appear twice in the free list"
+                )
         mask = torch.zeros_like(self._page_is_free)
         mask[pages] = True
         if not torch.equal(mask, self._page_is_free):
@@ -201,7 +209,9 @@ class SWATokenAllocator:
         self.device = torch.device(device)
         self.full = TokenAllocator(full_size, page_size, device)
         self.swa = TokenAllocator(swa_size, page_size, device)
-        self.full_to_swa = torch.zeros(full_size + page_size + 1, dtype=torch.int64, device=self.device)  # [full_size+P+1] int64
+        self.full_to_swa = torch.zeros(
+            full_size + page_size + 1, dtype=torch.int64, device=self.device
+        )  # [full_size+P+1] int64
         self.full_to_swa[-1] = NO_LAST_LOC
 
     @property
@@ -262,7 +272,7 @@ class SWATokenAllocator:
         num_pages = sum(p.new_pages for p in plan)
         if num_pages > self.full.free_page_count() or num_pages > self.swa.free_page_count():
             return None
-        swa_last = self._translate_last_loc(last, prefix)
+        swa_last = self._translate_last_loc(last, torch.tensor(prefix, dtype=torch.int64))
         full_pages = self.full.alloc_pages(num_pages)
         swa_pages = self.swa.alloc_pages(num_pages)
         assert full_pages is not None and swa_pages is not None
@@ -316,8 +326,9 @@ class SWATokenAllocator:
         self.full_to_swa[full_idx] = 0
 
     def _translate_last_loc(self, last: torch.Tensor, filled_lens: torch.Tensor) -> torch.Tensor:
+        last = last.to(self.device)
         swa_last = self.full_to_swa[last]
-        continues = (filled_lens % self.page_size != 0) & (last >= 0)
+        continues = (filled_lens.to(self.device) % self.page_size != 0) & (last >= 0)
         if bool((continues & (swa_last <= 0)).any()):
             raise ValueError(
                 "alloc: a request continues a partly filled page whose last token has no SWA KV "
@@ -345,7 +356,10 @@ class SWATokenAllocator:
         if full_slots.numel():
             if bool(self.full.is_free(full_slots).any()):
                 raise AllocatorCorrupted("a free full slot still maps to an SWA slot")
-            if int(swa_slots.min()) < self.page_size or int(swa_slots.max()) >= self.swa.size + self.page_size:
+            if (
+                int(swa_slots.min()) < self.page_size
+                or int(swa_slots.max()) >= self.swa.size + self.page_size
+            ):
                 raise AllocatorCorrupted("full_to_swa holds SWA slot ids outside the SWA pool")
             if torch.unique(swa_slots).numel() != swa_slots.numel():
                 raise AllocatorCorrupted(f"SWA slot(s) {_duplicates(swa_slots)} are owned twice")
@@ -381,7 +395,7 @@ def _extend_args(
             f"alloc_extend: prefix_lens, seq_lens and last_loc differ in length "
             f"({len(prefix)}, {len(seq)}, {last.numel()})"
         )
-    for i, (p, s) in enumerate(zip(prefix, seq)):
+    for i, (p, s) in enumerate(zip(prefix, seq, strict=True)):
         if p < 0 or s < p:
             raise ValueError(f"alloc_extend: request {i} has prefix_len={p}, seq_len={s}")
         if p % page_size and int(last[i]) < 0:
@@ -394,7 +408,7 @@ def _extend_args(
 
 def _extend_plan(prefix: list[int], seq: list[int], page_size: int) -> list[_ExtendPart]:
     plan = []
-    for p, s in zip(prefix, seq):
+    for p, s in zip(prefix, seq, strict=True):
         page_end = -(-p // page_size) * page_size  # end of the partly filled page
         in_page = min(s, page_end) - p
         new_tokens = s - p - in_page
@@ -403,14 +417,22 @@ def _extend_plan(prefix: list[int], seq: list[int], page_size: int) -> list[_Ext
 
 
 def _fill_extend(
-    plan: list[_ExtendPart], last: torch.Tensor, pages: torch.Tensor, page_size: int, device: torch.device
+    plan: list[_ExtendPart],
+    last: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    device: torch.device,
 ) -> torch.Tensor:
     out = []
     page_cursor = 0
     offsets = torch.arange(page_size, dtype=torch.int64, device=device)
-    for part, last_slot in zip(plan, last.tolist()):
+    for part, last_slot in zip(plan, last.tolist(), strict=True):
         if part.in_page:
-            out.append(torch.arange(last_slot + 1, last_slot + 1 + part.in_page, dtype=torch.int64, device=device))
+            out.append(
+                torch.arange(
+                    last_slot + 1, last_slot + 1 + part.in_page, dtype=torch.int64, device=device
+                )
+            )
         if part.new_pages:
             req_pages = pages[page_cursor : page_cursor + part.new_pages]
             page_cursor += part.new_pages

@@ -62,11 +62,15 @@ class KVPool:
         self.device = torch.device(device)
         rows = size + page_size
         self.k_buffer = [
-            torch.zeros(rows, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=self.device)  # [rows, Hkv, Dk]
+            torch.zeros(
+                rows, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=self.device
+            )  # [rows, Hkv, Dk]
             for lay in self.layouts
         ]
         self.v_buffer = [
-            torch.zeros(rows, lay.num_kv_heads, lay.v_head_dim, dtype=dtype, device=self.device)  # [rows, Hkv, Dv]
+            torch.zeros(
+                rows, lay.num_kv_heads, lay.v_head_dim, dtype=dtype, device=self.device
+            )  # [rows, Hkv, Dv]
             for lay in self.layouts
         ]
 
@@ -86,10 +90,14 @@ class KVPool:
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer], self.v_buffer[layer]
 
-    def set_kv_buffer(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv_buffer(
+        self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Write K/V of `len(loc)` tokens (`[n, heads, dim]`) at slot ids `loc` of `layer`."""
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
-            raise ValueError(f"set_kv_buffer: {loc.shape[0]} locations but k {tuple(k.shape)}, v {tuple(v.shape)}")
+            raise ValueError(
+                f"set_kv_buffer: {loc.shape[0]} locations but k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
         self.k_buffer[layer][loc] = k.to(self.dtype)
         self.v_buffer[layer][loc] = v.to(self.dtype)
 
@@ -131,10 +139,18 @@ class SWAKVPool:
             raise ValueError(f"layer ids must be 0..{len(all_ids) - 1} exactly once, got {all_ids}")
         self.page_size = page_size
         self.full_pool = KVPool(
-            full_size, [full_layout] * len(full_layer_ids), dtype=dtype, page_size=page_size, device=device
+            full_size,
+            [full_layout] * len(full_layer_ids),
+            dtype=dtype,
+            page_size=page_size,
+            device=device,
         )
         self.swa_pool = KVPool(
-            swa_size, [swa_layout] * len(swa_layer_ids), dtype=dtype, page_size=page_size, device=device
+            swa_size,
+            [swa_layout] * len(swa_layer_ids),
+            dtype=dtype,
+            page_size=page_size,
+            device=device,
         )
         self.layers_mapping: dict[int, LayerSlot] = {}
         for local, layer in enumerate(sorted(full_layer_ids)):
@@ -181,4 +197,6 @@ class SWAKVPool:
         try:
             return self.layers_mapping[layer]
         except KeyError:
-            raise ValueError(f"no layer {layer}; the pool has layers 0..{self.num_layers - 1}") from None
+            raise ValueError(
+                f"no layer {layer}; the pool has layers 0..{self.num_layers - 1}"
+            ) from None

@@ -105,8 +105,10 @@ def _check_shape(l_full: int, l_swa: int, f: int, s: int, w: int) -> None:
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     if l_full + l_swa == 0:
-        raise ValueError("the model has no attention layers (num_full_layers + num_swa_layers == 0)")
-    if l_full and f == 0 or l_swa and s == 0:
+        raise ValueError(
+            "the model has no attention layers (num_full_layers + num_swa_layers == 0)"
+        )
+    if (l_full and f == 0) or (l_swa and s == 0):
         raise ValueError("full_token_bytes / swa_token_bytes must be positive for present layers")
 
 
@@ -141,7 +143,9 @@ def plan_pools(
     Raises ValueError on bad input and when the SWA pool could not hold a single request
     (`swa_tokens <= W + P`).
     """
-    _check_shape(num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size)
+    _check_shape(
+        num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size
+    )
     _check_budget(kv_cache_bytes, page_size)
     r = swa_full_tokens_ratio
     if not isinstance(r, (int, float)) or not 0 < r <= 1 or math.isnan(r):
@@ -191,7 +195,9 @@ def plan_pools_chunk_capped(
     `W + I + P` SWA tokens once past the window, and one prefill chunk is in flight:
     `N_swa = ceil_P(R·(W + I + P) + C + P)`. The full pool takes every remaining byte.
     """
-    _check_shape(num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size)
+    _check_shape(
+        num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size
+    )
     _check_budget(kv_cache_bytes, page_size)
     for name, value in (
         ("max_running_requests", max_running_requests),
@@ -289,7 +295,9 @@ def auto_swa_full_tokens_ratio(
     iteration (N_full depends on r), clamped to `[r_min, 1]` where r_min still gives the SWA
     pool more than `W + P` tokens.
     """
-    _check_shape(num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size)
+    _check_shape(
+        num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size
+    )
     _check_budget(kv_cache_bytes, page_size)
     if not isinstance(expected_seq_len, int) or expected_seq_len <= 0:
         raise ValueError(f"expected_seq_len must be a positive int, got {expected_seq_len!r}")
@@ -317,7 +325,13 @@ def auto_swa_full_tokens_ratio(
     return max(r, r_min)
 
 
-def requests_that_fit(plan: PoolPlan, seq_len: int, *, sliding_window_size: int, swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL) -> int:
+def requests_that_fit(
+    plan: PoolPlan,
+    seq_len: int,
+    *,
+    sliding_window_size: int,
+    swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL,
+) -> int:
     """Concurrent requests of `seq_len` tokens a plan holds once they decode past the window.
 
     Each takes `ceil_P(seq_len)` full tokens and (hybrid) `ceil_P(W + I + P)` SWA tokens.
@@ -330,7 +344,14 @@ def requests_that_fit(plan: PoolPlan, seq_len: int, *, sliding_window_size: int,
     return min(by_full, plan.swa_tokens // per_request_swa)
 
 
-def request_bound(shape: LayerShape, seq_len: int, kv_cache_bytes: int, *, page_size: int = 1, swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL) -> int:
+def request_bound(
+    shape: LayerShape,
+    seq_len: int,
+    kv_cache_bytes: int,
+    *,
+    page_size: int = 1,
+    swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL,
+) -> int:
     """Upper bound on concurrent requests: full KV for all tokens in full layers plus
     `W + I + P` tokens in SWA layers, nothing else."""
     p = page_size

@@ -30,7 +30,9 @@ class SWAFreeState:
     cache_protected_len: int = 0
 
 
-def swa_free_boundary(pre_len: int, *, sliding_window_size: int, page_size: int, radix_cache: bool) -> int:
+def swa_free_boundary(
+    pre_len: int, *, sliding_window_size: int, page_size: int, radix_cache: bool
+) -> int:
     """End (exclusive) of the positions whose SWA KV is out of the window; page-floored."""
     if pre_len < 0 or sliding_window_size < 0 or page_size <= 0:
         raise ValueError(
@@ -65,10 +67,15 @@ def free_swa_out_of_window_slots(
             f"cache_protected_len={state.cache_protected_len} is not page-aligned (P={page_size})"
         )
     if token_indices.numel() < pre_len:
-        raise ValueError(f"token_indices holds {token_indices.numel()} slots, fewer than pre_len={pre_len}")
+        raise ValueError(
+            f"token_indices holds {token_indices.numel()} slots, fewer than pre_len={pre_len}"
+        )
     start = max(state.swa_evicted_seqlen, state.cache_protected_len)
     boundary = swa_free_boundary(
-        pre_len, sliding_window_size=sliding_window_size, page_size=page_size, radix_cache=radix_cache
+        pre_len,
+        sliding_window_size=sliding_window_size,
+        page_size=page_size,
+        radix_cache=radix_cache,
     )
     if boundary <= start or boundary - start < min_free_tokens:
         state.swa_evicted_seqlen = start

@@ -1,0 +1,82 @@
+"""The repository keeps its promises: README commands, packaging, lint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", setup, flags=re.S)
+    return [
+        line for block in blocks for line in block.splitlines() if line and not line.startswith("#")
+    ]
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "swaserve" in commands[0]
+    assert "pytest" in commands[1]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert commands[1] in ci.splitlines()
+
+
+def test_every_source_package_is_packaged() -> None:
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(conf["packages"])
+    mapping = conf["package-dir"]
+    found = set()
+    for name, folder in mapping.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found == listed
+
+
+def test_router_never_imports_worker_or_torch() -> None:
+    for path in (REPO / "router").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(
+            r"^\s*(import|from)\s+(torch|swaserve\.worker|ray)\b", text, flags=re.M
+        ), path
+
+
+def test_worker_never_imports_ray_grpc_or_router() -> None:
+    for path in (REPO / "worker").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(
+            r"^\s*(import|from)\s+(ray|grpc|swaserve\.router)\b", text, flags=re.M
+        ), path
+
+
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
+    reason="ruff not installed",
+)
+def test_ruff_clean() -> None:
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    result = subprocess.run([ruff, "check", "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_mypy_clean_on_kv_and_router() -> None:
+    pytest.importorskip("mypy")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "worker/kv", "router"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swaserve.cluster.cli import main as cli_main
+from swaserve.worker.kv.capacity import MODEL_SHAPES, capacity_row
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def test_shapes_are_the_real_models() -> None:
+    mimo = MODEL_SHAPES["mimo-v2-flash"]
+    assert (mimo.num_full_layers, mimo.num_swa_layers) == (9, 39)
+    assert mimo.swa_token_bytes == 2 * mimo.full_token_bytes == 2 * 4 * (192 + 128) * 2
+    oss = MODEL_SHAPES["gpt-oss-120b"]
+    assert (oss.num_full_layers, oss.num_swa_layers, oss.full_token_bytes) == (18, 18, 8 * 128 * 2)
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
+@pytest.mark.parametrize("seq_len", [32_768, 131_072])
+def test_auto_ratio_reaches_95_percent_of_the_bound(model: str, seq_len: int) -> None:
+    row = capacity_row(model, MODEL_SHAPES[model], seq_len, 80 * 10**9)
+    assert row.auto >= 0.95 * row.bound
+    assert row.single_pool <= row.ratio_0_8 <= row.auto <= row.bound
+
+
+def test_mimo_32k_figures() -> None:
+    row = capacity_row("mimo-v2-flash", MODEL_SHAPES["mimo-v2-flash"], 32_768, 80 * 10**9)
+    # r = 0.8 fits only ~1.2-1.3x the single pool; the bound is ~9x.
+    assert 1.1 <= row.ratio_0_8 / row.single_pool <= 1.4
+    assert row.bound / row.single_pool >= 9
+    assert row.auto / row.single_pool >= 9
+
+
+def test_bench_json_last_line() -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "kv_capacity.py"), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    data = json.loads(out.strip().splitlines()[-1])
+    assert len(data["results"]) == 6
+    for row in data["results"]:
+        assert set(row) >= {"model", "seq_len", "single_pool", "ratio_0.8", "auto", "bound"}
+
+
+def test_cli_kv_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["kv-capacity", "--seq-lens", "4096", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["seq_len"] for r in data["results"]] == [4096, 4096]

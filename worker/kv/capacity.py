@@ -1,0 +1,197 @@
+"""KV capacity report: concurrent requests a KV budget holds with one pool, two pools at r = 0.8,
+and two pools at the auto ratio, against the bound. Used by `bench/kv_capacity.py` and
+`swaserve kv-capacity`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from swaserve.worker.kv.pool_plan import (
+    DEFAULT_SWA_EVICTION_INTERVAL,
+    LayerShape,
+    auto_swa_full_tokens_ratio,
+    plan_pools,
+    plan_single_pool,
+    request_bound,
+    requests_that_fit,
+)
+
+BF16_BYTES = 2
+
+# Real layer counts, KV heads and dims (bf16 KV). W is the number of tokens *before* the current
+# one an SWA query sees (DESIGN §2): GPT-OSS's HF config stores sliding_window = 128 = W + 1.
+MODEL_SHAPES: dict[str, LayerShape] = {
+    # 36 layers alternating sliding / full; 8 KV heads of dim 64.
+    "gpt-oss-120b": LayerShape.from_heads(
+        num_full_layers=18,
+        num_swa_layers=18,
+        full_kv_heads=8,
+        full_head_dim=64,
+        full_v_head_dim=64,
+        swa_kv_heads=8,
+        swa_head_dim=64,
+        swa_v_head_dim=64,
+        dtype_bytes=BF16_BYTES,
+        sliding_window_size=127,
+    ),
+    # 48 layers: 9 full (4 KV heads), 39 SWA (8 KV heads); K dim 192, V dim 128; window 128.
+    "mimo-v2-flash": LayerShape.from_heads(
+        num_full_layers=9,
+        num_swa_layers=39,
+        full_kv_heads=4,
+        full_head_dim=192,
+        full_v_head_dim=128,
+        swa_kv_heads=8,
+        swa_head_dim=192,
+        swa_v_head_dim=128,
+        dtype_bytes=BF16_BYTES,
+        sliding_window_size=128,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRow:
+    model: str
+    seq_len: int
+    single_pool: int
+    ratio_0_8: int
+    auto: int
+    auto_ratio: float
+    bound: int
+
+    def as_json(self) -> dict:
+        return {
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "single_pool": self.single_pool,
+            "ratio_0.8": self.ratio_0_8,
+            "auto": self.auto,
+            "auto_ratio": round(self.auto_ratio, 6),
+            "bound": self.bound,
+        }
+
+
+def capacity_row(
+    model: str,
+    shape: LayerShape,
+    seq_len: int,
+    kv_cache_bytes: int,
+    *,
+    page_size: int = 1,
+    chunked_prefill_size: int | None = 8192,
+    swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL,
+) -> CapacityRow:
+    common = dict(
+        num_full_layers=shape.num_full_layers,
+        num_swa_layers=shape.num_swa_layers,
+        full_token_bytes=shape.full_token_bytes,
+        swa_token_bytes=shape.swa_token_bytes,
+        kv_cache_bytes=kv_cache_bytes,
+        page_size=page_size,
+    )
+    w = shape.sliding_window_size
+    fit = dict(sliding_window_size=w, swa_eviction_interval=swa_eviction_interval)
+    single = plan_single_pool(**common)
+    fixed = plan_pools(**common, sliding_window_size=w, swa_full_tokens_ratio=0.8)
+    r = auto_swa_full_tokens_ratio(
+        **common,
+        sliding_window_size=w,
+        expected_seq_len=seq_len,
+        chunked_prefill_size=chunked_prefill_size,
+        swa_eviction_interval=swa_eviction_interval,
+    )
+    auto = plan_pools(**common, sliding_window_size=w, swa_full_tokens_ratio=r)
+    return CapacityRow(
+        model=model,
+        seq_len=seq_len,
+        single_pool=requests_that_fit(single, seq_len, **fit),
+        ratio_0_8=requests_that_fit(fixed, seq_len, **fit),
+        auto=requests_that_fit(auto, seq_len, **fit),
+        auto_ratio=r,
+        bound=request_bound(
+            shape,
+            seq_len,
+            kv_cache_bytes,
+            page_size=page_size,
+            swa_eviction_interval=swa_eviction_interval,
+        ),
+    )
+
+
+def capacity_table(
+    kv_cache_bytes: int,
+    seq_lens: list[int],
+    *,
+    page_size: int = 1,
+    chunked_prefill_size: int | None = 8192,
+) -> list[CapacityRow]:
+    return [
+        capacity_row(
+            name,
+            shape,
+            t,
+            kv_cache_bytes,
+            page_size=page_size,
+            chunked_prefill_size=chunked_prefill_size,
+        )
+        for name, shape in MODEL_SHAPES.items()
+        for t in seq_lens
+    ]
+
+
+def format_table(rows: list[CapacityRow], kv_cache_bytes: int) -> str:
+    lines = [
+        f"KV budget {kv_cache_bytes / 1e9:.0f} GB, bf16; concurrent requests that fit "
+        "(fraction of the bound in parentheses)",
+        f"{'model':<15} {'seq_len':>8} {'single pool':>16} {'r=0.8':>16} {'auto (r)':>26} {'bound':>7}",
+    ]
+    for row in rows:
+
+        def cell(n: int, row: CapacityRow = row) -> str:
+            return f"{n} ({n / row.bound:.2f})"
+
+        auto = f"{cell(row.auto)} r={row.auto_ratio:.4f}"
+        lines.append(
+            f"{row.model:<15} {row.seq_len:>8} {cell(row.single_pool):>16} {cell(row.ratio_0_8):>16} "
+            f"{auto:>26} {row.bound:>7}"
+        )
+    lines.append("")
+    for row in rows:
+        lines.append(
+            f"{row.model} @ {row.seq_len}: auto / single pool = {row.auto / row.single_pool:.2f}x, "
+            f"r=0.8 / single pool = {row.ratio_0_8 / row.single_pool:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=80.0, help="KV budget in GB (1e9 bytes)"
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--chunked-prefill-size", type=int, default=8192)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+
+
+def run(args: argparse.Namespace) -> int:
+    budget = int(args.kv_cache_gb * 1e9)
+    rows = capacity_table(
+        budget,
+        args.seq_lens,
+        page_size=args.page_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
+    print(format_table(rows, budget))
+    if args.json:
+        print(json.dumps({"kv_cache_bytes": budget, "results": [r.as_json() for r in rows]}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
