@@ -3,6 +3,13 @@
 from swaserve.worker.kv.allocator import NO_LAST_LOC, SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.errors import AllocatorCorrupted, InvalidFree, KVError
 from swaserve.worker.kv.kv_pool import KVLayout, KVPool, LayerSlot, SWAKVPool
+from swaserve.worker.kv.memory import (
+    KVMemory,
+    KVMemoryConfig,
+    KVModelSpec,
+    build_kv_memory,
+    plan_kv_memory,
+)
 from swaserve.worker.kv.pool_plan import (
     AUTO_RATIO_SWA_MARGIN,
     DEFAULT_SWA_EVICTION_INTERVAL,
@@ -31,6 +38,9 @@ __all__ = [
     "InvalidFree",
     "KVError",
     "KVLayout",
+    "KVMemory",
+    "KVMemoryConfig",
+    "KVModelSpec",
     "KVPool",
     "LayerShape",
     "LayerSlot",
@@ -40,7 +50,9 @@ __all__ = [
     "SWATokenAllocator",
     "TokenAllocator",
     "auto_swa_full_tokens_ratio",
+    "build_kv_memory",
     "free_swa_out_of_window_slots",
+    "plan_kv_memory",
     "plan_pools",
     "plan_pools_chunk_capped",
     "plan_single_pool",

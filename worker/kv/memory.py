@@ -1,0 +1,201 @@
+"""Build a worker's KV memory — allocator and KV buffers — from the model's layer kinds and the
+user's knobs. This is the one place that picks single pool, two pools at a fixed ratio, two pools
+at the auto ratio, or the chunk-capped plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
+from swaserve.worker.kv.kv_pool import KVLayout, KVPool, SWAKVPool
+from swaserve.worker.kv.pool_plan import (
+    DEFAULT_SWA_EVICTION_INTERVAL,
+    PoolPlan,
+    auto_swa_full_tokens_ratio,
+    plan_pools,
+    plan_pools_chunk_capped,
+    plan_single_pool,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVModelSpec:
+    """What the KV memory needs to know about a model."""
+
+    full_layer_ids: list[int]
+    swa_layer_ids: list[int]
+    full_layout: KVLayout
+    swa_layout: KVLayout
+    sliding_window_size: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.full_layer_ids) + len(self.swa_layer_ids)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.swa_layer_ids)
+
+    def layouts_by_layer(self) -> list[KVLayout]:
+        swa = set(self.swa_layer_ids)
+        return [self.swa_layout if i in swa else self.full_layout for i in range(self.num_layers)]
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemoryConfig:
+    """The KV knobs of `EngineConfig`. Give either `kv_cache_bytes` or `max_total_tokens`
+    (full-pool tokens). With a byte budget, prefix cache off, chunked prefill on and
+    `max_running_requests` set, the chunk-capped plan is used and the ratio does not apply."""
+
+    page_size: int = 1
+    kv_cache_bytes: int | None = None
+    max_total_tokens: int | None = None
+    swa_full_tokens_ratio: float | Literal["auto"] = 0.8
+    expected_seq_len: int | None = None
+    disable_hybrid_swa_memory: bool = False
+    enable_prefix_cache: bool = True
+    chunked_prefill_size: int | None = None
+    max_running_requests: int | None = None
+    swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
+
+
+@dataclass(slots=True)
+class KVMemory:
+    """A worker's KV memory. `allocator` is an `SWATokenAllocator` for two pools or a
+    `TokenAllocator` for one; `kv_pool` likewise an `SWAKVPool` or a `KVPool`."""
+
+    plan: PoolPlan
+    allocator: SWATokenAllocator | TokenAllocator
+    kv_pool: SWAKVPool | KVPool
+
+    @property
+    def hybrid(self) -> bool:
+        return isinstance(self.allocator, SWATokenAllocator)
+
+
+def plan_kv_memory(spec: KVModelSpec, config: KVMemoryConfig, dtype: torch.dtype) -> PoolPlan:
+    """Choose the pool plan for `spec` under `config` (raises ValueError with the reason)."""
+    if (config.kv_cache_bytes is None) == (config.max_total_tokens is None):
+        raise ValueError("give exactly one of kv_cache_bytes and max_total_tokens")
+    f = spec.full_layout.token_bytes(dtype)
+    s = spec.swa_layout.token_bytes(dtype)
+    l_full, l_swa = len(spec.full_layer_ids), len(spec.swa_layer_ids)
+    p = config.page_size
+    single = config.disable_hybrid_swa_memory or not spec.is_hybrid
+    ratio = config.swa_full_tokens_ratio
+
+    budget = config.kv_cache_bytes
+    if budget is None:
+        assert config.max_total_tokens is not None
+        return _plan_from_tokens(spec, config, f, s, single)
+
+    shape = dict(
+        num_full_layers=l_full, num_swa_layers=l_swa, full_token_bytes=f, swa_token_bytes=s
+    )
+    if single:
+        return plan_single_pool(**shape, kv_cache_bytes=budget, page_size=p)
+    w = spec.sliding_window_size
+    chunk_capped = (
+        not config.enable_prefix_cache
+        and config.chunked_prefill_size is not None
+        and config.max_running_requests is not None
+    )
+    if chunk_capped:
+        # No tree keeps SWA KV, so the SWA need is bounded exactly; r is not used.
+        return plan_pools_chunk_capped(
+            **shape,
+            sliding_window_size=w,
+            kv_cache_bytes=budget,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size,
+            swa_eviction_interval=config.swa_eviction_interval,
+            page_size=p,
+        )
+    if ratio == "auto":
+        if config.expected_seq_len is None:
+            raise ValueError('swa_full_tokens_ratio="auto" needs expected_seq_len')
+        ratio = auto_swa_full_tokens_ratio(
+            **shape,
+            sliding_window_size=w,
+            kv_cache_bytes=budget,
+            expected_seq_len=config.expected_seq_len,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size,
+            swa_eviction_interval=config.swa_eviction_interval,
+            page_size=p,
+        )
+    return plan_pools(
+        **shape,
+        sliding_window_size=w,
+        kv_cache_bytes=budget,
+        swa_full_tokens_ratio=ratio,
+        page_size=p,
+    )
+
+
+def _plan_from_tokens(
+    spec: KVModelSpec, config: KVMemoryConfig, f: int, s: int, single: bool
+) -> PoolPlan:
+    tokens = config.max_total_tokens
+    p = config.page_size
+    if not isinstance(tokens, int) or tokens <= p:
+        raise ValueError(f"max_total_tokens must be an int > page_size={p}, got {tokens!r}")
+    full_tokens = tokens // p * p
+    l_full, l_swa = len(spec.full_layer_ids), len(spec.swa_layer_ids)
+    if single:
+        cell = f * l_full + s * l_swa
+        return PoolPlan(full_tokens, 0, full_tokens * cell, 0, p, 0.0, single_pool=True)
+    ratio = config.swa_full_tokens_ratio
+    if ratio == "auto":
+        raise ValueError('swa_full_tokens_ratio="auto" needs kv_cache_bytes, not max_total_tokens')
+    if not 0 < ratio <= 1:
+        raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio}")
+    swa_tokens = int(full_tokens * ratio) // p * p
+    w = spec.sliding_window_size
+    if swa_tokens <= w + p:
+        raise ValueError(
+            f"the SWA pool is too small for one request: r={ratio} of max_total_tokens={full_tokens} "
+            f"gives {swa_tokens} SWA tokens, which must exceed W={w} + P={p}"
+        )
+    return PoolPlan(
+        full_tokens,
+        swa_tokens,
+        full_tokens * f * l_full,
+        swa_tokens * s * l_swa,
+        p,
+        swa_tokens / full_tokens,
+    )
+
+
+def build_kv_memory(
+    spec: KVModelSpec,
+    config: KVMemoryConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> KVMemory:
+    """Plan the pools, then allocate the allocator and the KV buffers on `device`."""
+    plan = plan_kv_memory(spec, config, dtype)
+    p = plan.page_size
+    if plan.single_pool:
+        allocator: SWATokenAllocator | TokenAllocator = TokenAllocator(plan.full_tokens, p, device)
+        kv_pool: SWAKVPool | KVPool = KVPool(
+            plan.full_tokens, spec.layouts_by_layer(), dtype=dtype, page_size=p, device=device
+        )
+    else:
+        allocator = SWATokenAllocator(plan.full_tokens, plan.swa_tokens, p, device)
+        kv_pool = SWAKVPool(
+            full_size=plan.full_tokens,
+            swa_size=plan.swa_tokens,
+            full_layer_ids=spec.full_layer_ids,
+            swa_layer_ids=spec.swa_layer_ids,
+            full_layout=spec.full_layout,
+            swa_layout=spec.swa_layout,
+            dtype=dtype,
+            page_size=p,
+            device=device,
+        )
+    return KVMemory(plan=plan, allocator=allocator, kv_pool=kv_pool)
