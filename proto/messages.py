@@ -1,0 +1,63 @@
+"""Messages between a worker and the router: plain dataclasses, standard library only.
+
+Both `swaserve.worker` and `swaserve.router` import this module; neither imports the other
+(DESIGN §3). Over the network (gRPC `GetLoad`) the same fields travel as protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """What a worker can still take, in tokens of each pool, plus its queue and cache counters.
+
+    "free" slots are unallocated; "evictable" slots hold prefix-cache KV that no running request
+    locks (the worker frees them on demand); "protected" slots hold cache KV locked by running
+    requests. In single-pool mode (`hybrid=False`) the SWA fields mirror the full ones.
+    """
+
+    full_total_tokens: int
+    full_free_tokens: int
+    full_evictable_tokens: int
+    swa_total_tokens: int
+    swa_free_tokens: int
+    swa_evictable_tokens: int
+    num_running: int
+    num_waiting: int
+    full_protected_tokens: int = 0
+    swa_protected_tokens: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens of waiting requests not yet prefilled
+    prompt_tokens_total: int = 0  # counters since start: prompt tokens admitted ...
+    cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
+    sliding_window_size: int = 0
+    page_size: int = 1
+    chunked_prefill_size: int = 0
+    hybrid: bool = True
+
+    @property
+    def full_available_tokens(self) -> int:
+        return self.full_free_tokens + self.full_evictable_tokens
+
+    @property
+    def swa_available_tokens(self) -> int:
+        return self.swa_free_tokens + self.swa_evictable_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """One periodic report of a worker's rank 0 to the router.
+
+    `instance_id` changes when the worker restarts (its cache is then empty); `seq` increases by
+    one per report of an instance, so a lost report is detected. `events` are the KV cache
+    events since the previous report, in order.
+    """
+
+    worker_id: str
+    instance_id: str
+    seq: int
+    timestamp_s: float
+    headroom: Headroom
+    events: list[Any] = field(default_factory=list)

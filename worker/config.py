@@ -1,0 +1,108 @@
+"""`EngineConfig`: every knob of one worker's engine, validated at construction."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from swaserve.worker.kv.memory import KVMemoryConfig
+from swaserve.worker.kv.pool_plan import (
+    DEFAULT_SWA_EVICTION_INTERVAL,
+    DEFAULT_SWA_FULL_TOKENS_RATIO,
+)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
+"""KV budget on CPU when neither `kv_cache_bytes` nor `max_total_tokens` is given."""
+
+
+class EngineConfig(BaseModel):
+    """Configuration of one engine (one TP group). Field names of DESIGN §5 are fixed.
+
+    KV size: give `kv_cache_bytes` or `max_total_tokens` (full-pool tokens), or neither: then
+    CUDA takes `mem_fraction_static` of the free memory after the weights, CPU 256 MiB.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="path of an HF-format model directory")
+    tokenizer: str | None = Field(default=None, description="tokenizer dir; defaults to `model`")
+    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = Field(default=0, ge=0)
+
+    page_size: int = Field(default=1, ge=1, le=1024)
+    max_total_tokens: int | None = Field(default=None, gt=0)
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    mem_fraction_static: float = Field(default=0.85, gt=0.0, lt=1.0)
+    swa_full_tokens_ratio: float | Literal["auto"] = DEFAULT_SWA_FULL_TOKENS_RATIO
+    expected_seq_len: int | None = Field(default=None, gt=0, description="for the auto ratio")
+    disable_hybrid_swa_memory: bool = False
+    enable_prefix_cache: bool = True
+    swa_eviction_interval: int = Field(default=DEFAULT_SWA_EVICTION_INTERVAL, ge=1)
+
+    chunked_prefill_size: int | None = Field(
+        default=2048, gt=0, description="None disables chunking"
+    )
+    max_prefill_tokens: int = Field(default=16384, gt=0, description="new prompt tokens per step")
+    max_running_requests: int = Field(default=256, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0, description="defaults to the model's")
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    tp_size: int = Field(default=1, ge=1)
+    check_on_idle: bool = Field(
+        default=True, description="run the cheap integrity checks when idle"
+    )
+
+    @model_validator(mode="after")
+    def _combinations(self) -> EngineConfig:
+        if self.kv_cache_bytes is not None and self.max_total_tokens is not None:
+            raise ValueError("give kv_cache_bytes or max_total_tokens, not both")
+        ratio = self.swa_full_tokens_ratio
+        if ratio == "auto":
+            if self.expected_seq_len is None:
+                raise ValueError(
+                    'swa_full_tokens_ratio="auto" needs expected_seq_len (mean tokens per request)'
+                )
+            if self.max_total_tokens is not None:
+                raise ValueError(
+                    'swa_full_tokens_ratio="auto" sizes pools from bytes; use kv_cache_bytes'
+                )
+        elif not 0.0 < ratio <= 1.0:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1] or 'auto', got {ratio}")
+        if self.max_total_tokens is not None and self.max_total_tokens % self.page_size:
+            raise ValueError(
+                f"max_total_tokens={self.max_total_tokens} is not a multiple of page_size={self.page_size}"
+            )
+        if self.chunked_prefill_size is not None:
+            if self.chunked_prefill_size % self.page_size:
+                raise ValueError(
+                    f"chunked_prefill_size={self.chunked_prefill_size} is not a multiple of page_size={self.page_size}"
+                )
+            if self.chunked_prefill_size > self.max_prefill_tokens:
+                raise ValueError(
+                    f"chunked_prefill_size={self.chunked_prefill_size} exceeds max_prefill_tokens={self.max_prefill_tokens}"
+                )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if self.attention_backend == "flash" and self.device == "cpu":
+            raise ValueError("attention_backend='flash' needs a CUDA device")
+        return self
+
+    def kv_memory_config(self, *, kv_cache_bytes: int | None = None) -> KVMemoryConfig:
+        """The KV part, with the byte budget resolved by the engine when none was given."""
+        budget = self.kv_cache_bytes if self.kv_cache_bytes is not None else kv_cache_bytes
+        return KVMemoryConfig(
+            page_size=self.page_size,
+            kv_cache_bytes=None if self.max_total_tokens is not None else budget,
+            max_total_tokens=self.max_total_tokens,
+            swa_full_tokens_ratio=self.swa_full_tokens_ratio,
+            expected_seq_len=self.expected_seq_len,
+            disable_hybrid_swa_memory=self.disable_hybrid_swa_memory,
+            enable_prefix_cache=self.enable_prefix_cache,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_running_requests=self.max_running_requests,
+            swa_eviction_interval=self.swa_eviction_interval,
+        )
