@@ -8,6 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from swaserve.worker.kv import capacity
+    from swaserve.worker.models import tiny
 
     parser = argparse.ArgumentParser(prog="swaserve", description="hybrid-SWA inference cluster")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -18,6 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     capacity.add_arguments(cap)
     cap.set_defaults(run=capacity.run)
+    tiny_model = sub.add_parser(
+        "make-tiny-model",
+        help="write a tiny random GPT-OSS or MiMo-V2-Flash model dir (config, weights, tokenizer)",
+        description=tiny.__doc__,
+    )
+    tiny.add_arguments(tiny_model)
+    tiny_model.set_defaults(run=tiny.run)
     return parser
 
 

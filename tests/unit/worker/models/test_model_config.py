@@ -1,0 +1,296 @@
+"""config.json → ModelConfig: layer kinds, the window W (against transformers' own masks),
+per-kind KV shapes, sinks and RoPE, the KV spec, and the typed errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swaserve.worker.kv.kv_pool import KVLayout
+from swaserve.worker.models.config import (
+    GPT_OSS,
+    MIMO_V2_FLASH,
+    load_model_config,
+    parse_model_config,
+    sliding_window_size_from_hf,
+)
+from swaserve.worker.models.errors import (
+    MissingConfigFieldError,
+    ModelConfigError,
+    UnknownArchitectureError,
+)
+from swaserve.worker.models.tiny import make_tiny_model
+
+F, S = "full_attention", "sliding_attention"
+
+
+def gpt_oss_dict(**changes: Any) -> dict[str, Any]:
+    hf: dict[str, Any] = {
+        "architectures": [GPT_OSS],
+        "model_type": "gpt_oss",
+        "vocab_size": 288,
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "sliding_window": 128,
+        "layer_types": [S, F, S, F],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    }
+    return hf | changes
+
+
+def mimo_dict(**changes: Any) -> dict[str, Any]:
+    hf: dict[str, Any] = {
+        "architectures": [MIMO_V2_FLASH],
+        "model_type": "mimo_v2_flash",
+        "vocab_size": 288,
+        "hidden_size": 32,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "v_head_dim": 16,
+        "sliding_window": 129,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+    return hf | changes
+
+
+def test_gpt_oss_layers_window_and_kv_spec() -> None:
+    config = parse_model_config(gpt_oss_dict())
+    assert config.architecture == GPT_OSS
+    assert config.full_layer_ids == [1, 3]
+    assert config.swa_layer_ids == [0, 2]
+    assert config.sliding_window_size == 127  # HF's sliding_window = 128 = W + 1
+    for kind in (config.full_attention, config.swa_attention):
+        assert (kind.num_kv_heads, kind.head_dim, kind.v_head_dim, kind.has_sinks) == (
+            2,
+            8,
+            8,
+            True,
+        )
+    assert config.attention_bias and config.o_proj_bias
+    assert config.attention_value_scale is None
+    assert config.mlp_layer_types == ("sparse",) * 4
+    assert (config.moe.num_experts, config.moe.num_experts_per_tok) == (4, 2)
+    assert (config.moe.swiglu_alpha, config.moe.swiglu_limit) == (1.702, 7.0)
+    rope = config.swa_attention.rope
+    assert (rope.rope_type, rope.theta, rope.factor, rope.truncate) == (
+        "yarn",
+        150000.0,
+        32.0,
+        False,
+    )
+    assert rope.rotary_dim == 8
+    spec = config.kv_spec()
+    assert spec.full_layer_ids == [1, 3] and spec.swa_layer_ids == [0, 2]
+    assert spec.full_layout == spec.swa_layout == KVLayout(2, 8, 8)
+    assert spec.sliding_window_size == 127
+    swa, full = config.attention_layer(0), config.attention_layer(1)
+    assert (swa.sliding_window_size, full.sliding_window_size) == (127, None)
+    assert (swa.num_heads, swa.num_kv_heads, swa.scaling) == (4, 2, 8**-0.5)
+
+
+def test_gpt_oss_defaults_follow_transformers() -> None:
+    hf = gpt_oss_dict()
+    for key in ("layer_types", "rope_parameters"):
+        del hf[key]
+    config = parse_model_config(hf)
+    assert config.layer_types == (S, F, S, F)  # HF: sliding at even layers
+    rope = config.full_attention.rope
+    assert (rope.rope_type, rope.theta, rope.factor, rope.original_max_position_embeddings) == (
+        "yarn",
+        150000.0,
+        32.0,
+        4096,
+    )
+
+
+def test_mimo_kinds_differ_in_kv_heads_sinks_and_rope() -> None:
+    config = parse_model_config(mimo_dict())
+    assert config.full_layer_ids == [0, 5]  # HF: layer 0 and every 6th
+    assert config.swa_layer_ids == [1, 2, 3, 4, 6]
+    assert config.sliding_window_size == 128
+    full, swa = config.full_attention, config.swa_attention
+    assert (full.num_kv_heads, full.head_dim, full.v_head_dim, full.has_sinks) == (2, 24, 16, False)
+    assert (swa.num_kv_heads, swa.head_dim, swa.v_head_dim, swa.has_sinks) == (4, 24, 16, True)
+    assert (full.rope.theta, swa.rope.theta) == (5_000_000.0, 10_000.0)
+    assert full.rope.partial_rotary_factor == swa.rope.partial_rotary_factor == 0.334
+    assert full.rope.rotary_dim == 8  # int(24 · 0.334) = 8
+    assert config.attention_value_scale == 0.707
+    assert not config.attention_bias and not config.o_proj_bias
+    assert config.mlp_layer_types == ("dense",) + ("sparse",) * 6
+    spec = config.kv_spec()
+    assert spec.full_layout == KVLayout(2, 24, 16)
+    assert spec.swa_layout == KVLayout(4, 24, 16)
+    assert spec.full_layout.token_bytes(torch.bfloat16) == 2 * 40 * 2
+    assert spec.swa_layout.token_bytes(torch.bfloat16) == 4 * 40 * 2
+    assert config.attention_layer(1).num_kv_heads == 4
+    assert config.attention_layer(0).num_kv_heads == 2
+
+
+def test_mimo_older_fields_hybrid_layer_pattern_moe_layer_freq_and_window_size() -> None:
+    hf = mimo_dict(
+        num_hidden_layers=4,
+        hybrid_layer_pattern=[0, 1, 1, 0],
+        moe_layer_freq=[0, 1, 0, 1],
+        sliding_window=128,
+        sliding_window_size=128,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=None,
+    )
+    config = parse_model_config(hf)
+    assert config.full_layer_ids == [0, 3]
+    assert config.swa_layer_ids == [1, 2]
+    assert config.mlp_layer_types == ("dense", "sparse", "dense", "sparse")
+    assert config.sliding_window_size == 128  # sliding_window_size is W itself
+    assert (config.moe.n_group, config.moe.topk_group, config.moe.routed_scaling_factor) == (
+        4,
+        2,
+        1.0,
+    )
+
+
+def test_window_function_conventions() -> None:
+    assert sliding_window_size_from_hf({"sliding_window": 128}, GPT_OSS) == 127
+    assert sliding_window_size_from_hf({"sliding_window": 129}, MIMO_V2_FLASH) == 128
+    both = {"sliding_window": 128, "sliding_window_size": 128}
+    assert sliding_window_size_from_hf(both, MIMO_V2_FLASH) == 128
+    assert sliding_window_size_from_hf(both, GPT_OSS) == 127  # GPT-OSS has no such field
+    assert sliding_window_size_from_hf({"sliding_window": 1}, GPT_OSS) == 0
+    assert sliding_window_size_from_hf({}, GPT_OSS) is None
+    with pytest.raises(ModelConfigError, match="sliding_window must be an int >= 1"):
+        sliding_window_size_from_hf({"sliding_window": 0}, GPT_OSS)
+
+
+def hf_visible_keys(hf_config: Any, seq_len: int) -> torch.Tensor:
+    """transformers' own SWA mask for one sequence: [q, k] bool, True where q sees k."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    hf_config._attn_implementation = "sdpa"  # boolean masks
+    mask = create_sliding_window_causal_mask(
+        config=hf_config,
+        inputs_embeds=torch.zeros(1, seq_len, 4),  # [1, n, 4]
+        attention_mask=None,
+        cache=None,
+        position_ids=torch.arange(seq_len)[None],  # [1, n]
+        allow_is_causal_skip=False,
+    )
+    return mask[0, 0]
+
+
+def our_visible_keys(window: int, seq_len: int) -> torch.Tensor:
+    """AttentionLayer's convention: a query at p sees keys [p - W, p]."""
+    q = torch.arange(seq_len)[:, None]  # [n, 1]
+    k = torch.arange(seq_len)[None, :]  # [1, n]
+    return (k <= q) & (k >= q - window)
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 5, 9])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "mimo-sliding_window_size"])
+def test_window_matches_transformers_masks(arch: str, window: int, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tiny_model(
+        tmp_path,
+        arch="gpt-oss" if arch == "gpt-oss" else "mimo-v2-flash",
+        num_layers=2,
+        sliding_window_size=window,
+    )
+    if arch == "mimo-sliding_window_size":
+        # W given directly; transformers then ignores the stale sliding_window.
+        hf = json.loads((tmp_path / "config.json").read_text())
+        hf |= {"sliding_window_size": window, "sliding_window": 1000}
+        write(tmp_path, hf)
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = load_model_config(tmp_path)
+    assert ours.sliding_window_size == window
+    seq_len = window + 6
+    assert torch.equal(hf_visible_keys(hf_config, seq_len), our_visible_keys(window, seq_len))
+
+
+def write(tmp_path: Path, hf: dict[str, Any]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return tmp_path
+
+
+def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    write(tmp_path, gpt_oss_dict(architectures=["LlamaForCausalLM"], model_type="llama"))
+    with pytest.raises(UnknownArchitectureError) as err:
+        load_model_config(tmp_path)
+    message = str(err.value)
+    assert "LlamaForCausalLM" in message
+    assert "GptOssForCausalLM" in message and "MiMoV2FlashForCausalLM" in message
+
+
+def test_model_type_stands_in_for_missing_architectures() -> None:
+    hf = mimo_dict()
+    del hf["architectures"]
+    assert parse_model_config(hf).architecture == MIMO_V2_FLASH
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (gpt_oss_dict, "hidden_size"),
+        (gpt_oss_dict, "num_key_value_heads"),
+        (gpt_oss_dict, "num_local_experts"),
+        (gpt_oss_dict, "sliding_window"),
+        (mimo_dict, "v_head_dim"),
+        (mimo_dict, "moe_intermediate_size"),
+    ],
+)
+def test_missing_field_names_field_and_file(make: Any, field: str, tmp_path: Path) -> None:
+    hf = make()
+    del hf[field]
+    path = write(tmp_path, hf) / "config.json"
+    with pytest.raises(MissingConfigFieldError) as err:
+        load_model_config(tmp_path)
+    assert err.value.field == field
+    assert f"missing required field {field!r} in {path}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("hf", "message"),
+    [
+        (gpt_oss_dict(num_key_value_heads=3), "not a multiple"),
+        (gpt_oss_dict(layer_types=[S, F]), "one kind per layer"),
+        (gpt_oss_dict(layer_types=[S, F, "chunked_attention", F]), "'chunked_attention'"),
+        (gpt_oss_dict(hidden_size="32"), "'hidden_size' must be an int"),
+        (gpt_oss_dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), "llama3"),
+        (mimo_dict(n_group=3), "n_group=3"),
+        (mimo_dict(hidden_act="gelu"), "gelu"),
+    ],
+)
+def test_inconsistent_configs_raise_typed_errors(hf: dict[str, Any], message: str) -> None:
+    with pytest.raises(ModelConfigError, match=message):
+        parse_model_config(hf)
+
+
+def test_unreadable_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match=re.escape("no config.json")):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="cannot read"):
+        load_model_config(tmp_path)

@@ -1,0 +1,65 @@
+"""RoPE: our inverse frequencies equal transformers' bit for bit (GPT-OSS YaRN, MiMo's per-kind
+partial RoPE), and `apply_rotary` rotates only the leading rotary channels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swaserve.worker.models.config import RopeConfig, load_model_config
+from swaserve.worker.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from swaserve.worker.models.tiny import make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize(("head_dim", "truncate"), [(8, False), (64, False), (64, True)])
+def test_gpt_oss_yarn_matches_transformers(head_dim: int, truncate: bool, tmp_path: Path) -> None:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    make_tiny_model(tmp_path, arch="gpt-oss", num_layers=2, head_dim=head_dim)
+    config_path = tmp_path / "config.json"
+    text = config_path.read_text().replace(
+        '"truncate": false', f'"truncate": {str(truncate).lower()}'
+    )
+    config_path.write_text(text)
+    theirs = GptOssRotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    ours = RotaryEmbedding(load_model_config(tmp_path).full_attention.rope)
+    assert torch.equal(ours._inv_freq_cpu, theirs.inv_freq)
+    assert ours.attention_scaling == theirs.attention_scaling
+    positions = torch.arange(0, 4000, 37)  # [T]
+    cos, sin = ours.cos_sin(positions, torch.float32)
+    their_cos, their_sin = theirs(torch.zeros(1), positions[None])
+    assert torch.equal(cos, their_cos[0]) and torch.equal(sin, their_sin[0])
+
+
+@pytest.mark.parametrize("head_dim", [24, 16, 192])
+def test_mimo_partial_rope_matches_transformers(head_dim: int, tmp_path: Path) -> None:
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import (
+        MiMoV2FlashRotaryEmbedding,
+    )
+
+    make_tiny_model(tmp_path, arch="mimo-v2-flash", num_layers=2, head_dim=head_dim)
+    theirs = MiMoV2FlashRotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    config = load_model_config(tmp_path)
+    for kind in ("full_attention", "sliding_attention"):
+        rope = config.full_attention.rope if kind == "full_attention" else config.swa_attention.rope
+        inv_freq, scaling = inverse_frequencies(rope)
+        assert torch.equal(inv_freq, getattr(theirs, f"{kind}_inv_freq"))
+        assert scaling == 1.0
+        assert rope.rotary_dim == 2 * inv_freq.numel()
+
+
+def test_apply_rotary_passes_trailing_channels_and_keeps_norm() -> None:
+    rope = RopeConfig("default", 10_000.0, head_dim=10, partial_rotary_factor=0.5)
+    assert (rope.freq_dim, rope.rotary_dim) == (5, 6)  # HF: int(10 · 0.5) = 5 → 3 frequencies
+    x = torch.randn(3, 2, 10, generator=torch.Generator().manual_seed(0))  # [T, H, D]
+    cos, sin = RotaryEmbedding(rope).cos_sin(torch.tensor([0, 1, 7]), torch.float32)
+    y = apply_rotary(x, cos, sin)
+    assert torch.equal(y[0], x[0])  # position 0 is the identity
+    assert torch.equal(y[..., 6:], x[..., 6:])
+    pairs_x = x[..., :3].pow(2) + x[..., 3:6].pow(2)
+    pairs_y = y[..., :3].pow(2) + y[..., 3:6].pow(2)
+    assert torch.allclose(pairs_x, pairs_y, atol=1e-6)

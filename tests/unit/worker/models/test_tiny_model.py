@@ -1,0 +1,98 @@
+"""The tiny-model maker: config.json that transformers accepts, seeded weights, a byte-level
+tokenizer with a chat template, and the `swaserve make-tiny-model` subcommand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from swaserve.cluster.cli import main
+from swaserve.worker.models.config import load_model_config
+from swaserve.worker.models.loader import SINGLE_FILE
+from swaserve.worker.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, make_tiny_model
+
+
+@pytest.mark.parametrize(
+    ("arch", "hf_class"),
+    [("gpt-oss", "GptOssForCausalLM"), ("mimo-v2-flash", "MiMoV2FlashForCausalLM")],
+)
+def test_transformers_reads_the_config(arch: str, hf_class: str, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tiny_model(
+        tmp_path, arch=arch, num_layers=3, sliding_window_size=5, num_heads=4, num_kv_heads=1
+    )
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert hf.architectures == [hf_class]
+    assert (hf.num_hidden_layers, hf.sliding_window, hf.num_key_value_heads) == (3, 6, 1)
+    assert hf.vocab_size == 288
+    ours = load_model_config(tmp_path)
+    assert list(ours.layer_types) == list(hf.layer_types)
+    assert ours.sliding_window_size == 5
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path) -> None:
+    a = make_tiny_model(tmp_path / "a", arch="mimo-v2-flash", num_layers=2, seed=11)
+    b = make_tiny_model(tmp_path / "b", arch="mimo-v2-flash", num_layers=2, seed=11)
+    c = make_tiny_model(tmp_path / "c", arch="mimo-v2-flash", num_layers=2, seed=12)
+    assert (a / SINGLE_FILE).read_bytes() == (b / SINGLE_FILE).read_bytes()
+    assert (a / SINGLE_FILE).read_bytes() != (c / SINGLE_FILE).read_bytes()
+    weights = load_file(a / SINGLE_FILE)
+    sinks = weights["model.layers.1.self_attn.sinks"]  # layer 1 is SWA: it has sinks
+    assert "model.layers.0.self_attn.sinks" not in weights  # layer 0 is full: none
+    assert sinks.shape == (4,) and sinks.abs().min() > 0
+    assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
+
+
+def test_byte_tokenizer_round_trips_and_has_specials(tmp_path: Path) -> None:
+    make_tiny_model(tmp_path, arch="gpt-oss", num_layers=2)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "héllo, wörld 🙂\n\tend"
+    ids = tokenizer.encode(text).ids
+    assert ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [256, 257, 258, 259, 260, 261]
+    assert tokenizer.encode("<|user|>hi<|eos|>").ids == [260, ord("h"), ord("i"), EOS_ID]
+    assert tokenizer.get_vocab_size() == 262
+
+
+def test_chat_template_renders_through_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tiny_model(tmp_path, arch="mimo-v2-flash", num_layers=2)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|bos|><|user|>hi<|eos|><|assistant|>"
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == [
+        BOS_ID,
+        260,
+        104,
+        105,
+        EOS_ID,
+        261,
+    ]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BOS_ID, EOS_ID)
+
+
+def test_make_tiny_model_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["make-tiny-model", str(tmp_path / "m"), "--arch", "mimo-v2-flash", "--layers", "3"]
+    argv += ["--window", "2", "--heads", "8", "--kv-heads", "2", "--hidden", "64", "--seed", "4"]
+    assert main(argv) == 0
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert hf["architectures"] == ["MiMoV2FlashForCausalLM"]
+    assert (hf["num_hidden_layers"], hf["sliding_window"], hf["num_attention_heads"]) == (3, 3, 8)
+    assert (hf["num_key_value_heads"], hf["hidden_size"]) == (2, 64)
+    assert capsys.readouterr().out == (
+        f"wrote mimo-v2-flash to {tmp_path / 'm'}: 3 layers (full [0], SWA [1, 2]), W=2, "
+        "hidden 64, vocab 288\n"
+    )
+
+
+def test_bad_arguments_raise(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown arch 'llama'"):
+        make_tiny_model(tmp_path, arch="llama")
+    with pytest.raises(ValueError, match="vocab_size must hold the 262 tokenizer tokens"):
+        make_tiny_model(tmp_path, vocab_size=100)

@@ -1,0 +1,101 @@
+"""`HybridCausalLM`: the decoder stack both architectures share — embeddings, decoder layers of
+two attention kinds, final norm, LM head — and the `forward(batch)` the model runner calls.
+
+Subclasses say how to build one layer's MLP and norms. Build on the meta device, then
+`materialize(device)` and load weights (see `loader.py`); `materialize` re-ties a tied LM head.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
+from swaserve.worker.models.config import ModelConfig
+from swaserve.worker.models.layers import Attention, DecoderLayer, RMSNorm
+from swaserve.worker.models.rotary import RotaryEmbedding
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` prefix: embed_tokens, layers, norm."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[DecoderLayer], norm: RMSNorm):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class HybridCausalLM(nn.Module):
+    """A causal LM whose layers are full or sliding-window attention, reading and writing KV
+    through `backend`. `forward(batch)` returns logits [N, vocab] for `batch.logits_indices()`."""
+
+    # Regexes of checkpoint tensors the model does not use and the loader may skip.
+    ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = ()
+    # RMSNorm style of the HF class (see `RMSNorm`).
+    norm_weight_after_cast: ClassVar[bool] = False
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        d = config.hidden_size
+        layers = [
+            DecoderLayer(
+                Attention(config, i, backend, dtype=dtype),
+                self.make_mlp(i),
+                self.make_norm(d),
+                self.make_norm(d),
+            )
+            for i in range(config.num_layers)
+        ]
+        embed = nn.Embedding(config.vocab_size, d, dtype=dtype)
+        self.model = DecoderModel(embed, layers, self.make_norm(d))
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False, dtype=dtype)
+        self.tie_weights()
+        self.rotary = {
+            kind: RotaryEmbedding(config.attention_kind(config.layer_types.index(kind)).rope)
+            for kind in set(config.layer_types)
+        }
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self, hidden_size: int) -> RMSNorm:
+        return RMSNorm(
+            hidden_size,
+            self.config.rms_norm_eps,
+            weight_after_cast=self.norm_weight_after_cast,
+            dtype=self.dtype,
+        )
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: str | torch.device) -> HybridCausalLM:
+        """Give a meta-built model real (uninitialized) storage on `device`."""
+        self.to_empty(device=device)
+        self.tie_weights()  # to_empty gives each module its own copy of a shared parameter
+        return self
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, vocab]
+        """Run all layers over the batch's new tokens. Calls the backend's
+        `init_forward_metadata(batch)` first unless the runner already did."""
+        if batch.attn_metadata is None:
+            self.backend.init_forward_metadata(batch)
+        hidden = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        cos_sin = {
+            kind: rotary.cos_sin(batch.positions, hidden.dtype)
+            for kind, rotary in self.rotary.items()
+        }
+        for layer, kind in zip(self.model.layers, self.config.layer_types, strict=True):
+            hidden = layer(hidden, cos_sin[kind], batch)
+        hidden = self.model.norm(hidden[batch.logits_indices()])  # [N, D]; the norm is per row
+        return self.lm_head(hidden)  # [N, vocab]

@@ -1,0 +1,231 @@
+"""`ModelConfig`: what swaserve needs from an HF model dir's config.json, parsed once, checked,
+and frozen. No transformers import: this reads the JSON the way transformers' `GptOssConfig` /
+`MiMoV2FlashConfig` would and applies the same defaults, so that our model and HF's agree.
+
+Layer kinds: every layer is `"full_attention"` or `"sliding_attention"` (SWA). The two kinds may
+differ in KV heads, head dims, sinks and RoPE (`AttentionKindConfig`); the window W is shared.
+The per-architecture readers of config.json live in `config_parsers.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swaserve.worker.attention.base import AttentionLayer
+from swaserve.worker.kv.kv_pool import KVLayout
+from swaserve.worker.kv.memory import KVModelSpec
+from swaserve.worker.models.errors import (
+    MissingConfigFieldError,
+    ModelConfigError,
+    UnknownArchitectureError,
+)
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+GPT_OSS = "GptOssForCausalLM"
+MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH)
+_ARCHITECTURE_BY_MODEL_TYPE = {"gpt_oss": GPT_OSS, "mimo_v2_flash": MIMO_V2_FLASH}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """RoPE of one layer kind, as transformers' ROPE_INIT_FUNCTIONS read it (rotate-half style on
+    the leading `rotary_dim` channels of each head; the rest pass through)."""
+
+    rope_type: str  # "default" or "yarn"
+    theta: float
+    head_dim: int
+    partial_rotary_factor: float = 1.0
+    # YaRN only
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    @property
+    def freq_dim(self) -> int:
+        """The `dim` of HF's inverse-frequency formula: int(head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels that rotate: two per inverse frequency (HF's cos/sin width)."""
+        return 2 * math.ceil(self.freq_dim / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionKindConfig:
+    """Attention shape of one layer kind (full or SWA)."""
+
+    num_kv_heads: int
+    head_dim: int  # Dk (q and k)
+    v_head_dim: int  # Dv
+    has_sinks: bool
+    rope: RopeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Routed experts. GPT-OSS: softmax over the top-k router logits, clamped SwiGLU experts with
+    biases. MiMo-V2-Flash: DeepSeek-V3 sigmoid router with grouped top-k, plain SwiGLU experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # per expert
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model, parsed from config.json. Layer ids are global (0 .. num_layers - 1)."""
+
+    architecture: str
+    source: str  # the config.json it came from, for error messages
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    layer_types: tuple[str, ...]  # per layer: FULL_ATTENTION or SLIDING_ATTENTION
+    mlp_layer_types: tuple[str, ...]  # per layer: "dense" or "sparse"
+    sliding_window_size: int | None  # W (DESIGN §2); None when no layer slides
+    full_attention: AttentionKindConfig
+    swa_attention: AttentionKindConfig
+    attention_bias: bool  # q/k/v projections
+    o_proj_bias: bool
+    attention_value_scale: float | None  # MiMo multiplies V by it; None = no scaling
+    rms_norm_eps: float
+    hidden_act: str
+    intermediate_size: int  # dense MLP (MiMo's "dense" layers)
+    moe: MoEConfig
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def full_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+
+    @property
+    def swa_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION]
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        return self.layer_types[layer_id] == SLIDING_ATTENTION
+
+    def attention_kind(self, layer_id: int) -> AttentionKindConfig:
+        return self.swa_attention if self.is_swa_layer(layer_id) else self.full_attention
+
+    def attention_layer(self, layer_id: int) -> AttentionLayer:
+        """What the attention backend needs to know about layer `layer_id` (no TP sharding)."""
+        kind = self.attention_kind(layer_id)
+        return AttentionLayer(
+            layer_id=layer_id,
+            num_heads=self.num_heads,
+            num_kv_heads=kind.num_kv_heads,
+            head_dim=kind.head_dim,
+            v_head_dim=kind.v_head_dim,
+            scaling=kind.head_dim**-0.5,
+            sliding_window_size=self.sliding_window_size if self.is_swa_layer(layer_id) else None,
+        )
+
+    def kv_spec(self) -> KVModelSpec:
+        """The layer kinds and KV shapes the KV memory is sized and laid out from."""
+
+        def layout(kind: AttentionKindConfig) -> KVLayout:
+            return KVLayout(kind.num_kv_heads, kind.head_dim, kind.v_head_dim)
+
+        return KVModelSpec(
+            full_layer_ids=self.full_layer_ids,
+            swa_layer_ids=self.swa_layer_ids,
+            full_layout=layout(self.full_attention),
+            swa_layout=layout(self.swa_attention),
+            sliding_window_size=self.sliding_window_size or 0,
+        )
+
+
+def sliding_window_size_from_hf(hf_config: Mapping[str, Any], architecture: str) -> int | None:
+    """W — how many tokens *before* the current one an SWA query sees — from an HF config dict.
+
+    transformers masks an SWA layer with `kv_idx > q_idx - sliding_window` (masking_utils'
+    `sliding_window_overlay`): the query sees `sliding_window` keys, itself included, so
+    W = sliding_window - 1 (GPT-OSS: 128 → 127). MiMo-V2-Flash configs may give W directly as
+    `sliding_window_size` (SGLang's convention); transformers then sets
+    `sliding_window = sliding_window_size + 1`, so that field wins. None when neither is set.
+    """
+    if architecture == MIMO_V2_FLASH and hf_config.get("sliding_window_size") is not None:
+        w = hf_config["sliding_window_size"]
+        if not is_int(w) or w < 0:
+            raise ModelConfigError(f"sliding_window_size must be an int >= 0, got {w!r}")
+        return int(w)
+    window = hf_config.get("sliding_window")
+    if window is None:
+        return None
+    if not is_int(window) or window < 1:
+        raise ModelConfigError(f"sliding_window must be an int >= 1, got {window!r}")
+    return int(window) - 1
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read and parse `model_dir/config.json` (raises ModelConfigError and subclasses)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"no config.json in {model_dir}")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(hf, dict):
+        raise ModelConfigError(f"{path} must hold a JSON object")
+    return parse_model_config(hf, source=str(path))
+
+
+def parse_model_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """Parse an HF config dict (the content of config.json)."""
+    from swaserve.worker.models.config_parsers import PARSERS  # they build on this module
+
+    return PARSERS[architecture_from_hf(hf, source)](hf, source).parse()
+
+
+def architecture_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> str:
+    """The supported architecture named by `architectures` (or, failing that, `model_type`)."""
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    archs = hf.get("architectures")
+    if archs:
+        for arch in archs:
+            if arch in SUPPORTED_ARCHITECTURES:
+                return str(arch)
+        raise UnknownArchitectureError(
+            f"unsupported architecture {archs} in {source}; supported: {supported}"
+        )
+    model_type = hf.get("model_type")
+    if model_type is None:
+        raise MissingConfigFieldError("architectures", source, f"supported: {supported}")
+    if model_type not in _ARCHITECTURE_BY_MODEL_TYPE:
+        raise UnknownArchitectureError(
+            f"unsupported model_type {model_type!r} in {source}; supported: {supported}"
+        )
+    return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,346 @@
+"""Per-architecture readers of an HF config.json: each applies the defaults of transformers'
+config class (`GptOssConfig`, `MiMoV2FlashConfig`) and checks what our model code relies on,
+raising typed errors that name the field and the file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from swaserve.worker.models.config import (
+    FULL_ATTENTION,
+    GPT_OSS,
+    MIMO_V2_FLASH,
+    SLIDING_ATTENTION,
+    AttentionKindConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeConfig,
+    is_int,
+    sliding_window_size_from_hf,
+)
+from swaserve.worker.models.errors import MissingConfigFieldError, ModelConfigError
+
+ROPE_TYPES = ("default", "yarn")
+
+
+class ConfigParser:
+    """Shared field access with typed errors; one subclass per architecture."""
+
+    architecture = ""
+
+    def __init__(self, hf: Mapping[str, Any], source: str) -> None:
+        self.hf = hf
+        self.source = source
+
+    def parse(self) -> ModelConfig:
+        raise NotImplementedError
+
+    def fail(self, message: str) -> ModelConfigError:
+        return ModelConfigError(f"{self.source}: {message}")
+
+    def required_int(self, name: str, reason: str = "", minimum: int = 1) -> int:
+        if self.hf.get(name) is None:
+            raise MissingConfigFieldError(name, self.source, reason)
+        return self.int_field(name, self.hf[name], minimum)
+
+    def optional_int(self, name: str, default: int, minimum: int = 1) -> int:
+        value = self.hf.get(name)
+        return default if value is None else self.int_field(name, value, minimum)
+
+    def int_field(self, name: str, value: Any, minimum: int) -> int:
+        if not is_int(value) or value < minimum:
+            raise self.fail(f"field {name!r} must be an int >= {minimum}, got {value!r}")
+        return int(value)
+
+    def number(self, name: str, default: float) -> float:
+        value = self.hf.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(f"field {name!r} must be a number, got {value!r}")
+        return float(value)
+
+    def layer_types(self, num_layers: int, default: list[str]) -> tuple[str, ...]:
+        types = self.hf.get("layer_types")
+        if types is None:
+            return tuple(default)
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise self.fail(f"layer_types must list one kind per layer ({num_layers})")
+        for t in types:
+            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise self.fail(
+                    f"layer_types entry {t!r} is not {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}"
+                )
+        return tuple(types)
+
+    def window(self, layer_types: tuple[str, ...]) -> int | None:
+        try:
+            w = sliding_window_size_from_hf(self.hf, self.architecture)
+        except ModelConfigError as exc:
+            raise self.fail(str(exc)) from exc
+        if w is None and SLIDING_ATTENTION in layer_types:
+            raise MissingConfigFieldError(
+                "sliding_window", self.source, "layer_types has sliding_attention layers"
+            )
+        return w
+
+    def check_heads(self, num_heads: int, kind: AttentionKindConfig, name: str) -> None:
+        if num_heads % kind.num_kv_heads:
+            raise self.fail(
+                f"num_attention_heads={num_heads} is not a multiple of the {name} layers' "
+                f"KV heads ({kind.num_kv_heads})"
+            )
+
+    def rope(self, params: Mapping[str, Any], head_dim: int, default_partial: float) -> RopeConfig:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise self.fail(f"rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        theta = params.get("rope_theta")
+        if theta is None:
+            raise MissingConfigFieldError("rope_parameters.rope_theta", self.source)
+        partial = float(params.get("partial_rotary_factor", default_partial))
+        if rope_type == "default":
+            return RopeConfig("default", float(theta), head_dim, partial)
+        if params.get("factor") is None:
+            raise MissingConfigFieldError("rope_parameters.factor", self.source, "YaRN RoPE")
+        original = params.get("original_max_position_embeddings")
+        if original is None:
+            original = self.hf.get(
+                "original_max_position_embeddings", self.hf.get("max_position_embeddings")
+            )
+        if original is None:
+            raise MissingConfigFieldError(
+                "rope_parameters.original_max_position_embeddings", self.source, "YaRN RoPE"
+            )
+        return RopeConfig(
+            "yarn",
+            float(theta),
+            head_dim,
+            partial,
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+        )
+
+    def common(self) -> dict[str, Any]:
+        eos = self.hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return dict(
+            architecture=self.architecture,
+            source=self.source,
+            vocab_size=self.required_int("vocab_size"),
+            hidden_size=self.required_int("hidden_size"),
+            num_heads=self.required_int("num_attention_heads"),
+            rms_norm_eps=self.number("rms_norm_eps", 1e-5),
+            tie_word_embeddings=bool(self.hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=self.optional_int("max_position_embeddings", 131072),
+            bos_token_id=self.hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=self.hf.get("pad_token_id"),
+        )
+
+
+class GptOssConfigParser(ConfigParser):
+    """transformers' GptOssConfig: all layers have sinks and q/k/v/o biases (attention_bias);
+    one YaRN RoPE for both kinds; every layer is MoE."""
+
+    architecture = GPT_OSS
+    _DEFAULT_ROPE: Mapping[str, Any] = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        n = self.required_int("num_hidden_layers")
+        types = self.layer_types(
+            n, [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n)]
+        )
+        head_dim = self.required_int("head_dim")
+        params = dict(
+            self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or self._DEFAULT_ROPE
+        )
+        params.setdefault("rope_theta", self.hf.get("rope_theta", 150000.0))
+        if params.get("rope_type", params.get("type")) == "default":
+            params["partial_rotary_factor"] = 1.0  # HF's default RoPE for GPT-OSS rotates all
+        rope = self.rope(params, head_dim, 1.0)
+        if rope.rotary_dim != head_dim:
+            raise self.fail("GPT-OSS RoPE must rotate the whole head (partial_rotary_factor 1)")
+        kind = AttentionKindConfig(
+            num_kv_heads=self.required_int("num_key_value_heads"),
+            head_dim=head_dim,
+            v_head_dim=head_dim,
+            has_sinks=True,
+            rope=rope,
+        )
+        self.check_heads(common["num_heads"], kind, "attention")
+        bias = bool(self.hf.get("attention_bias", True))
+        moe = MoEConfig(
+            num_experts=self._num_experts(),
+            num_experts_per_tok=self.required_int("num_experts_per_tok"),
+            intermediate_size=self.required_int("intermediate_size"),
+            swiglu_alpha=self.number("swiglu_alpha", 1.702),
+            swiglu_limit=self.number("swiglu_limit", 7.0),
+        )
+        if moe.num_experts_per_tok > moe.num_experts:
+            raise self.fail("num_experts_per_tok exceeds the number of experts")
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("sparse",) * n,
+            sliding_window_size=self.window(types),
+            full_attention=kind,
+            swa_attention=kind,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=str(self.hf.get("hidden_act", "silu")),
+            intermediate_size=moe.intermediate_size,
+            moe=moe,
+        )
+
+    def _num_experts(self) -> int:
+        if self.hf.get("num_local_experts") is None and self.hf.get("num_experts") is not None:
+            return self.required_int("num_experts")
+        return self.required_int("num_local_experts")
+
+
+class MiMoConfigParser(ConfigParser):
+    """transformers' MiMoV2FlashConfig: SWA layers have 2 × num_key_value_heads and sinks, full
+    layers neither; per-kind RoPE theta and partial rotary; V head dim may differ from K's;
+    V is scaled by attention_value_scale; "dense" layers have a SwiGLU MLP, "sparse" ones MoE."""
+
+    architecture = MIMO_V2_FLASH
+    _DEFAULT_ROPE: Mapping[str, Mapping[str, Any]] = {
+        FULL_ATTENTION: {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "partial_rotary_factor": 0.334,
+        },
+        SLIDING_ATTENTION: {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.334,
+        },
+    }
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        n = self.required_int("num_hidden_layers")
+        types = self.layer_types(n, self._default_layer_types(n))
+        mlp_types = self._mlp_layer_types(n)
+        head_dim = self.required_int("head_dim")
+        v_head_dim = self.required_int("v_head_dim")
+        kv_heads = self.required_int("num_key_value_heads")
+        rope_by_kind = self.hf.get("rope_parameters") or self._DEFAULT_ROPE
+
+        def kind(name: str, heads: int, sinks: bool) -> AttentionKindConfig:
+            params = rope_by_kind.get(name) if isinstance(rope_by_kind, Mapping) else None
+            if not isinstance(params, Mapping):
+                raise MissingConfigFieldError(f"rope_parameters.{name}", self.source)
+            rope = self.rope(
+                params, head_dim, 0.334 if params.get("rope_type", "default") == "default" else 1.0
+            )
+            return AttentionKindConfig(heads, head_dim, v_head_dim, sinks, rope)
+
+        full = kind(FULL_ATTENTION, kv_heads, False)
+        swa = kind(SLIDING_ATTENTION, 2 * kv_heads, True)
+        for name, k in ((FULL_ATTENTION, full), (SLIDING_ATTENTION, swa)):
+            if name in types:
+                self.check_heads(common["num_heads"], k, name)
+        act = str(self.hf.get("hidden_act", "silu"))
+        if act != "silu":
+            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
+        scale = self.hf.get("attention_value_scale", 0.707)
+        dense_size = (
+            self.required_int("intermediate_size", "dense MLP layers")
+            if "dense" in mlp_types
+            else 0
+        )
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=mlp_types,
+            sliding_window_size=self.window(types),
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=bool(self.hf.get("attention_bias", False)),
+            o_proj_bias=False,
+            attention_value_scale=None if scale is None else float(scale),
+            hidden_act=act,
+            intermediate_size=dense_size,
+            moe=self._moe() if "sparse" in mlp_types else MoEConfig(0, 0, 0),
+        )
+
+    def _default_layer_types(self, n: int) -> list[str]:
+        """HF's default (full at layer 0 and every 6th), or the older `hybrid_layer_pattern`
+        (1 = SWA, 0 = full) when config.json has no `layer_types`."""
+        pattern = self.hf.get("hybrid_layer_pattern")
+        if pattern is None:
+            return [
+                FULL_ATTENTION if i == 0 or not (i + 1) % 6 else SLIDING_ATTENTION for i in range(n)
+            ]
+        if (
+            not isinstance(pattern, list)
+            or len(pattern) != n
+            or any(p not in (0, 1) for p in pattern)
+        ):
+            raise self.fail(
+                f"hybrid_layer_pattern must list 0 (full) or 1 (SWA) for each of {n} layers"
+            )
+        return [SLIDING_ATTENTION if p == 1 else FULL_ATTENTION for p in pattern]
+
+    def _mlp_layer_types(self, n: int) -> tuple[str, ...]:
+        types = self.hf.get("mlp_layer_types")
+        if types is None and isinstance(self.hf.get("moe_layer_freq"), list):
+            types = ["sparse" if f else "dense" for f in self.hf["moe_layer_freq"]]
+        if types is None:
+            types = ["dense"] + ["sparse"] * (n - 1)
+        if (
+            not isinstance(types, list)
+            or len(types) != n
+            or any(t not in ("dense", "sparse") for t in types)
+        ):
+            raise self.fail(f"mlp_layer_types must list 'dense' or 'sparse' for each of {n} layers")
+        return tuple(types)
+
+    def _moe(self) -> MoEConfig:
+        if self.hf.get("n_routed_experts") is None and self.hf.get("num_local_experts") is not None:
+            experts = self.required_int("num_local_experts")
+        else:
+            experts = self.required_int("n_routed_experts", "sparse MLP layers")
+        scaling = self.hf.get("routed_scaling_factor")
+        moe = MoEConfig(
+            num_experts=experts,
+            num_experts_per_tok=self.required_int("num_experts_per_tok", "sparse MLP layers"),
+            intermediate_size=self.required_int("moe_intermediate_size", "sparse MLP layers"),
+            n_group=self.optional_int("n_group", 1),
+            topk_group=self.optional_int("topk_group", 1),
+            norm_topk_prob=bool(self.hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=1.0 if scaling is None else float(scaling),
+        )
+        if experts % moe.n_group or experts // moe.n_group < 2:
+            raise self.fail(
+                f"n_routed_experts={experts} must split into n_group={moe.n_group} groups of at least 2"
+            )
+        if moe.topk_group > moe.n_group:
+            raise self.fail(f"topk_group={moe.topk_group} exceeds n_group={moe.n_group}")
+        if moe.num_experts_per_tok > moe.topk_group * (experts // moe.n_group):
+            raise self.fail("num_experts_per_tok exceeds the experts of the selected groups")
+        return moe
+
+
+PARSERS: dict[str, type[ConfigParser]] = {
+    GPT_OSS: GptOssConfigParser,
+    MIMO_V2_FLASH: MiMoConfigParser,
+}

@@ -1,0 +1,91 @@
+"""GPT-OSS (transformers' `GptOssForCausalLM`): alternating sliding / full attention layers, all
+with sinks and q/k/v/o biases, one YaRN RoPE, and a MoE MLP in every layer — softmax over the
+top-k router logits, clamped SwiGLU experts with biases."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swaserve.worker.models.causal_lm import HybridCausalLM
+from swaserve.worker.models.config import ModelConfig
+from swaserve.worker.models.layers import RMSNorm, group_by_expert
+
+
+class GptOssTopKRouter(nn.Module):
+    """Linear router with bias; the top-k logits are softmaxed among themselves."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = config.moe.num_experts_per_tok
+        e, d = config.moe.num_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.empty(e, d, dtype=dtype))  # [E, D]
+        self.bias = nn.Parameter(torch.empty(e, dtype=dtype))  # [E]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k], top-k expert ids [T, k] int64) for x [T, D]."""
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top_value, top_index = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
+        return torch.softmax(top_value, dim=1, dtype=top_value.dtype), top_index
+
+
+class GptOssExperts(nn.Module):
+    """Experts as packed tensors in HF's transposed layout: gate_up_proj [E, D, 2I] with gate and
+    up interleaved (even / odd columns), down_proj [E, I, D], each with a bias."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        moe = config.moe
+        e, d, i = moe.num_experts, config.hidden_size, moe.intermediate_size
+        self.num_experts = e
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * i, dtype=dtype))  # [E, D, 2I]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype))  # [E, 2I]
+        self.down_proj = nn.Parameter(torch.empty(e, i, d, dtype=dtype))  # [E, I, D]
+        self.down_proj_bias = nn.Parameter(torch.empty(e, d, dtype=dtype))  # [E, D]
+
+    def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(up + 1) · gate · σ(α · gate), gate clamped above and up on both sides at `limit`."""
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        out = torch.zeros_like(x)  # [T, D]
+        for e, rows, slots in group_by_expert(top_k_index, self.num_experts):
+            gate_up = x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
+            y = self.clamped_swiglu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, D]
+            out.index_add_(0, rows, (y * top_k_weights[rows, slots, None]).to(x.dtype))
+        return out
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.router = GptOssTopKRouter(config, dtype=dtype)
+        self.experts = GptOssExperts(config, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.router(x)
+        return self.experts(x, index, weights)
+
+
+class GptOssForCausalLM(HybridCausalLM):
+    norm_weight_after_cast: ClassVar[bool] = False
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        return GptOssMLP(self.config, dtype=self.dtype)
+
+    def make_norm(self, hidden_size: int) -> RMSNorm:
+        # HF keeps GPT-OSS norms in float32 (`_keep_in_fp32_modules`) whatever the model dtype.
+        return RMSNorm(
+            hidden_size, self.config.rms_norm_eps, weight_after_cast=False, dtype=torch.float32
+        )

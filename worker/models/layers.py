@@ -1,0 +1,145 @@
+"""Layers shared by the hybrid-SWA models: RMSNorm, attention through an `AttentionBackend`,
+the dense SwiGLU MLP, the decoder layer, and the expert grouping that both MoE blocks use.
+
+Parameter names are transformers' (q_proj, k_proj, v_proj, o_proj, sinks, gate_proj, ...), so
+that HF checkpoints load by name. Activations are token-major: [T, ...] over the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
+from swaserve.worker.models.config import ModelConfig
+from swaserve.worker.models.rotary import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32. `weight_after_cast=False` (GPT-OSS) multiplies by the weight before
+    casting back to the input dtype; `True` (MiMo-V2-Flash) casts first, as each HF class does."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, *, weight_after_cast: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))  # [D]
+        self.eps = eps
+        self.weight_after_cast = weight_after_cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)  # [T, D] float32
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_after_cast:
+            return self.weight * h.to(x.dtype)
+        return (self.weight * h).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v projections, RoPE at the batch's positions, then the backend (which writes K/V into
+    the pool and attends, windowed on SWA layers, with sinks when the layer kind has them)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        kind = config.attention_kind(layer_id)
+        self.layer = config.attention_layer(layer_id)
+        self.backend = backend
+        d, h, hkv = config.hidden_size, config.num_heads, kind.num_kv_heads
+        self.num_heads, self.num_kv_heads = h, hkv
+        self.head_dim, self.v_head_dim = kind.head_dim, kind.v_head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, h * kind.head_dim, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(d, hkv * kind.head_dim, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(d, hkv * kind.v_head_dim, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(h * kind.v_head_dim, d, bias=config.o_proj_bias, dtype=dtype)
+        self.sinks: nn.Parameter | None
+        if kind.has_sinks:
+            self.sinks = nn.Parameter(torch.empty(h, dtype=dtype))  # [H]
+        else:
+            self.register_parameter("sinks", None)
+        self.value_scale = config.attention_value_scale
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 × [T, R/2]
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, D]
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)  # [T, H, Dk]
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dk]
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.v_head_dim)  # [T, Hkv, Dv]
+        if self.value_scale is not None:
+            v = v * self.value_scale
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        sinks = None if self.sinks is None else self.sinks.float()  # [H] float32
+        out = self.backend.forward(q, k, v, self.layer, batch, sinks=sinks)  # [T, H, Dv]
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP without biases (MiMo-V2-Flash's "dense" layers)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(
+        self,
+        self_attn: Attention,
+        mlp: nn.Module,
+        input_layernorm: RMSNorm,
+        post_attention_layernorm: RMSNorm,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, D]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def group_by_expert(
+    top_k_index: torch.Tensor,  # [T, k] int64 expert ids
+    num_experts: int,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each expert that any token chose, in ascending expert order: (expert, token rows,
+    top-k slots). One host sync per call, not one per expert."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)  # [T·k]
+    order = torch.argsort(flat, stable=True)  # [T·k] int64, grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            picks = order[start : start + count]  # [count] int64
+            yield expert, picks // k, picks % k
+        start += count

@@ -1,0 +1,104 @@
+"""MiMo-V2-Flash (transformers' `MiMoV2FlashForCausalLM`): full attention at layer 0 and every
+6th layer, SWA elsewhere with twice the KV heads and sinks; K head dim ≠ V head dim; V scaled by
+`attention_value_scale`; per-kind partial RoPE; "dense" SwiGLU MLP layers and "sparse" MoE layers
+with a DeepSeek-V3 sigmoid router (grouped top-k, score-correction bias)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swaserve.worker.models.causal_lm import HybridCausalLM
+from swaserve.worker.models.config import ModelConfig
+from swaserve.worker.models.layers import DenseMLP, group_by_expert
+
+
+class MiMoV2FlashTopkRouter(nn.Module):
+    """Sigmoid scores; experts chosen by score + e_score_correction_bias within the `topk_group`
+    best groups (a group's score is the sum of its two best); weights are the plain scores of the
+    chosen experts, renormalized (norm_topk_prob) and scaled. Always float32, as in HF."""
+
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.routed_scaling_factor = moe.routed_scaling_factor
+        e, d = moe.num_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.empty(e, d, dtype=torch.float32))  # [E, D] float32
+        self.register_buffer(
+            "e_score_correction_bias", torch.empty(e, dtype=torch.float32)
+        )  # [E] float32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k] float32, top-k expert ids [T, k] int64) for x [T, D]."""
+        t = x.shape[0]
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E] float32
+        choice = scores + self.e_score_correction_bias  # [T, E] float32
+        per_group = self.num_experts // self.n_group
+        grouped = choice.view(t, self.n_group, per_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_index = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)  # [T, G]
+        expert_mask = group_mask[:, :, None].expand(t, self.n_group, per_group).reshape(t, -1)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        top_k_index = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        weights = scores.gather(1, top_k_index)  # [T, k] float32
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, top_k_index
+
+
+class MiMoV2FlashExperts(nn.Module):
+    """Experts as packed tensors in HF's layout: gate_up_proj [E, 2I, D] (gate rows, then up
+    rows), down_proj [E, D, I]; no biases."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, d, i = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype))  # [E, 2I, D]
+        self.down_proj = nn.Parameter(torch.empty(e, d, i, dtype=dtype))  # [E, D, I]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k] float32
+    ) -> torch.Tensor:  # [T, D]
+        out = torch.zeros_like(x)  # [T, D]
+        for e, rows, slots in group_by_expert(top_k_index, self.num_experts):
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # 2 × [n, I]
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, D]
+            out.index_add_(0, rows, (y * top_k_weights[rows, slots, None]).to(x.dtype))
+        return out
+
+
+class MiMoV2FlashMoE(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.experts = MiMoV2FlashExperts(config, dtype=dtype)
+        self.gate = MiMoV2FlashTopkRouter(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.gate(x)
+        return self.experts(x, index, weights)
+
+
+class MiMoV2FlashForCausalLM(HybridCausalLM):
+    # The released checkpoint carries multi-token-prediction layers that HF (and we) do not run.
+    ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = (r"^model\.mtp\.",)
+    norm_weight_after_cast: ClassVar[bool] = True
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        if self.config.mlp_layer_types[layer_id] == "dense":
+            return DenseMLP(
+                self.config.hidden_size, self.config.intermediate_size, dtype=self.dtype
+            )
+        return MiMoV2FlashMoE(self.config, dtype=self.dtype)

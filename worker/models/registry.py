@@ -1,0 +1,24 @@
+"""Model registry: HF architecture name (config.json's `architectures`) → model class."""
+
+from __future__ import annotations
+
+from swaserve.worker.models.causal_lm import HybridCausalLM
+from swaserve.worker.models.config import GPT_OSS, MIMO_V2_FLASH
+from swaserve.worker.models.errors import UnknownArchitectureError
+from swaserve.worker.models.gpt_oss import GptOssForCausalLM
+from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
+
+MODEL_REGISTRY: dict[str, type[HybridCausalLM]] = {
+    GPT_OSS: GptOssForCausalLM,
+    MIMO_V2_FLASH: MiMoV2FlashForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[HybridCausalLM]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(MODEL_REGISTRY)
+        raise UnknownArchitectureError(
+            f"no model class for architecture {architecture!r}; supported: {supported}"
+        ) from None

@@ -1,0 +1,298 @@
+"""Write a tiny random GPT-OSS or MiMo-V2-Flash model dir: config.json (loadable by
+transformers' AutoConfig and model classes), random safetensors weights, and a byte-level
+tokenizer (tokenizer.json + tokenizer_config.json with a simple chat template).
+
+Weights follow our model classes' parameter shapes (HF names), drawn from one seeded generator:
+the same arguments give the same bytes. Used by tests, benches and the demo; `swaserve
+make-tiny-model DIR --arch gpt-oss|mimo-v2-flash` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from swaserve.worker.models.config import (
+    FULL_ATTENTION,
+    GPT_OSS,
+    MIMO_V2_FLASH,
+    SLIDING_ATTENTION,
+    parse_model_config,
+)
+from swaserve.worker.models.loader import INDEX_FILE, SINGLE_FILE
+from swaserve.worker.models.registry import get_model_class
+
+ARCHITECTURES = {"gpt-oss": GPT_OSS, "mimo-v2-flash": MIMO_V2_FLASH}
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{{ message['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tiny_model(
+    model_dir: str | Path,
+    arch: str = "gpt-oss",
+    num_layers: int = 4,
+    sliding_window_size: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    hidden_size: int = 32,
+    seed: int = 0,
+    *,
+    layer_types: list[str] | None = None,
+    head_dim: int | None = None,
+    v_head_dim: int | None = None,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    vocab_size: int | None = None,
+    num_shards: int = 1,
+    **overrides: Any,
+) -> Path:
+    """Write the model dir and return its path.
+
+    `num_kv_heads` is the full layers' KV heads (MiMo's SWA layers get twice as many); W is
+    `sliding_window_size` (config.json stores `sliding_window = W + 1`, as HF expects).
+    `layer_types` defaults to each architecture's HF pattern. `overrides` are extra or replaced
+    config.json fields (e.g. `swiglu_limit=0.5`, `tie_word_embeddings=True`, `n_group=2`).
+    `num_shards > 1` writes a sharded checkpoint with `model.safetensors.index.json`.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    if sliding_window_size < 0 or num_layers < 1 or num_shards < 1:
+        raise ValueError("need sliding_window_size >= 0, num_layers >= 1 and num_shards >= 1")
+    vocab = vocab_size or 32 * math.ceil((256 + len(SPECIAL_TOKENS)) / 32)
+    if vocab < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must hold the {256 + len(SPECIAL_TOKENS)} tokenizer tokens")
+    head = hidden_size // num_heads
+    common: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "sliding_window": sliding_window_size + 1,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "num_experts_per_tok": num_experts_per_tok,
+    }
+    if arch == "gpt-oss":
+        hf = common | {
+            "model_type": "gpt_oss",
+            "head_dim": head_dim or head,
+            "layer_types": layer_types
+            or [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)],
+            "intermediate_size": hidden_size,
+            "num_local_experts": num_experts,
+            "attention_bias": True,
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        }
+    else:
+        full_every_6th = [
+            FULL_ATTENTION if i == 0 or (i + 1) % 6 == 0 else SLIDING_ATTENTION
+            for i in range(num_layers)
+        ]
+        hf = common | {
+            "model_type": "mimo_v2_flash",
+            "head_dim": head_dim or 3 * head,  # as MiMo-V2-Flash: Dk = 192, Dv = 128 at D/H = 64
+            "v_head_dim": v_head_dim or 2 * head,
+            "layer_types": layer_types or full_every_6th,
+            "mlp_layer_types": ["dense"] + ["sparse"] * (num_layers - 1),
+            "intermediate_size": 2 * hidden_size,
+            "moe_intermediate_size": hidden_size,
+            "n_routed_experts": num_experts,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "attention_bias": False,
+            "attention_value_scale": 0.707,
+            "rope_parameters": {
+                FULL_ATTENTION: {
+                    "rope_type": "default",
+                    "rope_theta": 5_000_000.0,
+                    "partial_rotary_factor": 0.334,
+                },
+                SLIDING_ATTENTION: {
+                    "rope_type": "default",
+                    "rope_theta": 10_000.0,
+                    "partial_rotary_factor": 0.334,
+                },
+            },
+        }
+    hf |= overrides
+    root = Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    _write_weights(root, hf, seed, num_shards)
+    write_byte_tokenizer(root)
+    return root
+
+
+def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """HF name → random tensor for every parameter and persistent buffer of the model that
+    `hf_config` describes (a tied LM head appears once, as model.embed_tokens.weight)."""
+    config = parse_model_config(hf_config, source="<tiny model config>")
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, _ShapeOnlyBackend())
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, meta in model.state_dict(keep_vars=True).items():
+        if id(meta) in seen:
+            continue
+        seen.add(id(meta))
+        noise = torch.randn(meta.shape, generator=gen, dtype=torch.float32)  # [param shape] float32
+        weights[name] = (_mean(name) + _std(name) * noise).to(meta.dtype)
+    return weights
+
+
+def _mean(name: str) -> float:
+    return 1.0 if name.endswith("norm.weight") else 0.0
+
+
+def _std(name: str) -> float:
+    if name.endswith("norm.weight"):
+        return 0.1
+    if name.endswith(".sinks"):
+        return 0.5
+    if name.endswith("e_score_correction_bias"):
+        return 0.05
+    if name.endswith("bias"):
+        return 0.02
+    return 0.1
+
+
+def _write_weights(root: Path, hf_config: dict[str, Any], seed: int, num_shards: int) -> None:
+    weights = random_weights(hf_config, seed)
+    for stale in [root / SINGLE_FILE, root / INDEX_FILE, *root.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if num_shards == 1:
+        save_file(weights, str(root / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    names = list(weights)
+    weight_map: dict[str, str] = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: weights[n] for n in names[shard::num_shards]}
+        save_file(part, str(root / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (the ByteLevel pre-tokenizer's)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def write_byte_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """tokenizer.json: token id = byte value for 0..255, then SPECIAL_TOKENS; no merges, so any
+    text round-trips. tokenizer_config.json names bos/eos/pad and holds a simple chat template."""
+    root = Path(model_dir)
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer.save(str(root / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[2],
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return tokenizer
+
+
+class _ShapeOnlyBackend(AttentionBackend):
+    """Stands in for a backend while a model is built only to read its parameter shapes."""
+
+    name = "shape-only"
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        raise RuntimeError("a shape-only model cannot run")
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise RuntimeError("a shape-only model cannot run")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="model dir to write (created if missing)")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="gpt-oss")
+    parser.add_argument("--layers", type=int, default=4, help="number of layers")
+    parser.add_argument("--window", type=int, default=4, help="W: tokens before the current one")
+    parser.add_argument("--heads", type=int, default=4, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads of the full layers")
+    parser.add_argument("--hidden", type=int, default=32, help="hidden size")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    root = make_tiny_model(
+        args.dir,
+        arch=args.arch,
+        num_layers=args.layers,
+        sliding_window_size=args.window,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        hidden_size=args.hidden,
+        seed=args.seed,
+    )
+    config = parse_model_config(json.loads((root / "config.json").read_text()))
+    print(
+        f"wrote {args.arch} to {root}: {config.num_layers} layers "
+        f"(full {config.full_layer_ids}, SWA {config.swa_layer_ids}), W={config.sliding_window_size}, "
+        f"hidden {config.hidden_size}, vocab {config.vocab_size}"
+    )
+    return 0
