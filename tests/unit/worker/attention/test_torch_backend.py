@@ -1,0 +1,197 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_scenario import Scenario, Shape, make_layers, make_memory
+
+from swaserve.worker.attention import MissingSWAKV, TorchAttentionBackend
+from swaserve.worker.attention import torch_backend as torch_backend_module
+from swaserve.worker.attention.sdpa import attention
+
+# Steps of a mixed workload: prefills of different lengths, a one-token prefill, decodes, a
+# prefill chunk after a cached prefix (R1's second and R2's third step), a new request joining.
+STEPS = [
+    {0: 7, 1: 3, 2: 1},
+    {0: 1, 1: 5, 2: 1, 3: 9},
+    {3: 4, 0: 1, 1: 1, 2: 6},
+    {0: 1, 1: 1, 2: 1, 3: 1},
+    {2: 1, 3: 1, 0: 1, 1: 1},
+]
+SHAPES = {
+    "gqa": Shape(num_heads=4, full_kv_heads=2, swa_kv_heads=2, head_dim=8, v_head_dim=8),
+    # MiMo-like: SWA layers have more KV heads than full ones, K dim > V dim (192 / 128 scaled).
+    "mimo": Shape(num_heads=8, full_kv_heads=1, swa_kv_heads=2, head_dim=12, v_head_dim=8),
+    "mha_v_wider": Shape(num_heads=2, full_kv_heads=2, swa_kv_heads=2, head_dim=4, v_head_dim=6),
+}
+TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
+
+
+def run_and_compare(
+    sc: Scenario,
+    steps: list[dict[int, int]],
+    *,
+    free_window: int | None = None,
+    poison: bool = False,
+) -> list[dict[int, dict[int, torch.Tensor]]]:
+    """Run the steps; after each, optionally free out-of-window SWA KV and NaN-fill unused rows.
+    Every output must match the dense reference."""
+    tol = TOL[sc.dtype]
+    results = []
+    for extends in steps:
+        prefix = {r: sc.requests[r].cached for r in extends}
+        outs = sc.step(extends)
+        for rid, n in extends.items():
+            for layer in sc.layers:
+                got = outs[rid][layer.layer_id]
+                assert got.dtype == sc.dtype
+                want = sc.expected(rid, layer, prefix[rid], prefix[rid] + n)
+                torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        if free_window is not None:
+            sc.free_out_of_window(free_window)
+        if poison:
+            sc.poison_unused_rows()
+        results.append(outs)
+    return results
+
+
+def build(
+    shape: Shape,
+    window: int | None,
+    *,
+    page_size: int,
+    single_pool: bool,
+    sinks: bool,
+    dtype: torch.dtype = torch.float32,
+    kinds: str = "FSS",
+) -> Scenario:
+    layers = make_layers(shape, window, kinds)
+    memory = make_memory(layers, window, page_size=page_size, single_pool=single_pool, dtype=dtype)
+    sc = Scenario(TorchAttentionBackend(memory, window), memory, layers, sinks=sinks, dtype=dtype)
+    for rid in range(4):
+        sc.add_request(rid, 32)
+    return sc
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("single_pool", [False, True], ids=["two_pools", "one_pool"])
+@pytest.mark.parametrize("window", [0, 1, 3, 64])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_mixed_batches_match_the_dense_reference(
+    page_size: int, single_pool: bool, window: int, shape: str
+) -> None:
+    sc = build(
+        SHAPES[shape], window, page_size=page_size, single_pool=single_pool, sinks=shape != "gqa"
+    )
+    run_and_compare(sc, STEPS, free_window=None if single_pool else window, poison=True)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_matmul_path_in_float64_is_exact(sinks: bool) -> None:
+    sc = build(SHAPES["mimo"], 3, page_size=4, single_pool=False, sinks=sinks, dtype=torch.float64)
+    run_and_compare(sc, STEPS, free_window=3, poison=True)
+
+
+def test_full_attention_only_model() -> None:
+    layers = make_layers(SHAPES["gqa"], None, "FF")
+    memory = make_memory(layers, None, page_size=4, single_pool=False)
+    assert not memory.hybrid  # no SWA layers: one pool
+    sc = Scenario(TorchAttentionBackend(memory, None), memory, layers, sinks=True)
+    for rid in range(4):
+        sc.add_request(rid, 32)
+    run_and_compare(sc, STEPS, poison=True)
+
+
+def test_query_tiles_and_decode_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tiny budget forces several query tiles per prefill and several decode groups.
+    monkeypatch.setattr(torch_backend_module, "SCORE_BUDGET_ELEMENTS", 64)
+    assert torch_backend_module.query_tile(8, 9, 9, None) == 1
+    assert torch_backend_module.query_tile(2, 9, 12, None) == 2  # 2 * 2 * 12 <= 64
+    assert torch_backend_module.query_tile(2, 20, 23, 3) == 1  # keys capped at tile + W = 23
+    monkeypatch.setattr(torch_backend_module, "QUERY_TILE_TOKENS", 4)
+    assert torch_backend_module.query_tile(2, 20, 23, 3) == 4  # 2 * 4 * (4 + 3) <= 64
+    for window, single_pool in ((2, False), (64, True)):
+        sc = build(SHAPES["mimo"], window, page_size=4, single_pool=single_pool, sinks=True)
+        run_and_compare(sc, STEPS, free_window=None if single_pool else window, poison=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_swa_reads_only_the_window(page_size: int) -> None:
+    """Freed out-of-window SWA slots and every unused row hold NaN: outputs are bit-identical to
+    a twin run on clean pools."""
+    window = 2
+    clean = build(SHAPES["mimo"], window, page_size=page_size, single_pool=False, sinks=True)
+    dirty = build(SHAPES["mimo"], window, page_size=page_size, single_pool=False, sinks=True)
+    alloc = dirty.memory.allocator
+    swa_total = alloc.swa_available_size()  # type: ignore[union-attr]
+    clean_out = run_and_compare(clean, STEPS)
+    freed = 0
+    for i, extends in enumerate(STEPS):
+        dirty_out = dirty.step(extends)
+        freed += dirty.free_out_of_window(window)
+        dirty.poison_unused_rows()
+        for rid in extends:
+            for lid, got in dirty_out[rid].items():
+                assert torch.isfinite(got).all()
+                assert torch.equal(got, clean_out[i][rid][lid])
+    # The SWA side really was freed: every request now holds about W + P SWA slots, not its length.
+    assert freed > 0
+    held = sum(r.cached for r in dirty.requests.values())
+    assert swa_total - alloc.swa_available_size() < held  # type: ignore[union-attr]
+    swa_k = dirty.memory.kv_pool.swa_pool.k_buffer[0]  # type: ignore[union-attr]
+    assert torch.isnan(swa_k).any()
+
+
+def test_a_missing_swa_slot_raises_before_any_layer_runs() -> None:
+    sc = build(SHAPES["gqa"], 2, page_size=1, single_pool=False, sinks=False)
+    run_and_compare(sc, STEPS[:1])
+    # R0 holds 7 tokens; its next window is [5, 8): free position 6 too early.
+    sc.memory.allocator.free_swa(sc.requests[0].slots[6:7])  # type: ignore[union-attr]
+    batch = sc.batch({0: 1, 1: 1})
+    with pytest.raises(MissingSWAKV, match=r"request 0: .*position 6"):
+        sc.backend.init_forward_metadata(batch)
+
+
+def test_bad_calls_raise_value_errors() -> None:
+    sc = build(SHAPES["gqa"], 2, page_size=1, single_pool=False, sinks=False)
+    batch = sc.batch({0: 3})
+    layer = sc.layers[0]
+    q = torch.zeros(3, 4, 8)
+    k = torch.zeros(3, 2, 8)
+    with pytest.raises(ValueError, match="call init_forward_metadata"):
+        sc.backend.forward(q, k, k, layer, batch)
+    sc.backend.init_forward_metadata(batch)
+    with pytest.raises(ValueError, match=r"layer 0: k has shape \(3, 4, 8\), expected \(3, 2, 8\)"):
+        sc.backend.forward(q, q, k, layer, batch)
+    with pytest.raises(ValueError, match=r"sinks have shape \(2,\), expected \(4,\)"):
+        sc.backend.forward(q, k, k, layer, batch, sinks=torch.zeros(2))
+
+
+def test_sdpa_fused_and_matmul_paths_agree() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 5, 6, 12, generator=gen)  # [B, Lq, H, Dk]
+    k = torch.randn(3, 9, 2, 12, generator=gen)  # [B, L, Hkv, Dk]
+    v = torch.randn(3, 9, 2, 8, generator=gen)  # [B, L, Hkv, Dv]
+    bias = torch.zeros(3, 5, 9).masked_fill_(torch.rand(3, 5, 9, generator=gen) < 0.4, -torch.inf)
+    bias[..., 0] = 0.0  # every query sees a key
+    sinks = torch.randn(6, generator=gen)
+    fused = attention(q, k, v, bias, 0.3, sinks, fused=True)
+    plain = attention(q, k, v, bias, 0.3, sinks, fused=False)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    # Dv > Dk pads Q and K instead of V.
+    fused = attention(q[..., :4], k[..., :4], v, bias, 0.3, None, fused=True)
+    plain = attention(q[..., :4], k[..., :4], v, bias, 0.3, None, fused=False)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_stays_close_to_the_reference() -> None:
+    sc = build(SHAPES["gqa"], 3, page_size=4, single_pool=False, sinks=True, dtype=torch.bfloat16)
+    for extends in STEPS[:3]:
+        prefix = {r: sc.requests[r].cached for r in extends}
+        outs = sc.step(extends)
+        for rid, n in extends.items():
+            for layer in sc.layers:
+                want = sc.expected(rid, layer, prefix[rid], prefix[rid] + n)
+                got = outs[rid][layer.layer_id]
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.05)
+        sc.free_out_of_window(3)
