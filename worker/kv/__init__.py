@@ -1,5 +1,18 @@
-"""KV memory of one worker: allocators, KV buffers, pool sizing, out-of-window SWA freeing."""
+"""KV memory of one worker: allocators, KV buffers, pool sizing, out-of-window SWA freeing,
+and the SWA-aware radix prefix cache."""
 
+from swaserve.proto.kv_events import (
+    KVCleared,
+    KVEvent,
+    KVEventMirror,
+    KVEventMismatch,
+    KVRemoved,
+    KVRevived,
+    KVStored,
+    KVTombstoned,
+    page_hash,
+    page_hashes,
+)
 from swaserve.worker.kv.allocator import NO_LAST_LOC, SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.errors import AllocatorCorrupted, InvalidFree, KVError
 from swaserve.worker.kv.kv_pool import KVLayout, KVPool, LayerSlot, SWAKVPool
@@ -23,6 +36,14 @@ from swaserve.worker.kv.pool_plan import (
     request_bound,
     requests_that_fit,
 )
+from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
+from swaserve.worker.kv.radix_node import (
+    LockHandle,
+    MatchResult,
+    PrefixLock,
+    RadixCacheCorrupted,
+    RadixNode,
+)
 from swaserve.worker.kv.swa_freeing import (
     SWAFreeState,
     free_swa_out_of_window_slots,
@@ -36,22 +57,39 @@ __all__ = [
     "NO_LAST_LOC",
     "AllocatorCorrupted",
     "InvalidFree",
+    "KVCleared",
     "KVError",
+    "KVEvent",
+    "KVEventMirror",
+    "KVEventMismatch",
     "KVLayout",
     "KVMemory",
     "KVMemoryConfig",
     "KVModelSpec",
     "KVPool",
+    "KVRemoved",
+    "KVRevived",
+    "KVStored",
+    "KVTombstoned",
     "LayerShape",
     "LayerSlot",
+    "LockHandle",
+    "MatchResult",
     "PoolPlan",
+    "PrefixLock",
+    "PureSWARadixCache",
+    "RadixCacheCorrupted",
+    "RadixNode",
     "SWAFreeState",
     "SWAKVPool",
+    "SWARadixCache",
     "SWATokenAllocator",
     "TokenAllocator",
     "auto_swa_full_tokens_ratio",
     "build_kv_memory",
     "free_swa_out_of_window_slots",
+    "page_hash",
+    "page_hashes",
     "plan_kv_memory",
     "plan_pools",
     "plan_pools_chunk_capped",

@@ -156,6 +156,31 @@ class TokenAllocator:
             return None
         return _fill_decode(needs_page, last, pages, self.page_size)
 
+    # ---- the two-pool contract, for one pool --------------------------------------------
+    # With `disable_hybrid_swa_memory` every layer's KV of a token lives in its one slot, so the
+    # prefix cache and scheduler can treat this allocator as an `SWATokenAllocator` whose SWA
+    # address is the full address and whose SWA KV goes only with the full slot.
+    @property
+    def full(self) -> TokenAllocator:
+        return self
+
+    @property
+    def full_size(self) -> int:
+        return self.size
+
+    def full_available_size(self) -> int:
+        return self.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.available_size()
+
+    def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
+        """Identity: one pool, one address (-1 stays -1)."""
+        return full_idx.to(torch.int64)
+
+    def free_swa(self, full_idx: torch.Tensor) -> None:
+        """Nothing to do: a single pool frees SWA-layer KV only with the slot (`free`)."""
+
     # ---- integrity -----------------------------------------------------------------------
     def check(self, owned: torch.Tensor | None = None) -> None:
         """Raise `AllocatorCorrupted` if the free list is broken.

@@ -8,9 +8,9 @@ Positions of one request, with `pre_len` tokens already in the KV cache:
     # [boundary, pre_len)                       the window (and the page of the last token)
 
 `boundary = floor_P(pre_len - W)` with the chunk cache (no prefix tree), and
-`floor_P(pre_len - max(W, P))` with the radix cache, whose page-aligned inserts must keep SWA KV
-for a whole page before the end; in both modes it never reaches the page holding token
-`pre_len - 1`.
+`floor_P(min(pre_len - max(W, P), floor_P(pre_len) - W))` with the radix cache: the tree receives
+the page-aligned prefix `[0, floor_P(pre_len))`, whose end stays matchable only while the W tokens
+before it keep their SWA KV. In both modes it never reaches the page holding token `pre_len - 1`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ def swa_free_boundary(
             f"bad arguments: pre_len={pre_len}, sliding_window_size={sliding_window_size}, "
             f"page_size={page_size}"
         )
-    keep = max(sliding_window_size, page_size) if radix_cache else sliding_window_size
-    boundary = max(0, pre_len - keep) // page_size * page_size
+    if radix_cache:
+        aligned_end = pre_len // page_size * page_size
+        limit = min(pre_len - max(sliding_window_size, page_size), aligned_end - sliding_window_size)
+    else:
+        limit = pre_len - sliding_window_size
+    boundary = max(0, limit) // page_size * page_size
     last_page_start = max(0, pre_len - 1) // page_size * page_size
     return min(boundary, last_page_start)
 

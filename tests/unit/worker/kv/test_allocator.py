@@ -237,3 +237,14 @@ def test_check_catches_an_swa_slot_both_mapped_and_free() -> None:
     alloc.swa.free(alloc.translate(idx))  # bypasses the mapping
     with pytest.raises(AllocatorCorrupted):
         alloc.check()
+
+
+def test_token_allocator_speaks_the_two_pool_contract() -> None:
+    alloc = TokenAllocator(8, page_size=1)
+    idx = alloc.alloc(2)
+    assert idx is not None
+    assert alloc.translate(t(-1, 1)).tolist() == [-1, 1]
+    alloc.free_swa(idx)  # SWA-layer KV stays in the slot
+    assert alloc.full_available_size() == alloc.swa_available_size() == 6
+    assert alloc.full is alloc and alloc.full_size == 8
+    alloc.check(owned=idx)

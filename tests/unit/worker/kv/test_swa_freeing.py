@@ -116,3 +116,16 @@ def test_unaligned_protected_len_raises() -> None:
         free_swa_out_of_window_slots(
             alloc, SWAFreeState(), slots, 21, sliding_window_size=4, radix_cache=True
         )
+
+
+def test_radix_boundary_keeps_the_window_of_the_cached_prefix() -> None:
+    # P = 4, W = 5, pre_len = 15: the tree will receive [0, 12); tokens 7..11 must stay live,
+    # so only [0, 4) may go (pre_len - max(W, P) alone would allow [0, 8)).
+    assert swa_free_boundary(15, sliding_window_size=5, page_size=4, radix_cache=True) == 4
+    assert swa_free_boundary(15, sliding_window_size=5, page_size=4, radix_cache=False) == 8
+    for pre_len in range(1, 80):
+        for window, page in [(5, 4), (1, 8), (9, 4), (3, 1)]:
+            boundary = swa_free_boundary(
+                pre_len, sliding_window_size=window, page_size=page, radix_cache=True
+            )
+            assert boundary <= max(0, pre_len // page * page - window)

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random models written to a temp dir once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swaserve.worker.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_model_factory(arch=..., **options)` → an HF model dir, cached per option set."""
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "gpt-oss", **options: object) -> Path:
+        key = (arch, repr(sorted(options.items())))  # repr: options may hold lists
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = make_tiny_model(path, arch=arch, **options)  # type: ignore[arg-type]
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one intra-op thread; two contend on a 2-core CI machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,138 @@
+"""Engine API, errors and bookkeeping on a tiny GPT-OSS model (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from swaserve.worker import Engine, EngineConfig, RequestError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(
+        "gpt-oss", num_layers=4, sliding_window_size=8, hidden_size=32, seed=1
+    )
+
+
+def make_engine(model_dir: Path, **overrides: object) -> Engine:
+    options: dict[str, object] = dict(
+        model=str(model_dir),
+        max_total_tokens=512,
+        swa_full_tokens_ratio=0.5,
+        chunked_prefill_size=32,
+    )
+    options.update(overrides)
+    return Engine(EngineConfig(**options))  # type: ignore[arg-type]
+
+
+def test_generate_returns_one_output_per_prompt(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    outs = engine.generate([[5, 6, 7], "hi", [5, 6, 7, 8]], GREEDY)
+    assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert isinstance(outs[1].text, str)
+    engine.check()
+
+
+def test_streaming_add_step_abort(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    a = engine.add_request([1, 2, 3], GREEDY, request_id="a")
+    b = engine.add_request(
+        [4, 5, 6], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    )
+    seen: dict[str, list[int]] = {a: [], b: []}
+    finished = set()
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.add(out.request_id)
+        steps += 1
+        if steps == 2:
+            assert engine.abort(a)
+            assert not engine.abort(a)
+    assert finished == {b}
+    assert len(seen[b]) == 3 and 1 <= len(seen[a]) <= 2
+    engine.check()
+    head = engine.headroom()
+    assert head.num_running == head.num_waiting == 0
+    assert head.full_free_tokens + head.full_evictable_tokens == head.full_total_tokens
+
+
+def test_stop_token_finishes_with_stop(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    first = engine.generate([[9, 9, 9]], GREEDY)[0].token_ids
+    out = engine.generate(
+        [[9, 9, 9]], SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(first[2],))
+    )[0]
+    assert out.token_ids == first[: first.index(first[2]) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_new_tokens=8, ignore_eos=True)
+    alone = engine.generate([[3, 1, 4]], params)[0].token_ids
+    mixed = engine.generate([[2, 7], [3, 1, 4], [1]], [GREEDY, params, GREEDY])[1].token_ids
+    assert alone == mixed
+
+
+def test_prefix_is_reused(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    prompt = list(range(1, 41))
+    engine.generate([prompt], GREEDY)
+    out = engine.generate([[*prompt, 50]], GREEDY)[0]
+    assert out.cached_tokens == 40
+    assert engine.headroom().cached_tokens_total == 40
+
+
+def test_requests_that_can_never_fit_are_refused(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    with pytest.raises(RequestError, match="full pool holds 512"):
+        engine.add_request([7] * 450, SamplingParams(max_new_tokens=100))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(RequestError, match=r"ints in \[0, "):
+        engine.add_request([1, -2], GREEDY)
+    with pytest.raises(RequestError, match=r"ints in \[0, "):
+        engine.add_request([10**6], GREEDY)
+    engine.add_request([1], GREEDY, request_id="x")
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request([1], GREEDY, request_id="x")
+    with pytest.raises(RequestError, match="2 prompts but 1"):
+        engine.generate([[1], [2]], [GREEDY])
+    no_chunk = make_engine(
+        model_dir, chunked_prefill_size=None, max_total_tokens=256, swa_full_tokens_ratio=0.25
+    )
+    with pytest.raises(RequestError, match="enable chunked_prefill_size"):
+        no_chunk.add_request([5] * 100, GREEDY)
+
+
+def test_swa_pool_too_small_is_refused_at_start(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="SWA pool is too small"):
+        make_engine(model_dir, max_total_tokens=64, swa_full_tokens_ratio=0.1)
+
+
+def test_bad_sampling_params_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValidationError):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_flush_cache_returns_both_pools(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    engine.generate([list(range(1, 60)), list(range(1, 30))], GREEDY)
+    assert engine.headroom().full_free_tokens < 512
+    engine.flush_cache()
+    head = engine.headroom()
+    assert head.full_free_tokens == head.full_total_tokens == 512
+    assert head.swa_free_tokens == head.swa_total_tokens == 256
+    engine.check()

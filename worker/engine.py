@@ -1,0 +1,350 @@
+"""Engine: the hybrid-SWA engine of one worker. `step()` is schedule → run → postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swaserve.proto.messages import Headroom
+from swaserve.worker.config import EngineConfig
+from swaserve.worker.kv.allocator import SWATokenAllocator
+from swaserve.proto.kv_events import KVEvent, KVTombstoned
+from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
+from swaserve.worker.model_runner import ModelRunner
+from swaserve.worker.request import FinishReason, Request, RequestStatus
+from swaserve.worker.sampling import Sampler, SamplingParams, make_generator
+from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
+from swaserve.worker.stats import EngineStats
+from swaserve.worker.tokenizer import TextTokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve (bad prompt, too long for the pools, bad id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one `step()` produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOutput:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cached_tokens: int
+
+
+class Engine:
+    """Continuous batching over the two-pool KV cache and the SWA radix cache.
+
+    Not thread-safe: one caller drives `add_request` / `step` / `abort` (the cluster's worker
+    actor does so from one loop).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        mc = self.runner.model_config
+        memory = self.runner.memory
+        self.allocator = memory.allocator
+        self.page_size = config.page_size
+        self.window = mc.sliding_window_size if mc.swa_layer_ids else None
+        self.stats = EngineStats()
+        self.tree = self._make_tree() if config.enable_prefix_cache else None
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        limits = SchedulerLimits(
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            chunked_prefill_size=self._chunk_size(),
+            max_model_len=self.max_model_len,
+            swa_eviction_interval=config.swa_eviction_interval,
+            sliding_window_size=self.window,
+            schedule_policy=config.schedule_policy,
+        )
+        self.scheduler = Scheduler(
+            limits, self.allocator, self.tree, self.stats, frozenset(mc.eos_token_ids)
+        )
+        self.sampler = Sampler(self.runner.device, config.seed)
+        tokenizer_dir = Path(config.tokenizer or config.model)
+        self.tokenizer = (
+            TextTokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
+        )
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._events: list[KVEvent] = []
+
+    # ---- setup ---------------------------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        return isinstance(self.allocator, SWATokenAllocator) and self.window is not None
+
+    def _make_tree(self) -> SWARadixCache:
+        mc = self.runner.model_config
+        window = self.window if self.hybrid and self.window else 1
+        cls = PureSWARadixCache if self.hybrid and not mc.full_layer_ids else SWARadixCache
+        return cls(self.allocator, window, self.page_size)  # type: ignore[arg-type]
+
+    def _chunk_size(self) -> int | None:
+        """Chunked-prefill size, capped so that a chunk plus the window fits the SWA pool."""
+        chunk = self.config.chunked_prefill_size
+        if not self.hybrid or self.window is None:
+            return chunk
+        p = self.page_size
+        swa_total = self.runner.memory.plan.swa_tokens
+        per_request = -(-(max(self.window, p) + p + 1) // p) * p  # a decoding request's floor
+        if swa_total < per_request:
+            raise ValueError(
+                f"the SWA pool ({swa_total} tokens) cannot hold one request's window: need at least "
+                f"{per_request} (W={self.window}, P={p}); raise kv_cache_bytes / max_total_tokens or "
+                "swa_full_tokens_ratio"
+            )
+        if chunk is None:
+            return None
+        room = (swa_total - self.window - 2 * p) // p * p
+        return max(p, min(chunk, room))
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: list[int] | str,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises `RequestError` if it can never be served."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        prompt_ids = self._prompt_ids(prompt)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._check_fits(prompt_ids, params)
+        req = Request(
+            request_id,
+            prompt_ids,
+            params,
+            arrival=next(self._arrivals),
+            generator=make_generator(params, self.runner.device),
+        )
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release all it holds; False if it is unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        self.stats.aborted_requests += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _prompt_ids(self, prompt: list[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
+        return ids
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens; the model's limit is {self.max_model_len} in all"
+            )
+        full_total = self.runner.memory.plan.full_tokens
+        need = -(-(n + params.max_new_tokens) // self.page_size) * self.page_size
+        if need > full_total:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV "
+                f"tokens; the full pool holds {full_total}"
+            )
+        if self.hybrid and self.scheduler.limits.chunked_prefill_size is None:
+            swa_total = self.runner.memory.plan.swa_tokens
+            assert self.window is not None
+            if n + self.window + 2 * self.page_size > swa_total:
+                raise RequestError(
+                    f"a prompt of {n} tokens needs {n + self.window + 2 * self.page_size} SWA tokens "
+                    f"without chunked prefill; the SWA pool holds {swa_total}: enable chunked_prefill_size"
+                )
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step: schedule → run → postprocess. Returns the requests that advanced."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            self._on_idle()
+            return []
+        logits = self.runner.forward(batch)
+        next_tokens = self._sample(batch, logits)
+        finished = self.scheduler.process_results(batch, next_tokens)
+        self.stats.steps += 1
+        return self._outputs(batch, finished)
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
+        rows = [i for i, s in enumerate(batch.samples) if s]
+        out: list[int | None] = [None] * len(batch.reqs)
+        if rows:
+            reqs = [batch.reqs[i] for i in rows]
+            tokens = self.sampler.sample(
+                logits[rows], [r.params for r in reqs], [r.generator for r in reqs]
+            )
+            for i, token in zip(rows, tokens.tolist(), strict=True):
+                out[i] = token
+            self.stats.generated_tokens += len(rows)
+        return out
+
+    def _outputs(self, batch: ScheduledBatch, finished: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in batch.reqs:
+            if not req.new_token_ids and not req.finished:
+                continue
+            outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    req.new_token_ids,
+                    req.finished,
+                    req.finish_reason.value if req.finish_reason else None,
+                )
+            )
+            req.new_token_ids = []
+        for req in finished:
+            self._requests.pop(req.request_id, None)
+            self.stats.finished_requests += 1
+        self._collect_events()
+        return outputs
+
+    def _on_idle(self) -> None:
+        self._collect_events()
+        if self.config.check_on_idle and not self.scheduler.running:
+            self.check()
+
+    # ---- offline -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int] | str] | list[int] | str,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
+        """Run a batch of prompts to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(prompts)
+        )
+        if len(params_list) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                ids.append(self.add_request(prompt, params))  # type: ignore[arg-type]
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        reqs = {rid: self._requests[rid] for rid in ids}
+        while any(not r.finished for r in reqs.values()):
+            self.step()
+        return [self._generate_output(reqs[rid]) for rid in ids]
+
+    def _generate_output(self, req: Request) -> GenerateOutput:
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer else ""
+        reason = req.finish_reason or FinishReason.ABORT
+        return GenerateOutput(list(req.output_ids), text, reason.value, req.cached_tokens)
+
+    # ---- reports -------------------------------------------------------------------------
+    def headroom(self) -> Headroom:
+        plan = self.runner.memory.plan
+        tree = self.tree
+        full_free = self.allocator.full_available_size()
+        swa_free = self.allocator.swa_available_size()
+        swa_total = plan.swa_tokens if self.hybrid else plan.full_tokens
+        return Headroom(
+            full_total_tokens=plan.full_tokens,
+            full_free_tokens=full_free,
+            full_evictable_tokens=tree.full_evictable_size() if tree else 0,
+            swa_total_tokens=swa_total,
+            swa_free_tokens=swa_free,
+            swa_evictable_tokens=tree.swa_evictable_size() if tree and self.hybrid else 0,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            full_protected_tokens=tree.full_protected_size() if tree else 0,
+            swa_protected_tokens=tree.swa_protected_size() if tree and self.hybrid else 0,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            prompt_tokens_total=self.stats.prompt_tokens,
+            cached_tokens_total=self.stats.cached_tokens,
+            sliding_window_size=self.window or 0,
+            page_size=self.page_size,
+            chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,
+            hybrid=self.hybrid,
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV cache events since the last call, for the router."""
+        self._collect_events()
+        events, self._events = self._events, []
+        return events
+
+    def _collect_events(self) -> None:
+        if self.tree is None:
+            return
+        for event in self.tree.take_events():
+            if isinstance(event, KVTombstoned):
+                self.stats.tombstoned_pages += len(event.page_hashes)
+            self._events.append(event)
+
+    # ---- integrity / lifecycle -----------------------------------------------------------
+    def check(self) -> None:
+        """Raise if the allocator or the prefix cache is inconsistent: every full slot is free,
+        held by exactly one running request, or held by the tree."""
+        owned = [self.scheduler.owned_slots()]
+        if self.tree is not None:
+            owned.append(self.tree.cached_indices())
+            self.tree.check()
+        self.allocator.check(owned=torch.cat(owned))
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (no request may be running)."""
+        self.scheduler.flush_cache()
+        self._collect_events()
+
+    def shutdown(self) -> None:
+        """Abort everything and free the KV memory."""
+        for rid in list(self._requests):
+            self.abort(rid)
+        if self.tree is not None:
+            self.tree.reset()
+        self._requests.clear()
+        del self.runner
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        req = self._requests.get(request_id)
+        return req.status if req else None

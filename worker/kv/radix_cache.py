@@ -1,0 +1,374 @@
+"""SWA-aware radix prefix cache (DESIGN §5 worker.kv, §6); SGLang's SWARadixCache is the model.
+
+Each node holds a page-aligned run of tokens and their full slot ids. A tombstone node's SWA KV
+was freed while its full KV stays, so a match may run through it but may only end where the
+SWA layers can continue: at least W live tokens right before the end (or no tombstone on the
+path at all). Along one matched path:
+
+    # [0, t)          ... tombstone ...   full KV only
+    # [t, end - W)    live                 not needed by the SWA layers of the next token
+    # [end - W, end)  live                 must hold SWA KV: the window of token `end`
+
+Two LRUs order eviction: full eviction removes unlocked leaves (and the tombstone parents they
+leave as leaves) and frees full + SWA KV; SWA eviction frees only SWA KV and tombstones the node
+(an unlocked leaf is removed instead). Parents are touched before children, so both evict
+nodes near the root first. A lock protects full KV up to the root and SWA KV only up to the
+node that completes W tokens.
+
+Frees are batched: every public mutating method gives slots back to the allocator once, at
+its end.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from swaserve.worker.kv.allocator import SWATokenAllocator
+from swaserve.proto.kv_events import KVCleared, KVRevived, KVTombstoned
+from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
+from swaserve.worker.kv.swa_freeing import SWAFreeState
+
+
+class SWARadixCache(RadixTree):
+    """Prefix cache over full slot ids with SWA tombstones, two LRUs and window-bounded locks.
+
+    Sizes, `total_size`, `cached_indices`, `take_events` and `check` come from `RadixTree`.
+    """
+
+    def __init__(
+        self,
+        allocator: SWATokenAllocator,
+        sliding_window_size: int,
+        page_size: int = 1,
+        *,
+        enable_kv_events: bool = True,
+    ) -> None:
+        if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
+            raise ValueError(
+                f"sliding_window_size must be a positive int, got {sliding_window_size!r}"
+            )
+        super().__init__(allocator, page_size, enable_kv_events=enable_kv_events)
+        self.sliding_window_size = sliding_window_size
+        self._lock_ids = itertools.count(1)
+
+    # ---- queries -------------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest reusable prefix of `key` (cut to whole pages) under the window rule.
+
+        Mutates only the LRU order and may split the node where the match ends. Indices are
+        valid while `last_node` is locked; lock it before the next evict.
+        """
+        path, num_valid = self._walk(key)
+        last = path[num_valid - 1] if num_valid else self.root
+        self._touch(last)
+        return MatchResult(self._values(path[:num_valid]), last)
+
+    # ---- commands ------------------------------------------------------------------------
+    def insert(
+        self,
+        key: list[int],
+        value: torch.Tensor,
+        prev_prefix_len: int = 0,
+        swa_evicted_seqlen: int = 0,
+    ) -> int:
+        """Cache `key[:floor_P(len)]` with full slots `value`; returns how much was cached before.
+
+        `value[:prev_prefix_len]` are the tree's own slots (the caller's locked match) and are
+        never freed; every later slot passes to the tree or is freed here: a duplicate of a live
+        node is freed; over a tombstone, slots that still have SWA KV
+        (`>= swa_evicted_seqlen`) revive it (splitting off the part without), the rest are
+        freed. New positions `[.., swa_evicted_seqlen)` become a tombstone node, the remainder
+        a live leaf. Slots past the page-aligned length are left to the caller. Both lengths
+        must be multiples of P.
+        """
+        n = len(key) // self.page_size * self.page_size
+        self._check_insert_args(n, value, prev_prefix_len, swa_evicted_seqlen)
+        value = value.to(torch.int64)
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            matched = self._common_len(child.key, key, pos, n)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            self._touch_one(child)
+            end, own = pos + matched, max(pos, prev_prefix_len)
+            revive = max(own, swa_evicted_seqlen)
+            if child.tombstone and revive < end:
+                if revive > pos:
+                    self._split(child, revive - pos)
+                self._revive(child, value[revive:end])
+                self._pending_full.append(value[own:revive])
+            else:
+                self._pending_full.append(value[own:end])
+            node, pos = child, end
+        cached = pos
+        if pos < n:
+            tomb_end = min(max(swa_evicted_seqlen, pos), n)
+            if tomb_end == n:  # no SWA KV left at all: a leaf may not be a tombstone
+                self._pending_full.append(value[pos:n])
+            else:
+                tomb = (
+                    self._add_child(node, key[pos:tomb_end], value[pos:tomb_end], True)
+                    if tomb_end > pos
+                    else None
+                )
+                self._add_child(tomb or node, key[tomb_end:n], value[tomb_end:n], False)
+                if tomb is not None:
+                    self._settle(tomb)
+        self._flush()
+        return cached
+
+    def evict(self, full_tokens: int, swa_tokens: int = 0) -> tuple[int, int]:
+        """Free at least `full_tokens` full and `swa_tokens` SWA slots if the tree can.
+
+        Full phase: LRU unlocked leaves. SWA phase (counting SWA already freed): LRU node
+        without SWA lock; an internal or full-locked one becomes a tombstone, an unlocked leaf
+        is removed. Returns (full slots freed, SWA slots freed).
+        """
+        full_freed = swa_freed = 0
+        while full_freed < full_tokens:
+            leaf = next((x for x in self._full_lru if x.full_lock == 0 and not x.children), None)
+            if leaf is None:
+                break
+            full, swa = self._remove_leaf(leaf)
+            full_freed, swa_freed = full_freed + full, swa_freed + swa
+        while swa_freed < swa_tokens:
+            node = next((x for x in self._swa_lru if x.swa_lock == 0), None)
+            if node is None:
+                break
+            if node.children or node.full_lock > 0:
+                swa_freed += self._tombstone(node)
+                full_freed += self._settle(node)
+            else:
+                full, swa = self._remove_leaf(node)
+                full_freed, swa_freed = full_freed + full, swa_freed + swa
+        self._flush()
+        return full_freed, swa_freed
+
+    def inc_lock_ref(self, node: RadixNode) -> LockHandle:
+        """Lock full KV from `node` to the root and SWA KV from `node` up to the node that
+        completes W tokens (or the first tombstone). Pass the handle to `dec_lock_ref`."""
+        swa_open, swa_tokens, top = True, 0, None
+        for x in self._up(node):
+            if x.full_lock == 0:
+                self._full_evictable -= x.full_slots
+                self._full_protected += x.full_slots
+            x.full_lock += 1
+            if swa_open and x.tombstone:
+                swa_open = False
+            elif swa_open:
+                if x.swa_lock == 0:
+                    self._swa_evictable -= len(x.key)
+                    self._swa_protected += len(x.key)
+                x.swa_lock += 1
+                top, swa_tokens = x, swa_tokens + len(x.key)
+                swa_open = swa_tokens < self.sliding_window_size
+        if top is None or swa_open:
+            return LockHandle(holds_swa=top is not None, swa_lock_id=None)
+        if top.lock_id is None:
+            top.lock_id = next(self._lock_ids)
+        return LockHandle(holds_swa=True, swa_lock_id=top.lock_id)
+
+    def dec_lock_ref(self, node: RadixNode, handle: LockHandle, skip_swa: bool = False) -> None:
+        """Undo `inc_lock_ref`; `skip_swa` when `dec_swa_lock_only` already released the SWA
+        part. A tombstone leaf left without a full lock is removed (its full KV is freed)."""
+        swa_open = handle.holds_swa and not skip_swa
+        released = []
+        for x in self._up(node):
+            self._expect_lock(x, x.full_lock, "full")
+            x.full_lock -= 1
+            if x.full_lock == 0:
+                self._full_protected -= x.full_slots
+                self._full_evictable += x.full_slots
+                released.append(x)
+            if swa_open:
+                self._expect_lock(x, x.swa_lock, "SWA")
+                x.swa_lock -= 1
+                if x.swa_lock == 0:
+                    self._swa_protected -= len(x.key)
+                    self._swa_evictable += len(x.key)
+                swa_open = handle.swa_lock_id is None or x.lock_id != handle.swa_lock_id
+        for x in released:
+            self._settle(x)
+        self._flush()
+
+    def dec_swa_lock_only(self, node: RadixNode, handle: LockHandle) -> None:
+        """Release only the SWA part of a lock (decode moved past the window); the full lock
+        stays. A leaf left without SWA lock frees its SWA KV now and becomes a tombstone."""
+        for x in self._up(node) if handle.holds_swa else ():
+            self._expect_lock(x, x.swa_lock, "SWA")
+            x.swa_lock -= 1
+            if x.swa_lock == 0:
+                self._swa_protected -= len(x.key)
+                self._swa_evictable += len(x.key)
+                if not x.children:
+                    self._tombstone(x)
+            if handle.swa_lock_id is not None and x.lock_id == handle.swa_lock_id:
+                break
+        self._flush()
+
+    def reset(self) -> None:
+        """Drop every node and give all its slots back to the allocator. Raises RuntimeError
+        while a lock is held."""
+        if any(child.full_lock for child in self.root.children.values()):
+            raise RuntimeError("reset(): the radix cache still has locked nodes (running requests)")
+        self._pending_full.append(self.cached_indices())
+        self._flush()
+        self._init_tree()
+        self._emit(KVCleared())
+
+    # ---- request helpers (scheduler) -----------------------------------------------------
+    def cache_finished_request(
+        self, token_ids: list[int], kv_indices: torch.Tensor, lock: PrefixLock, state: SWAFreeState
+    ) -> None:
+        """Hand a finished request's KV to the tree: insert its page-aligned prefix, free the
+        unaligned tail, release its lock. `kv_indices[i]` is the full slot of token i."""
+        n = self._check_request(token_ids, kv_indices)
+        aligned = n // self.page_size * self.page_size
+        self.insert(
+            token_ids,
+            kv_indices[:aligned],
+            state.cache_protected_len,
+            min(state.swa_evicted_seqlen, aligned),
+        )
+        self.allocator.free(kv_indices[aligned:n])
+        self.dec_lock_ref(lock.node, lock.handle, skip_swa=lock.swa_released)
+
+    def cache_unfinished_request(
+        self, token_ids: list[int], kv_indices: torch.Tensor, lock: PrefixLock, state: SWAFreeState
+    ) -> tuple[torch.Tensor, PrefixLock]:
+        """Insert the computed tokens of a running (chunked) request and move its lock to the
+        new end. Returns the request's slots to write back ([n] int64: the tree's for the
+        page-aligned part, its own after) and its new lock; sets `state.cache_protected_len`.
+        The request must still hold SWA KV for its last page (`swa_evicted_seqlen < floor_P(n)`)."""
+        n = self._check_request(token_ids, kv_indices)
+        aligned = n // self.page_size * self.page_size
+        if state.swa_evicted_seqlen >= aligned > 0:
+            raise ValueError(
+                f"swa_evicted_seqlen={state.swa_evicted_seqlen} leaves no SWA KV in the "
+                f"{aligned} page-aligned tokens of a running request"
+            )
+        self.insert(
+            token_ids, kv_indices[:aligned], state.cache_protected_len, state.swa_evicted_seqlen
+        )
+        path, _ = self._walk(token_ids)
+        new_node = path[-1] if path else self.root
+        self._touch(new_node)
+        new_lock = PrefixLock(new_node, self.inc_lock_ref(new_node))
+        self.dec_lock_ref(lock.node, lock.handle, skip_swa=lock.swa_released)
+        state.cache_protected_len = aligned
+        return torch.cat((self._values(path), kv_indices[aligned:n].to(torch.int64))), new_lock
+
+    def release_request_swa(self, lock: PrefixLock) -> None:
+        """Release the SWA part of a request's lock once (decode moved past the window)."""
+        if not lock.swa_released:
+            self.dec_swa_lock_only(lock.node, lock.handle)
+            lock.swa_released = True
+
+    # ---- internals -----------------------------------------------------------------------
+    def _walk(self, key: list[int]) -> tuple[list[RadixNode], int]:
+        """Nodes matching `key` from the root (the last one split to end at the match), and how
+        many of them form the longest match that satisfies the window rule."""
+        n = len(key) // self.page_size * self.page_size
+        node, pos, num_valid = self.root, 0, 0
+        path: list[RadixNode] = []
+        live_run: float = float("inf")  # live tokens since the last tombstone; inf: none yet
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            if child.tombstone:
+                if live_run >= self.sliding_window_size:
+                    num_valid = len(path)
+                live_run = 0
+            matched = self._common_len(child.key, key, pos, n)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            path.append(child)
+            pos += matched
+            live_run += 0 if child.tombstone else matched
+            node = child
+        if live_run >= self.sliding_window_size:
+            num_valid = len(path)
+        return path, num_valid
+
+    def _revive(self, node: RadixNode, incoming: torch.Tensor) -> None:
+        """Give a tombstone SWA KV again from `incoming` (the caller's slots for the same
+        tokens). A full-locked node keeps its full slots (a running request reads them) and
+        adopts the incoming SWA slots; otherwise the node takes the incoming slots."""
+        if node.hollow or node.full_lock == 0:
+            if not node.hollow:
+                self._pending_full.append(node.value)
+            self._account_full(node, len(node.key) - node.full_slots)
+            node.value, node.hollow = incoming.clone(), False
+        else:
+            mapping = self.allocator.full_to_swa
+            mapping[node.value] = mapping[incoming]
+            mapping[incoming] = 0
+            self._pending_full.append(incoming)
+        node.tombstone = False
+        self._swa_lru[node] = None
+        self._swa_evictable += len(node.key)
+        self._emit(KVRevived(tuple(node.page_hashes)))
+
+    def _tombstone(self, node: RadixNode) -> int:
+        """Free the SWA KV of a live node without SWA lock; returns the SWA slots freed."""
+        del self._swa_lru[node]
+        self._swa_evictable -= len(node.key)
+        self._pending_swa.append(node.value)
+        node.tombstone = True
+        self._emit(KVTombstoned(tuple(node.page_hashes)))
+        return len(node.key)
+
+    def _settle(self, node: RadixNode) -> int:
+        """Restore the tombstone invariants once `node` has no full lock: a tombstone leaf is
+        removed; an internal tombstone becomes hollow in the pure-SWA variant. Returns the
+        full slots freed."""
+        if node.parent is None or not node.tombstone or node.full_lock > 0:
+            return 0
+        if not node.children:
+            return self._remove_leaf(node)[0]
+        if not self.hollow_tombstones or node.hollow:
+            return 0
+        self._pending_full.append(node.value)
+        self._full_evictable -= len(node.key)
+        node.value = torch.zeros_like(node.value)  # padding slot 0: no KV
+        node.hollow = True
+        return len(node.key)
+
+    def _expect_lock(self, node: RadixNode, count: int, kind: str) -> None:
+        if count <= 0:
+            raise ValueError(f"dec of a {kind} lock that is not held on {node!r}")
+
+    def _check_insert_args(
+        self, n: int, value: torch.Tensor, prev_prefix_len: int, swa_evicted_seqlen: int
+    ) -> None:
+        if value.numel() < n:
+            raise ValueError(f"insert: {value.numel()} slots for {n} page-aligned tokens")
+        for name, length in (
+            ("prev_prefix_len", prev_prefix_len),
+            ("swa_evicted_seqlen", swa_evicted_seqlen),
+        ):
+            if length < 0 or length % self.page_size:
+                raise ValueError(
+                    f"insert: {name}={length} is not a non-negative multiple of P={self.page_size}"
+                )
+
+    def _check_request(self, token_ids: list[int], kv_indices: torch.Tensor) -> int:
+        if kv_indices.numel() != len(token_ids):
+            raise ValueError(f"{kv_indices.numel()} slots for {len(token_ids)} tokens")
+        return len(token_ids)
+
+
+class PureSWARadixCache(SWARadixCache):
+    """For models whose layers are all SWA: the full pool is only an address space (no KV
+    bytes), so a tombstone needs no full slot either. An internal tombstone without full lock
+    gives its full slots back and turns hollow: its indices read as padding slot 0, which
+    translates to "no SWA slot" and is never read (it lies outside every window). Matching,
+    locking and eviction are those of `SWARadixCache`; hollow nodes count 0 full slots."""
+
+    hollow_tombstones = True

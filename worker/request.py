@@ -1,0 +1,94 @@
+"""A request's state inside one engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from swaserve.worker.kv.radix_node import PrefixLock
+from swaserve.worker.kv.swa_freeing import SWAFreeState
+from swaserve.worker.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token (or EOS) was sampled
+    LENGTH = "length"  # max_new_tokens (or the model's context) reached
+    ABORT = "abort"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request.
+
+    Its token sequence is `prompt_ids + output_ids`. Positions `[0, num_computed)` have KV in
+    the pools at full slots `slots[:num_computed]`; a step extends that run and samples a new
+    token whenever it reaches the end of the sequence. Prefill, a prefill chunk, decode and the
+    re-prefill of a retracted request are all this one move.
+
+        # [0, swa.cache_protected_len)  owned by the prefix cache (locked by `lock`)
+        # [.., num_computed)            owned by this request
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    slots: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, dtype=torch.int64)
+    )  # [num_computed] int64
+    num_computed: int = 0
+    lock: PrefixLock | None = None
+    swa: SWAFreeState = field(default_factory=SWAFreeState)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
+    num_retractions: int = 0
+    new_token_ids: list[int] = field(default_factory=list)  # produced since the last step() report
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """KV is computed up to the last sampled token: one token per step from here."""
+        return bool(self.output_ids) and self.num_computed == self.seq_len - 1
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens still to be computed before the next sample."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def last_loc(self) -> int:
+        return int(self.slots[self.num_computed - 1]) if self.num_computed else -1
+
+    def reset_kv(self) -> None:
+        """Forget all KV state (after its slots were released)."""
+        self.slots = torch.empty(0, dtype=torch.int64)
+        self.num_computed = 0
+        self.lock = None
+        self.swa = SWAFreeState()
