@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.worker.kv import SWATokenAllocator, swa_free_boundary
 from swaserve.proto.kv_events import KVRemoved, KVTombstoned
+from swaserve.worker.kv import SWATokenAllocator, swa_free_boundary
 from swaserve.worker.kv.radix_cache import SWARadixCache
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from swaserve.proto.kv_events import KVEvent, KVTombstoned
 from swaserve.proto.messages import Headroom
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.allocator import SWATokenAllocator
-from swaserve.proto.kv_events import KVEvent, KVTombstoned
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.model_runner import ModelRunner
 from swaserve.worker.request import FinishReason, Request, RequestStatus

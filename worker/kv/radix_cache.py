@@ -25,8 +25,8 @@ import itertools
 
 import torch
 
-from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.proto.kv_events import KVCleared, KVRevived, KVTombstoned
+from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
 from swaserve.worker.kv.swa_freeing import SWAFreeState
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from swaserve.proto.kv_events import KVEvent, KVRemoved, KVStored, page_hashes
 from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.errors import KVError
-from swaserve.proto.kv_events import KVEvent, KVRemoved, KVStored, page_hashes
 
 ChildKey = int | tuple[int, ...]
 """A child's first token (P = 1) or first page of tokens (P > 1)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from swaserve.worker.kv import SWATokenAllocator
 from swaserve.proto.kv_events import (
     KVCleared,
     KVEventMirror,
@@ -16,6 +15,7 @@ from swaserve.proto.kv_events import (
     page_hash,
     page_hashes,
 )
+from swaserve.worker.kv import SWATokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 
 H12 = 0xED569FD3C7FBBEC1  # page_hash(None, [1, 2]): fixed forever, in every process

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
 from swaserve.proto.kv_events import KVRevived
+from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock, RadixCacheCorrupted, RadixNode
 

@@ -19,13 +19,13 @@ from hypothesis.stateful import (
     rule,
 )
 
+from swaserve.proto.kv_events import KVEventMirror, page_hashes
 from swaserve.worker.kv import (
     SWAFreeState,
     SWATokenAllocator,
     free_swa_out_of_window_slots,
     swa_free_boundary,
 )
-from swaserve.proto.kv_events import KVEventMirror, page_hashes
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock, RadixNode
 
