@@ -48,6 +48,12 @@ class EngineConfig(BaseModel):
     max_running_requests: int = Field(default=256, gt=0)
     max_model_len: int | None = Field(default=None, gt=0, description="defaults to the model's")
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    schedule_conservativeness: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=10.0,
+        description="how much of max_new_tokens admission reserves; < 1 admits more",
+    )
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
     tp_size: int = Field(default=1, ge=1)
     check_on_idle: bool = Field(

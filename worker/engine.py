@@ -73,6 +73,7 @@ class Engine:
             swa_eviction_interval=config.swa_eviction_interval,
             sliding_window_size=self.window,
             schedule_policy=config.schedule_policy,
+            schedule_conservativeness=config.schedule_conservativeness,
         )
         self.scheduler = Scheduler(
             limits, self.allocator, self.tree, self.stats, frozenset(mc.eos_token_ids)

@@ -31,8 +31,8 @@ from swaserve.worker.stats import EngineStats
 
 CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
 LPM_MAX_WAITING = 128
 """Longest-prefix-match ordering costs one tree walk per waiting request; past this many
 waiting requests the scheduler falls back to FCFS (as SGLang does)."""
@@ -64,6 +64,19 @@ class SchedulerLimits:
     swa_eviction_interval: int
     sliding_window_size: int | None  # None: the model has no SWA layers
     schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0  # scales the new-token ratio; < 1 admits more
+
+    @property
+    def init_new_token_ratio(self) -> float:
+        return min(1.0, INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness)
+
+    @property
+    def min_new_token_ratio(self) -> float:
+        return self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        return (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
 
 
 class Scheduler:
@@ -87,7 +100,7 @@ class Scheduler:
         )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.new_token_ratio = limits.init_new_token_ratio
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -143,8 +156,9 @@ class Scheduler:
 
         if not reqs:
             return None
+        lim = self.limits
         self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+            lim.min_new_token_ratio, self.new_token_ratio - lim.new_token_ratio_decay
         )
         prefix_lens = [r.num_computed for r in reqs]
         samples = [r.num_computed + n == r.seq_len for r, n in zip(reqs, extends, strict=True)]
@@ -164,6 +178,8 @@ class Scheduler:
                 continue
             req.output_ids.append(token)
             req.new_token_ids.append(token)
+            if n > 1:  # a prefill just ended: drop what its chunk left out of the window
+                self._free_swa_of(req, 0)
             reason = self._finish_reason(req, token)
             if reason is not None:
                 req.finish_reason = reason
@@ -206,7 +222,7 @@ class Scheduler:
         req.num_retractions += 1
         self.waiting.append(req)
         self.stats.retractions += 1
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.new_token_ratio = self.limits.init_new_token_ratio
 
     # ---- prefill -------------------------------------------------------------------------
     def _prefill_len(self, req: Request, budget: int, first: bool) -> int:
@@ -323,30 +339,36 @@ class Scheduler:
         )
 
     def _free_out_of_window_swa(self) -> None:
-        """Give back SWA slots that left the window: decodes once the interval piled up,
-        prefill chunks before every chunk. Release the tree's SWA lock once the window has
-        moved past the cached prefix."""
+        """Before a step: decodes give back out-of-window SWA once the interval piled up,
+        prefill chunks give back everything out of the window."""
+        for req in self.running:
+            self._free_swa_of(req, self.limits.swa_eviction_interval if req.is_decoding else 0)
+
+    def _free_swa_of(self, req: Request, interval: int) -> None:
+        """Free `req`'s out-of-window SWA slots (when at least `interval` are due) and release
+        the tree's SWA lock once the window has moved past the cached prefix."""
         w = self.limits.sliding_window_size
-        if not self.hybrid or w is None:
+        if not self.hybrid or w is None or req.num_computed == 0:
             return
         assert isinstance(self.allocator, SWATokenAllocator)
-        for req in self.running:
-            if req.num_computed == 0:
-                continue
-            interval = self.limits.swa_eviction_interval if req.is_decoding else 0
-            self.stats.swa_freed_tokens += free_swa_out_of_window_slots(
-                self.allocator,
-                req.swa,
-                req.slots,
-                req.num_computed,
-                sliding_window_size=w,
-                radix_cache=self.tree is not None,
-                min_free_tokens=interval,
-            )
-            lock = req.lock
-            window_left_cache = req.num_computed - w >= req.swa.cache_protected_len
-            if self.tree is not None and lock is not None and not lock.swa_released and window_left_cache:
-                self.tree.release_request_swa(lock)
+        self.stats.swa_freed_tokens += free_swa_out_of_window_slots(
+            self.allocator,
+            req.swa,
+            req.slots,
+            req.num_computed,
+            sliding_window_size=w,
+            radix_cache=self.tree is not None,
+            min_free_tokens=interval,
+        )
+        lock = req.lock
+        window_left_cache = req.num_computed - w >= req.swa.cache_protected_len
+        if (
+            self.tree is not None
+            and lock is not None
+            and not lock.swa_released
+            and window_left_cache
+        ):
+            self.tree.release_request_swa(lock)
 
     def _cache_unfinished(self, req: Request) -> None:
         if self.tree is None or req.lock is None:

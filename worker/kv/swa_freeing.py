@@ -41,7 +41,9 @@ def swa_free_boundary(
         )
     if radix_cache:
         aligned_end = pre_len // page_size * page_size
-        limit = min(pre_len - max(sliding_window_size, page_size), aligned_end - sliding_window_size)
+        limit = min(
+            pre_len - max(sliding_window_size, page_size), aligned_end - sliding_window_size
+        )
     else:
         limit = pre_len - sliding_window_size
     boundary = max(0, limit) // page_size * page_size
