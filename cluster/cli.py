@@ -7,6 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from swaserve.cluster import generate
     from swaserve.worker.kv import capacity
     from swaserve.worker.models import tiny
 
@@ -26,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_arguments(tiny_model)
     tiny_model.set_defaults(run=tiny.run)
+    gen = sub.add_parser(
+        "generate",
+        help="run the engine offline on a few prompts (default model: a tiny random GPT-OSS)",
+        description=generate.__doc__,
+    )
+    generate.add_arguments(gen)
+    gen.set_defaults(run=generate.run)
     return parser
 
 

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from swaserve.cluster.cli import main
+
+
+def test_generate_prints_one_json_line_per_prompt(
+    tiny_model_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=4, hidden_size=32)
+    argv = ["generate", "--model", str(model), "--prompt", "ab", "--prompt", "cd", "--max-new-tokens", "5"]
+    argv += ["--max-total-tokens", "256", "--page-size", "4", "--enable-prefix-cache", "false", "--json"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [line["prompt"] for line in lines] == ["ab", "cd"]
+    assert all(len(line["token_ids"]) <= 5 for line in lines)
+
+
+def test_generate_rejects_a_bad_flag_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--enable-prefix-cache", "maybe"])
+    assert "expected true or false" in capsys.readouterr().err
