@@ -1,0 +1,39 @@
+"""The engine benchmarks run end to end (tiny sizes) and end with one JSON line. No timing asserts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_throughput_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--requests", "4", "--max-prompt", "40", "--max-output", "17", "--hidden", "32", "--layers", "2"]
+    data = run_bench("throughput", [*argv, "--window", "8", "--hf-batch", "2", "--kv-mib", "4"], capsys)
+    assert data["requests"] == 4
+    assert data["output_tokens"] > 0
+    assert {"output_ratio", "total_ratio", "swaserve_output_tok_s", "transformers_output_tok_s"} <= set(data)
+
+
+@pytest.mark.slow
+def test_capacity_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--kv-mib", "1", "--prompt-len", "64", "--new-tokens", "24", "--window", "8", "--interval", "8"]
+    data = run_bench("capacity", [*argv, "--chunk", "64"], capsys)
+    assert data["hybrid_peak_running"] > data["single_pool_peak_running"] > 0
+    assert 0 < data["hybrid_of_bound"] <= 1
