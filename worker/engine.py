@@ -52,6 +52,8 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.tp_size != 1:
+            raise ValueError(f"tp_size={config.tp_size}: tensor parallelism is not available yet; use tp_size=1")
         self.config = config
         self.runner = ModelRunner(config)
         mc = self.runner.model_config

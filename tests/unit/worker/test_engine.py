@@ -115,6 +115,11 @@ def test_requests_that_can_never_fit_are_refused(model_dir: Path) -> None:
         no_chunk.add_request([5] * 100, GREEDY)
 
 
+def test_tensor_parallel_is_refused_until_it_exists(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="tp_size=2"):
+        make_engine(model_dir, tp_size=2)
+
+
 def test_swa_pool_too_small_is_refused_at_start(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="SWA pool is too small"):
         make_engine(model_dir, max_total_tokens=64, swa_full_tokens_ratio=0.1)
