@@ -33,7 +33,8 @@ class TokenAllocator:
     """One paged pool of token slots.
 
     Free pages live in a LongTensor queue (FIFO, so freed slots are reused last) and a boolean
-    mask that catches double frees at the call. All methods are O(request) tensor ops.
+    mask that catches double frees at the call. Freed pages wait in a list and join the queue
+    only when an allocation needs them, so `free` costs O(pages freed), not O(pool).
     """
 
     def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
@@ -53,14 +54,21 @@ class TokenAllocator:
             self.num_pages + 1, dtype=torch.bool, device=self.device
         )  # [num_pages+1] bool
         self._page_is_free[0] = False
+        self._released: list[torch.Tensor] = []  # freed pages not yet in the queue, in order
+        self._num_released = 0
+
+    def _merge_released(self) -> None:
+        if self._released:
+            self._free_pages = torch.cat((self._free_pages, *self._released))
+            self._released, self._num_released = [], 0
 
     # ---- queries -------------------------------------------------------------------------
     def available_size(self) -> int:
         """Free token slots (whole free pages × page_size)."""
-        return int(self._free_pages.numel()) * self.page_size
+        return self.free_page_count() * self.page_size
 
     def free_page_count(self) -> int:
-        return int(self._free_pages.numel())
+        return int(self._free_pages.numel()) + self._num_released
 
     def can_allocate(self, num_tokens: int) -> bool:
         return num_tokens <= self.available_size()
@@ -86,8 +94,10 @@ class TokenAllocator:
 
     def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
         """Take `num_pages` whole pages; returns their page ids or None when short."""
-        if num_pages > self._free_pages.numel():
+        if num_pages > self.free_page_count():
             return None
+        if num_pages > self._free_pages.numel():
+            self._merge_released()
         pages = self._free_pages[:num_pages]  # [num_pages] int64
         self._free_pages = self._free_pages[num_pages:]
         self._page_is_free[pages] = False
@@ -113,7 +123,8 @@ class TokenAllocator:
                 f"double free: page(s) {bad} (page_size={self.page_size}) are already free"
             )
         self._page_is_free[pages] = True
-        self._free_pages = torch.cat((self._free_pages, pages))
+        self._released.append(pages)
+        self._num_released += pages.numel()
 
     def _pages_of(self, indices: torch.Tensor) -> torch.Tensor:
         indices = indices.to(device=self.device, dtype=torch.int64).reshape(-1)
@@ -189,6 +200,7 @@ class TokenAllocator:
         held by requests and the prefix cache) is given, free + owned must cover each page
         exactly once.
         """
+        self._merge_released()
         pages = self._free_pages
         if pages.numel():
             if int(pages.min()) < 1 or int(pages.max()) > self.num_pages:
