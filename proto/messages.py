@@ -30,6 +30,8 @@ class Headroom:
     full_protected_tokens: int = 0
     swa_protected_tokens: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens of waiting requests not yet prefilled
+    full_reserved_tokens: int = 0  # full tokens promised to running requests' decode still to come
+    swa_reserved_tokens: int = 0  # SWA tokens promised to running requests (about min(new, I + P))
     prompt_tokens_total: int = 0  # counters since start: prompt tokens admitted ...
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
     sliding_window_size: int = 0

@@ -1,0 +1,31 @@
+"""Prefix-, SWA- and headroom-aware routing (DESIGN §5 router). Pure Python: no torch, no Ray."""
+
+from swaserve.router.cache_view import ApproxCacheView, CacheViewCorrupted, ExactCacheView
+from swaserve.router.config import RouterConfig
+from swaserve.router.decision import Outcome, Overloaded, RouteDecision
+from swaserve.router.policies import POLICIES, Candidate, Policy, RouteRequest
+from swaserve.router.request_queue import QueuedRequest, RequestQueue
+from swaserve.router.router import Router
+from swaserve.router.stats import RouterStats
+from swaserve.router.worker_state import RequestNeed, WorkerState, request_need
+
+__all__ = [
+    "POLICIES",
+    "ApproxCacheView",
+    "CacheViewCorrupted",
+    "Candidate",
+    "ExactCacheView",
+    "Outcome",
+    "Overloaded",
+    "Policy",
+    "QueuedRequest",
+    "RequestNeed",
+    "RequestQueue",
+    "RouteDecision",
+    "RouteRequest",
+    "Router",
+    "RouterConfig",
+    "RouterStats",
+    "WorkerState",
+    "request_need",
+]

@@ -1,0 +1,365 @@
+"""What each worker's prefix cache holds, as the router sees it: one page trie shared by all
+workers, each node marked with the workers that hold the page (a bit per worker).
+
+- `ExactCacheView`: rebuilt from KV events (`swaserve.proto.kv_events`), so a worker's pages
+  and tombstones equal its radix tree's, page for page. Events name pages by chained hash;
+  they also carry the tokens, so pages are filed by their tokens (a route walks the prompt
+  without hashing it) and found again by hash through `by_hash`.
+- `ApproxCacheView`: for workers that send no events: the prompts routed to each worker,
+  with one LRU over all (page, worker) entries under one global token cap.
+
+Both answer `match(token_ids, windows)`: per worker, the tokens its cache would reuse under
+the engine's window rule. Along one worker's pages of a prompt (P = 2, W = 4; L live, T
+tombstone), an end is valid with no tombstone before it or with at least W live tokens right
+before it, and the match is the last valid end before the first page the worker lacks:
+
+    # pages:       L  L  T  L  L  L  |  (not held)
+    # ends:     0  2  4  6  8  10 12
+    # valid:    y  y  y  n  n  y  y     -> match 12; cut the prompt at 8 and it is 4
+
+Worker ids here are small ints (bit positions); the router maps its worker ids onto them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+from swaserve.proto.kv_events import (
+    KVCleared,
+    KVEvent,
+    KVRemoved,
+    KVRevived,
+    KVStored,
+    KVTombstoned,
+)
+
+PageKey = int | tuple[int, ...]
+"""A page's tokens: the token itself when P = 1, else the tuple of its P tokens."""
+
+
+class CacheViewCorrupted(AssertionError):
+    """`check()` found a broken invariant of a cache view."""
+
+
+class _Node:
+    """One page under its parent. `held`: bit w set when worker w caches the page; `tomb`:
+    bit w set when it is a tombstone there (`tomb` ⊆ `held`)."""
+
+    __slots__ = ("children", "held", "key", "page_hash", "parent", "tomb")
+
+    def __init__(self, key: PageKey, parent: _Node | None, page_hash: int | None = None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[PageKey, _Node] = {}
+        self.held = 0
+        self.tomb = 0
+        self.page_hash = page_hash
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class _PageTrie:
+    """The shared trie and the match walk; subclasses add pages."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.root = _Node((), None)
+        self._num_pages: dict[int, int] = {}  # worker -> pages it holds
+
+    def num_pages(self, worker: int) -> int:
+        return self._num_pages.get(worker, 0)
+
+    def match(self, token_ids: Sequence[int], windows: Mapping[int, int]) -> dict[int, int]:
+        """Tokens of `token_ids` (whole pages) that each worker of `windows` (worker -> its W)
+        would reuse. A query: changes nothing.
+
+        One walk for all workers, with bit masks: `alive` hold every page so far; `ok` are at
+        a valid end (no tombstone yet, or >= W live tokens since the last one); `in_tomb` saw
+        a tombstone as their previous page. A worker that leaves a run of tombstones at end
+        `e` is `ready` again at end `e + W`. A worker's answer is the last end at which it
+        was in `ok`, written when it leaves `ok` or `alive`, or when the walk stops. The work
+        per page is a few mask operations, plus one step per worker that changes state.
+        """
+        p = self.page_size
+        best = dict.fromkeys(windows, 0)
+        alive = tombs_matter = 0
+        for w, window in windows.items():
+            alive |= 1 << w
+            tombs_matter |= (window > 0) << w  # with W = 0 every end is valid
+        ok, in_tomb = alive, 0
+        ready: dict[int, int] = {}  # worker -> end at which its live run reaches W
+        node, end, n = self.root, 0, len(token_ids) // p * p
+        while end < n and alive:
+            key = token_ids[end] if p == 1 else tuple(token_ids[end : end + p])
+            child = node.children.get(key)
+            if child is None:
+                break
+            if alive & ~child.held:
+                if alive & ~child.held & ok:
+                    _settle(best, alive & ~child.held & ok, end)
+                alive &= child.held
+                ok &= alive
+                in_tomb &= alive
+            tomb = child.tomb & tombs_matter & alive
+            if tomb & ok:
+                _settle(best, tomb & ok, end)
+                ok &= ~tomb
+            if tomb != in_tomb:
+                for w in _bits(tomb & ~in_tomb):
+                    ready.pop(w, None)
+                for w in _bits(in_tomb & ~tomb):
+                    ready[w] = end + windows[w]  # its live run starts at this page
+                in_tomb = tomb
+            end += p
+            if ready:
+                for w, ready_end in list(ready.items()):
+                    if not alive >> w & 1:
+                        del ready[w]
+                    elif end >= ready_end:
+                        ok |= 1 << w
+                        del ready[w]
+            node = child
+        _settle(best, alive & ok, end)
+        return best
+
+    def _key(self, token_ids: Sequence[int], start: int) -> PageKey:
+        p = self.page_size
+        return token_ids[start] if p == 1 else tuple(token_ids[start : start + p])
+
+    def _child(self, parent: _Node, key: PageKey, page_hash: int | None = None) -> _Node:
+        node = parent.children.get(key)
+        if node is None:
+            node = parent.children[key] = _Node(key, parent, page_hash)
+        return node
+
+    def _release(self, node: _Node, worker: int) -> None:
+        """Worker `worker` no longer holds `node` (it did)."""
+        node.held &= ~(1 << worker)
+        node.tomb &= ~(1 << worker)
+        self._num_pages[worker] -= 1
+
+    def _prune(self, node: _Node) -> None:
+        """Remove `node` and then each ancestor while it is held by nobody and has no child."""
+        while node.parent is not None and not node.held and not node.children:
+            parent, node.parent = node.parent, None
+            del parent.children[node.key]
+            self._forget(node)
+            node = parent
+
+    def _forget(self, node: _Node) -> None:
+        """Hook: a node left the trie."""
+
+    def _subtree(self, node: _Node) -> list[_Node]:
+        """`node` and its descendants, children before parents."""
+        out, stack = [], [node]
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(x.children.values())
+        return out[::-1]
+
+    def _check_trie(self) -> list[_Node]:
+        """Structure checks; returns every node but the root."""
+        nodes = [x for x in self._subtree(self.root) if x is not self.root]
+        counts: dict[int, int] = {}
+        for x in nodes:
+            parent = x.parent
+            if parent is None or parent.children.get(x.key) is not x:
+                raise CacheViewCorrupted(f"page {x.key!r} is not filed under its parent")
+            size = 1 if isinstance(x.key, int) else len(x.key)
+            if size != self.page_size or (self.page_size == 1) != isinstance(x.key, int):
+                raise CacheViewCorrupted(f"page key {x.key!r} does not fit P={self.page_size}")
+            if not x.held and not x.children:
+                raise CacheViewCorrupted(f"page {x.key!r} is held by nobody and has no child")
+            if x.tomb & ~x.held:
+                raise CacheViewCorrupted(f"page {x.key!r} is a tombstone where it is not held")
+            if parent is not self.root and x.held & ~parent.held:
+                raise CacheViewCorrupted(f"page {x.key!r} is held where its parent is not")
+            for w in _bits(x.held):
+                counts[w] = counts.get(w, 0) + 1
+        if {w: c for w, c in self._num_pages.items() if c} != counts:
+            raise CacheViewCorrupted(f"page counts {self._num_pages} differ from the trie {counts}")
+        return nodes
+
+
+def _settle(best: dict[int, int], mask: int, end: int) -> None:
+    for w in _bits(mask):
+        best[w] = end
+
+
+class ExactCacheView(_PageTrie):
+    """Every event-reporting worker's cached pages and tombstones, from its KV events.
+
+    `apply` never raises on an event that contradicts the view (a lost or reordered event):
+    it makes the view agree with the event where it can, skips it where it cannot (pages under
+    an unknown parent, removal of an unknown page), and counts it. The view then holds only
+    pages the worker holds, so a prediction can fall short but never overshoot; the router
+    drops the worker's view when it sees reports go missing.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
+        self.by_hash: dict[int, _Node] = {}
+
+    def apply(self, worker: int, events: Iterable[KVEvent]) -> int:
+        """Apply `worker`'s events in order; returns how many did not fit the view."""
+        mismatches = 0
+        for event in events:
+            if isinstance(event, KVStored):
+                mismatches += self._store(worker, event)
+            elif isinstance(event, KVRemoved):
+                mismatches += self._remove(worker, event.page_hashes)
+            elif isinstance(event, KVTombstoned | KVRevived):
+                mismatches += self._mark(worker, event.page_hashes, isinstance(event, KVTombstoned))
+            elif isinstance(event, KVCleared):
+                self.drop(worker)
+            else:
+                raise TypeError(f"not a KV event: {event!r}")
+        return mismatches
+
+    def drop(self, worker: int) -> None:
+        """Forget everything `worker` holds (restart, cache clear, lost events)."""
+        bit = 1 << worker
+        for node in self._subtree(self.root):
+            if node.held & bit:
+                self._release(node, worker)
+            if node is not self.root:
+                self._prune(node)
+        self._num_pages.pop(worker, None)
+
+    def pages(self, worker: int) -> dict[int, bool]:
+        """Page hash -> tombstone, for every page `worker` holds."""
+        bit = 1 << worker
+        return {h: bool(node.tomb & bit) for h, node in self.by_hash.items() if node.held & bit}
+
+    def check(self) -> None:
+        """Raise `CacheViewCorrupted` on a broken invariant: trie structure, `tomb` ⊆ `held`,
+        a page held only where its parent is, page counts, and `by_hash` naming every node."""
+        nodes = self._check_trie()
+        if len(self.by_hash) != len(nodes) or any(
+            x.page_hash is None or self.by_hash.get(x.page_hash) is not x for x in nodes
+        ):
+            raise CacheViewCorrupted("by_hash does not name each node exactly once")
+
+    def _store(self, worker: int, event: KVStored) -> int:
+        p = self.page_size
+        if event.page_size != p or len(event.token_ids) < len(event.page_hashes) * p:
+            return 1
+        parent = self.root if event.parent_hash is None else self.by_hash.get(event.parent_hash)
+        bit = 1 << worker
+        if parent is None or (parent is not self.root and not parent.held & bit):
+            return 1
+        mismatch = 0
+        for i, h in enumerate(event.page_hashes):
+            key = self._key(event.token_ids, i * p)
+            node = self._child(parent, key, h)
+            if node.page_hash != h:  # a different hash for the same tokens: not our chain
+                self._prune(node)
+                return 1
+            self.by_hash[h] = node
+            if node.held & bit:
+                mismatch = 1
+            else:
+                node.held |= bit
+                self._num_pages[worker] = self._num_pages.get(worker, 0) + 1
+            node.tomb = node.tomb | bit if event.swa_tombstone else node.tomb & ~bit
+            parent = node
+        return mismatch
+
+    def _remove(self, worker: int, hashes: Sequence[int]) -> int:
+        """Release pages (children first). A page that still has pages of `worker` below it
+        takes them along, so a page is never held without its parent."""
+        bit, mismatch = 1 << worker, 0
+        for h in reversed(hashes):
+            node = self.by_hash.get(h)
+            if node is None or not node.held & bit:
+                mismatch = 1
+                continue
+            for x in self._subtree(node):
+                if x.held & bit:
+                    mismatch |= x is not node
+                    self._release(x, worker)
+                    self._prune(x)
+        return mismatch
+
+    def _mark(self, worker: int, hashes: Sequence[int], tombstone: bool) -> int:
+        bit, mismatch = 1 << worker, 0
+        for h in hashes:
+            node = self.by_hash.get(h)
+            if node is None or not node.held & bit or bool(node.tomb & bit) == tombstone:
+                mismatch = 1
+                continue
+            node.tomb ^= bit
+        return mismatch
+
+    def _forget(self, node: _Node) -> None:
+        if node.page_hash is not None and self.by_hash.get(node.page_hash) is node:
+            del self.by_hash[node.page_hash]
+
+
+class ApproxCacheView(_PageTrie):
+    """Prompts routed to workers that send no KV events, as if each worker cached them all,
+    with one LRU of (page, worker) entries over all workers under `max_tokens` (pages × P).
+
+    The LRU keeps a page newer than every page below it for the same worker (a record
+    refreshes its path from the leaf up), so eviction always takes a worker's leaf pages first
+    and a page is never held without its parent. It knows nothing of tombstones: its match is
+    the longest recorded prefix.
+    """
+
+    def __init__(self, page_size: int, max_tokens: int) -> None:
+        super().__init__(page_size)
+        self.max_tokens = max_tokens
+        self._lru: OrderedDict[tuple[_Node, int], None] = OrderedDict()  # oldest first
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held over all workers (pages × P)."""
+        return len(self._lru) * self.page_size
+
+    def record(self, worker: int, token_ids: Sequence[int]) -> None:
+        """`worker` now caches the whole pages of `token_ids`; evicts LRU pages past the cap."""
+        node, path = self.root, []
+        for start in range(0, len(token_ids) // self.page_size * self.page_size, self.page_size):
+            node = self._child(node, self._key(token_ids, start))
+            path.append(node)
+        bit = 1 << worker
+        for node in reversed(path):
+            if node.held & bit:
+                self._lru.move_to_end((node, worker))
+            else:
+                node.held |= bit
+                self._lru[node, worker] = None
+                self._num_pages[worker] = self._num_pages.get(worker, 0) + 1
+        while self.num_tokens > self.max_tokens:
+            (node, w), _ = self._lru.popitem(last=False)
+            self._release(node, w)
+            self._prune(node)
+
+    def drop(self, worker: int) -> None:
+        """Forget every page recorded for `worker`."""
+        for node in self._subtree(self.root):
+            if node.held >> worker & 1:
+                self._release(node, worker)
+                del self._lru[node, worker]
+            if node is not self.root:
+                self._prune(node)
+        self._num_pages.pop(worker, None)
+
+    def check(self) -> None:
+        """Raise `CacheViewCorrupted` on a broken invariant: trie structure, no tombstones,
+        the LRU holding exactly the (page, worker) entries, and the token cap."""
+        nodes = self._check_trie()
+        entries = {(x, w) for x in nodes for w in _bits(x.held)}
+        if any(x.tomb for x in nodes) or entries != set(self._lru):
+            raise CacheViewCorrupted("LRU entries differ from the held pages, or a tombstone")
+        if self.num_tokens > self.max_tokens:
+            raise CacheViewCorrupted(f"{self.num_tokens} tokens over the cap {self.max_tokens}")

@@ -1,0 +1,139 @@
+"""Routing policies: which of the workers that fit a request gets it. A registry (`POLICIES`,
+name → class) so that the config names one.
+
+The router hands a policy only the workers that are fresh and have room for the request
+(`Candidate`s, in the order the workers were added, never empty); the policy only chooses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from swaserve.router.config import RouterConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A worker that can take the request now. `order`: its rank among the workers by
+    `add_worker` order (stable tie-break); `load`: its requests (running, waiting, in flight);
+    `hit_tokens`: prompt tokens it would reuse from its prefix cache."""
+
+    worker_id: str
+    order: int
+    load: int
+    hit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may look at besides the candidates."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    max_new_tokens: int
+    session_key: str | None = None
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        """Pick one of `candidates` (non-empty). May update the policy's own state only."""
+
+
+class PrefixPolicy(Policy):
+    """Most reusable tokens among the near-least-loaded workers.
+
+    SGLang's cache-aware gate calls the cluster imbalanced when `max - least > abs` and
+    `max > least × rel`, and then drops affinity altogether (least loaded wins). Here a worker
+    is eligible exactly when it alone would not trip that gate, `load <= max(least + abs,
+    least × rel)`, and the eligible worker with the longest hit wins (ties: lower load, then
+    add order). A balanced cluster keeps full affinity; an imbalanced one keeps it among the
+    workers close to the least loaded.
+    """
+
+    name = "prefix"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        least = min(c.load for c in candidates)
+        limit = max(
+            least + self.config.balance_abs_threshold, least * self.config.balance_rel_threshold
+        )
+        eligible = [c for c in candidates if c.load <= limit]
+        return max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
+
+
+class RoundRobinPolicy(Policy):
+    """The next worker in add order after the previous choice that fits."""
+
+    name = "round_robin"
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._next_order = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        chosen = next((c for c in candidates if c.order >= self._next_order), candidates[0])
+        self._next_order = chosen.order + 1
+        return chosen
+
+
+class LeastLoadPolicy(Policy):
+    """Lowest load (ties: longer hit, then add order)."""
+
+    name = "least_load"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        return min(candidates, key=lambda c: (c.load, -c.hit_tokens, c.order))
+
+
+class PowerOfTwoPolicy(Policy):
+    """The less loaded of two candidates drawn at random (seeded by `config.seed`)."""
+
+    name = "power_of_two"
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._rng = random.Random(config.seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) == 1:
+            return candidates[0]
+        pair = self._rng.sample(list(candidates), 2)
+        return min(pair, key=lambda c: (c.load, -c.hit_tokens, c.order))
+
+
+class SessionPolicy(Policy):
+    """Consistent hashing on `session_key`: rendezvous (highest random weight) hashing, so a
+    session stays on its worker while that worker fits, and adding or removing a worker moves
+    only the sessions that hash to it. Without a session key: least load."""
+
+    name = "session"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        key = request.session_key
+        if key is None:
+            return min(candidates, key=lambda c: (c.load, -c.hit_tokens, c.order))
+        return max(candidates, key=lambda c: _weight(key, c.worker_id))
+
+
+def _weight(session_key: str, worker_id: str) -> int:
+    data = f"{len(session_key)}:{session_key}{worker_id}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (PrefixPolicy, RoundRobinPolicy, LeastLoadPolicy, PowerOfTwoPolicy, SessionPolicy)
+}
+"""Routing policies by name (`RouterConfig.policy`)."""

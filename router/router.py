@@ -1,0 +1,288 @@
+"""Router: prefix-, SWA- and headroom-aware routing of requests to workers (DESIGN §5 router).
+
+    route(request)  →  fresh workers → predicted hits (cache views) → those that fit (budgets)
+                    →  policy picks one  |  none fits: queue (FIFO, deadline)  |  queue full: raise
+
+The cluster layer drives it: `add_worker` / `remove_worker`; `update(report)` for every
+worker report; `route(...)` per request; `finish(request_id)` when a request ends on its
+worker (or is cancelled while queued); `poll()` after each update and finish and on a timer,
+to send queued requests that fit now and fail expired ones. Time comes from `clock` (the
+reports' `timestamp_s` must use the same clock), so tests and simulations are deterministic.
+Not thread-safe: one caller at a time (the router actor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from swaserve.proto.messages import WorkerReport
+from swaserve.router.cache_view import ApproxCacheView, ExactCacheView
+from swaserve.router.config import RouterConfig
+from swaserve.router.decision import Outcome, Overloaded, RouteDecision
+from swaserve.router.policies import POLICIES, Candidate, RouteRequest
+from swaserve.router.request_queue import QueuedRequest, RequestQueue
+from swaserve.router.stats import RouterStats
+from swaserve.router.worker_state import RequestNeed, WorkerState, request_need
+
+
+class Router:
+    """Routes requests among registered workers (see the module docstring for the loop).
+
+    Commands (`add_worker`, `remove_worker`, `update`, `route`, `poll`, `finish`) change only
+    the router's own state: worker reports, cache views, in-flight requests, queue, stats.
+    `predict_hits` and `check` are queries. A ROUTED decision charges the request's KV need
+    to its worker until a report stamped at or after the routing time covers it, and counts
+    it in the worker's load until `finish`.
+    """
+
+    def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.policy = POLICIES[config.policy](config)
+        self.stats = RouterStats()
+        self._workers: dict[str, WorkerState] = {}  # in add order
+        self._owner: dict[str, str] = {}  # in-flight request id -> worker id
+        self._queue = RequestQueue(config.max_queue_len)
+        self._next_order = 0
+        self.page_size: int | None = None  # fixed by the first report
+        self._exact: ExactCacheView | None = None
+        self._approx: ApproxCacheView | None = None
+
+    # ---- workers -------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, *, kv_events: bool = True) -> None:
+        """Register a worker; it takes requests once it has reported. `kv_events=False`: it
+        sends no KV events, and the router tracks its cache approximately (routed prompts)."""
+        if worker_id in self._workers:
+            raise ValueError(f"worker {worker_id!r} is already registered")
+        used = {w.bit for w in self._workers.values()}
+        bit = next(b for b in range(len(used) + 1) if b not in used)
+        self._workers[worker_id] = WorkerState(worker_id, bit, self._next_order, kv_events)
+        self._next_order += 1
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker, its cache view and its in-flight requests (`finish` on them then
+        returns False). Queued requests stay queued."""
+        state = self._worker(worker_id)
+        self._drop_view(state)
+        for request_id in state.inflight:
+            del self._owner[request_id]
+        del self._workers[worker_id]
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self._workers)
+
+    def update(self, report: WorkerReport) -> None:
+        """Take a worker's report: a new `instance_id` (restart) or a gap in `seq` (lost
+        events) drops its cache view first; an older `seq` is ignored. Raises KeyError for an
+        unknown worker, ValueError for a page size other than the other workers'."""
+        state = self._worker(report.worker_id)
+        self.stats.reports += 1
+        self._init_views(report.headroom.page_size)
+        if report.instance_id != state.instance_id:
+            if state.instance_id is not None:
+                self.stats.restarts += 1
+                self._drop_view(state)
+            state.instance_id = report.instance_id
+        elif report.seq <= state.seq:
+            self.stats.out_of_order_reports += 1
+            return
+        elif report.seq != state.seq + 1:
+            self.stats.lost_reports += 1
+            self._drop_view(state)
+        state.seq = report.seq
+        if state.kv_events and self._exact is not None:
+            self.stats.event_mismatches += self._exact.apply(state.bit, report.events)
+        state.take_report(report.headroom, report.timestamp_s)
+
+    # ---- requests ------------------------------------------------------------------------
+    def route(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        session_key: str | None = None,
+        deadline_s: float | None = None,
+    ) -> RouteDecision:
+        """Send the request to a worker that fits it now (ROUTED), or queue it (QUEUED) behind
+        the requests already queued; a `deadline_s` (router clock; default now +
+        `queue_timeout_s`) already past gives EXPIRED. Raises `Overloaded` when it would queue
+        and the queue is full, ValueError on a bad or duplicate request. `token_ids` must not
+        change until the request leaves the router."""
+        if request_id in self._owner or request_id in self._queue:
+            raise ValueError(f"request {request_id!r} is already routed or queued")
+        if not token_ids or max_new_tokens < 0:
+            raise ValueError(
+                f"request {request_id!r}: need a non-empty prompt and max_new_tokens >= 0, "
+                f"got {len(token_ids)} tokens and max_new_tokens={max_new_tokens}"
+            )
+        request = RouteRequest(request_id, token_ids, max_new_tokens, session_key)
+        now = self.clock()
+        if not self._queue:
+            decision = self._place(request, now, now)
+            if decision is not None:
+                return decision
+        deadline = now + self.config.queue_timeout_s if deadline_s is None else deadline_s
+        if deadline <= now:
+            return self._decide(RouteDecision(request_id, Outcome.EXPIRED, policy=self.policy.name))
+        if self._queue.full:
+            self.stats.decisions[self.policy.name, "overloaded"] += 1
+            raise Overloaded(request_id, len(self._queue))
+        self._queue.push(QueuedRequest(request, now, deadline))
+        self.stats.queue_len = len(self._queue)
+        return self._decide(RouteDecision(request_id, Outcome.QUEUED, policy=self.policy.name))
+
+    def poll(self) -> list[RouteDecision]:
+        """Decisions for queued requests: EXPIRED for those past their deadline, then ROUTED
+        for those that fit now, in queue order, stopping at the first that does not."""
+        now = self.clock()
+        out = []
+        for q in self._queue.pop_expired(now):
+            self.stats.record_wait(now - q.enqueued_at_s)
+            decision = RouteDecision(
+                q.request.request_id,
+                Outcome.EXPIRED,
+                policy=self.policy.name,
+                queued_s=now - q.enqueued_at_s,
+            )
+            out.append(self._decide(decision))
+        while (head := self._queue.head()) is not None:
+            routed = self._place(head.request, now, head.enqueued_at_s)
+            if routed is None:
+                break
+            self._queue.pop_head()
+            self.stats.record_wait(now - head.enqueued_at_s)
+            out.append(routed)
+        self.stats.queue_len = len(self._queue)
+        return out
+
+    def finish(self, request_id: str) -> bool:
+        """The request ended on its worker (or is cancelled while queued): release what it
+        held in the router. Returns False for an unknown id."""
+        if self._queue.remove(request_id) is not None:
+            self.stats.queue_len = len(self._queue)
+            return True
+        worker_id = self._owner.pop(request_id, None)
+        if worker_id is None:
+            return False
+        self._workers[worker_id].remove(request_id)
+        return True
+
+    @property
+    def queue_len(self) -> int:
+        return len(self._queue)
+
+    def predict_hits(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Per reported worker, the tokens of `token_ids` its prefix cache would reuse: what
+        the worker's `match_prefix(token_ids)` returns (exact view) or the longest prompt
+        prefix routed there (approximate view). A query: changes nothing."""
+        workers = [w for w in self._workers.values() if w.headroom is not None]
+        hits = self._hits(token_ids, workers)
+        return {w.worker_id: hits.get(w.bit, 0) for w in workers}
+
+    def check(self) -> None:
+        """Raise AssertionError (`CacheViewCorrupted` for the views) on a broken invariant:
+        the views, in-flight ownership, queue/in-flight overlap and the queue length stat."""
+        if self._exact is not None:
+            self._exact.check()
+        if self._approx is not None:
+            self._approx.check()
+        owned = {rid: w.worker_id for w in self._workers.values() for rid in w.inflight}
+        if owned != self._owner:
+            raise AssertionError("in-flight requests and their owners disagree")
+        if any(rid in self._queue for rid in owned) or self.stats.queue_len != len(self._queue):
+            raise AssertionError("a request is both queued and in flight, or queue_len is off")
+        if len({w.bit for w in self._workers.values()}) != len(self._workers):
+            raise AssertionError("two workers share a cache-view bit")
+        for w in self._workers.values():
+            pending = [r.need for r in w.inflight.values() if r.pending]
+            totals = (sum(n.full_tokens for n in pending), sum(n.swa_tokens for n in pending))
+            if totals != (w.pending.full_tokens, w.pending.swa_tokens) or w.num_pending != len(
+                pending
+            ):
+                raise AssertionError(f"worker {w.worker_id!r}: pending totals are off")
+
+    # ---- internals -----------------------------------------------------------------------
+    def _place(
+        self, request: RouteRequest, now: float, enqueued_at_s: float
+    ) -> RouteDecision | None:
+        """Route to the policy's choice among the fresh workers that fit; None if none fits."""
+        fresh = []
+        for w in self._workers.values():
+            if w.is_fresh(now, self.config.report_timeout_s):
+                fresh.append(w)
+            else:
+                self.stats.stale_skips += 1
+        # The engine keeps the last prompt token to compute, so it matches the prompt minus it.
+        hits = self._hits(request.token_ids[:-1], fresh)
+        candidates: list[Candidate] = []
+        needs: dict[str, RequestNeed] = {}
+        for w in fresh:
+            assert w.headroom is not None  # fresh workers have reported
+            hit = hits.get(w.bit, 0)
+            need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
+            if w.fits(need):
+                candidates.append(Candidate(w.worker_id, w.order, w.load, hit))
+                needs[w.worker_id] = need
+        if not candidates:
+            return None
+        chosen = self.policy.choose(request, candidates)
+        state = self._workers[chosen.worker_id]
+        state.add(request.request_id, needs[chosen.worker_id], now)
+        self._owner[request.request_id] = chosen.worker_id
+        if not state.kv_events and self._approx is not None:
+            self._approx.record(state.bit, request.token_ids)
+        self.stats.prompt_tokens += len(request.token_ids)
+        self.stats.predicted_hit_tokens += chosen.hit_tokens
+        decision = RouteDecision(
+            request.request_id,
+            Outcome.ROUTED,
+            chosen.worker_id,
+            self.policy.name,
+            chosen.hit_tokens,
+            now - enqueued_at_s,
+        )
+        return self._decide(decision)
+
+    def _hits(self, token_ids: Sequence[int], workers: list[WorkerState]) -> dict[int, int]:
+        exact = {
+            w.bit: w.headroom.sliding_window_size
+            for w in workers
+            if w.kv_events and w.headroom is not None
+        }
+        approx = {w.bit: 0 for w in workers if not w.kv_events}
+        hits = {}
+        if exact and self._exact is not None:
+            hits.update(self._exact.match(token_ids, exact))
+        if approx and self._approx is not None:
+            hits.update(self._approx.match(token_ids, approx))
+        return hits
+
+    def _decide(self, decision: RouteDecision) -> RouteDecision:
+        self.stats.decisions[decision.policy, decision.outcome.value] += 1
+        return decision
+
+    def _init_views(self, page_size: int) -> None:
+        if self.page_size is None:
+            self.page_size = page_size
+            self._exact = ExactCacheView(page_size)
+            self._approx = ApproxCacheView(page_size, self.config.approx_max_tokens)
+        elif page_size != self.page_size:
+            raise ValueError(
+                f"a worker reports page_size={page_size}; this router's workers use "
+                f"{self.page_size} (one router serves one model)"
+            )
+
+    def _drop_view(self, state: WorkerState) -> None:
+        if self._exact is not None:
+            self._exact.drop(state.bit)
+        if self._approx is not None:
+            self._approx.drop(state.bit)
+
+    def _worker(self, worker_id: str) -> WorkerState:
+        state = self._workers.get(worker_id)
+        if state is None:
+            raise KeyError(f"unknown worker {worker_id!r}; add_worker() it first")
+        return state

@@ -1,0 +1,134 @@
+"""What the router knows of one worker: its latest report, the requests routed to it, and the
+KV budgets that admission checks against (DESIGN §6 admission, seen from the router).
+
+A report is a snapshot at `timestamp_s` (the router's clock). Requests routed to the worker at
+or before that time are in it (admitted: their KV is allocated; waiting: counted in
+`queued_prefill_tokens`); requests routed after it are "pending" and their needs are charged
+against the snapshot until a newer report covers them:
+
+    full budget = full free + full evictable - full reserved (running decodes)
+                  - queued prefill tokens - Σ pending full need
+    SWA budget  = SWA free + SWA evictable - SWA reserved - waiting × (W + P)
+                  - min(queued prefill, waiting × chunk) - Σ pending SWA need
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swaserve.proto.messages import Headroom
+
+
+@dataclass(frozen=True, slots=True)
+class RequestNeed:
+    """KV tokens a request needs on one worker: `full` for the uncached prompt and all new
+    tokens (full KV stays), `swa` for one prefill chunk plus the window before it and a page."""
+
+    full_tokens: int
+    swa_tokens: int
+
+
+def request_need(
+    headroom: Headroom, num_prompt_tokens: int, hit_tokens: int, max_new_tokens: int
+) -> RequestNeed:
+    """`full ≈ prompt − hit + max_new`; `swa ≈ min(prompt − hit, chunk) + W + P` (0 on a
+    single-pool worker, whose SWA fields mirror the full ones)."""
+    uncached = num_prompt_tokens - hit_tokens
+    if not headroom.hybrid:
+        return RequestNeed(uncached + max_new_tokens, 0)
+    chunk = min(uncached, headroom.chunked_prefill_size or uncached)
+    swa = chunk + headroom.sliding_window_size + headroom.page_size
+    return RequestNeed(uncached + max_new_tokens, swa)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A request routed to a worker and not finished. `pending`: routed after the worker's
+    latest report, so its need is not in that report yet."""
+
+    need: RequestNeed
+    routed_at_s: float
+    pending: bool = True
+
+
+class WorkerState:
+    """One worker: identity (`bit`: its position in the cache views; `order`: add order),
+    report tracking (`instance_id`, `seq`, `headroom`, `reported_at_s`) and in-flight requests
+    with running totals of the pending ones (`add`, `remove`, `take_report` keep them)."""
+
+    def __init__(self, worker_id: str, bit: int, order: int, kv_events: bool) -> None:
+        self.worker_id = worker_id
+        self.bit = bit
+        self.order = order
+        self.kv_events = kv_events
+        self.instance_id: str | None = None
+        self.seq = -1
+        self.headroom: Headroom | None = None
+        self.reported_at_s = float("-inf")
+        self.inflight: dict[str, InFlight] = {}
+        self.pending = RequestNeed(0, 0)  # Σ needs of the pending requests
+        self.num_pending = 0
+
+    def is_fresh(self, now_s: float, timeout_s: float) -> bool:
+        """Reported within `timeout_s` of `now_s` (never: not fresh)."""
+        return self.headroom is not None and now_s - self.reported_at_s <= timeout_s
+
+    @property
+    def load(self) -> int:
+        """Requests on the worker: the router's own count of unfinished requests routed there,
+        or the report's running + waiting plus those routed since, whichever is larger (other
+        routers or clients may feed the worker too)."""
+        reported = 0
+        if self.headroom is not None:
+            reported = self.headroom.num_running + self.headroom.num_waiting
+        return max(len(self.inflight), reported + self.num_pending)
+
+    def budgets(self) -> tuple[int, int]:
+        """(full, SWA) tokens a new request may still take (see the module docstring)."""
+        h = self.headroom
+        if h is None:
+            return 0, 0
+        full = (
+            h.full_available_tokens
+            - h.full_reserved_tokens
+            - h.queued_prefill_tokens
+            - self.pending.full_tokens
+        )
+        if not h.hybrid:
+            return full, full
+        chunk = h.chunked_prefill_size or h.queued_prefill_tokens
+        waiting_swa = h.num_waiting * (h.sliding_window_size + h.page_size) + min(
+            h.queued_prefill_tokens, h.num_waiting * chunk
+        )
+        swa = h.swa_available_tokens - h.swa_reserved_tokens - waiting_swa - self.pending.swa_tokens
+        return full, swa
+
+    def fits(self, need: RequestNeed) -> bool:
+        full, swa = self.budgets()
+        return need.full_tokens <= full and need.swa_tokens <= swa
+
+    def add(self, request_id: str, need: RequestNeed, now_s: float) -> None:
+        """A request was routed here at `now_s`: pending until a report covers it."""
+        self.inflight[request_id] = InFlight(need, now_s)
+        self._count(need, +1)
+
+    def remove(self, request_id: str) -> None:
+        r = self.inflight.pop(request_id)
+        if r.pending:
+            self._count(r.need, -1)
+
+    def take_report(self, headroom: Headroom, timestamp_s: float) -> None:
+        """A newer report: requests routed at or before `timestamp_s` are in it."""
+        self.headroom = headroom
+        self.reported_at_s = timestamp_s
+        for r in self.inflight.values():
+            if r.pending and r.routed_at_s <= timestamp_s:
+                r.pending = False
+                self._count(r.need, -1)
+
+    def _count(self, need: RequestNeed, sign: int) -> None:
+        self.pending = RequestNeed(
+            self.pending.full_tokens + sign * need.full_tokens,
+            self.pending.swa_tokens + sign * need.swa_tokens,
+        )
+        self.num_pending += sign

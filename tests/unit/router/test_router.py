@@ -1,0 +1,276 @@
+"""Router rules, one test each, with exact workers, hits, budgets and times: the imbalance
+gate, two-pool admission, the queue bound and deadlines, stale workers, restarts."""
+
+from __future__ import annotations
+
+import pytest
+from router_scenario import Cluster, P, W, pages_of, stored
+
+from swaserve.proto.kv_events import KVCleared, KVTombstoned
+from swaserve.router import Outcome, Overloaded, RouteDecision, RouterConfig
+
+PROMPT = list(range(1, 18))  # 17 tokens: the engine matches the first 16 (8 pages)
+
+
+def routed(decision: RouteDecision) -> tuple[str | None, int]:
+    assert decision.outcome == Outcome.ROUTED
+    return decision.worker_id, decision.predicted_hit_tokens
+
+
+# ---- rule: SWA-aware predicted hit ----------------------------------------------------------------
+
+
+def test_route_predicts_the_hit_under_the_window_rule() -> None:
+    c = Cluster("a")
+    c.report("a", [stored(PROMPT), KVTombstoned(pages_of(PROMPT, 4, 5))])  # [9,10] tombstone
+    # Ends after the tombstone need W = 4 live tokens: 14 is the first; 16 still holds.
+    assert routed(c.router.route("r1", PROMPT, 8)) == ("a", 16)
+    assert routed(c.router.route("r2", PROMPT[:13], 8)) == ("a", 8)  # matches 12: 2 live
+    assert c.router.predict_hits(PROMPT[:12]) == {"a": 8}
+    assert c.router.stats.predicted_hit_tokens == 24
+
+
+# ---- rule: imbalance gate -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        ({"a": 3, "b": 1, "c": 2}, ("a", 16)),  # a within least + 2: affinity kept
+        ({"a": 4, "b": 1, "c": 2}, ("c", 8)),  # a gated; c keeps the better hit of the rest
+        ({"a": 4, "b": 1, "c": 4}, ("b", 0)),  # only b is near the least loaded
+        ({"a": 12, "b": 10, "c": 11}, ("a", 16)),  # 12 <= 10 × 1.25: balanced enough
+        ({"a": 13, "b": 10, "c": 11}, ("c", 8)),  # 13 > max(12, 12.5)
+    ],
+)
+def test_prefix_gate_keeps_affinity_among_near_least_loaded(
+    loads: dict[str, int], expected: tuple[str, int]
+) -> None:
+    c = Cluster("a", "b", "c", balance_abs_threshold=2, balance_rel_threshold=1.25)
+    c.report("a", [stored(PROMPT)], num_running=loads["a"])
+    c.report("b", num_running=loads["b"])
+    c.report("c", [stored(PROMPT[:8])], num_running=loads["c"])
+    assert routed(c.router.route("r", PROMPT, 8)) == expected
+
+
+def test_gate_counts_requests_routed_since_the_last_report() -> None:
+    c = Cluster("a", "b", balance_abs_threshold=2, balance_rel_threshold=1.25)
+    c.report("a", [stored(PROMPT)])
+    c.report("b")
+    hits = [routed(c.router.route(f"r{i}", PROMPT, 8)) for i in range(4)]
+    # a holds the prefix; its load grows 0, 1, 2, then 3 > 0 + 2 sends r3 to b.
+    assert hits == [("a", 16), ("a", 16), ("a", 16), ("b", 0)]
+    assert c.router.finish("r0") and not c.router.finish("r0")
+    assert routed(c.router.route("r4", PROMPT, 8)) == ("a", 16)  # a is back to load 2
+    c.router.check()
+
+
+# ---- rule: admission by both pools ----------------------------------------------------------------
+
+
+def test_admission_refuses_when_one_pool_lacks_room_while_the_other_has_plenty() -> None:
+    c = Cluster("a", "b")
+    # Request: 17 prompt tokens, no hit, 20 new. Full need 17 + 20 = 37. SWA need (no
+    # chunking) 17 + W + P = 23.
+    c.report("a", full_free_tokens=36)  # full short by one, SWA 10_000 free
+    c.report("b", swa_free_tokens=22)  # SWA short by one, full 10_000 free
+    assert c.router.route("r", PROMPT, 20).outcome == Outcome.QUEUED
+    c.report("b", swa_free_tokens=10, swa_evictable_tokens=13)  # evictable counts: 23
+    assert [(d.request_id, d.worker_id) for d in c.router.poll()] == [("r", "b")]
+
+
+def test_admission_charges_reservations_waiting_work_and_requests_routed_since() -> None:
+    c = Cluster("a")
+    # full: 200 - 60 reserved - 40 queued = 100; SWA: 200 - 30 reserved - 1 waiting × (W + P)
+    # - min(40 queued, 1 × chunk 8) = 156.
+    c.report(
+        "a",
+        full_free_tokens=200,
+        full_reserved_tokens=60,
+        queued_prefill_tokens=40,
+        num_waiting=1,
+        swa_free_tokens=200,
+        swa_reserved_tokens=30,
+        chunked_prefill_size=8,
+    )
+    state = c.router._workers["a"]
+    assert state.budgets() == (100, 156)
+    assert c.router.route("r1", PROMPT, 83).outcome == Outcome.ROUTED  # full need 100
+    assert state.budgets() == (0, 156 - (8 + W + P))  # pending until a report covers it
+    assert c.router.route("r2", [1, 2], 0).outcome == Outcome.QUEUED
+    c.clock.now = 1.0
+    c.report("a", full_free_tokens=200)  # r1 routed at 0.0 <= 1.0: in this report
+    assert state.budgets() == (200, 10_000)
+    assert routed(c.router.poll()[0]) == ("a", 0)
+
+
+# ---- rule: queue bound → Overloaded; FIFO --------------------------------------------------------
+
+
+def test_full_queue_raises_overloaded() -> None:
+    c = Cluster("a", max_queue_len=2)
+    c.report("a", full_free_tokens=0)
+    assert [c.router.route(f"r{i}", PROMPT, 1).outcome for i in range(2)] == [Outcome.QUEUED] * 2
+    with pytest.raises(Overloaded) as raised:
+        c.router.route("r2", PROMPT, 1)
+    assert (raised.value.request_id, raised.value.queue_len) == ("r2", 2)
+    assert c.router.stats.decisions == {("prefix", "queued"): 2, ("prefix", "overloaded"): 1}
+    assert c.router.finish("r0") and c.router.queue_len == 1  # cancelled while queued
+    assert c.router.route("r3", PROMPT, 1).outcome == Outcome.QUEUED
+
+
+def test_queue_is_fifo_and_new_requests_do_not_overtake() -> None:
+    c = Cluster("a")
+    c.report("a", full_free_tokens=30)
+    assert c.router.route("big", PROMPT, 20).outcome == Outcome.QUEUED  # needs 37
+    assert c.router.route("small", [1, 2], 1).outcome == Outcome.QUEUED  # fits, but waits
+    assert c.router.poll() == []  # the head still does not fit
+    c.report("a", full_free_tokens=40)  # 37 + 3: both fit now, in order
+    assert [d.request_id for d in c.router.poll()] == ["big", "small"]
+    c.router.check()
+
+
+# ---- rule: deadline expiry ------------------------------------------------------------------------
+
+
+def test_queued_request_expires_at_its_deadline() -> None:
+    c = Cluster("a", queue_timeout_s=30.0, report_timeout_s=100.0)
+    c.report("a", full_free_tokens=0)
+    c.router.route("soon", PROMPT, 1, deadline_s=10.0)
+    c.router.route("later", PROMPT, 1)  # default deadline 0 + 30
+    assert c.router.route("past", PROMPT, 1, deadline_s=0.0).outcome == Outcome.EXPIRED
+    c.clock.now = 9.5
+    assert c.router.poll() == []
+    c.clock.now = 10.0
+    assert c.router.poll() == [RouteDecision("soon", Outcome.EXPIRED, None, "prefix", 0, 10.0)]
+    c.clock.now = 11.0
+    c.report("a")
+    assert c.router.poll() == [RouteDecision("later", Outcome.ROUTED, "a", "prefix", 0, 11.0)]
+    stats = c.router.stats
+    assert (stats.queue_waits, stats.queue_wait_s_total, stats.queue_wait_s_max) == (2, 21.0, 11.0)
+    assert stats.decisions[("prefix", "expired")] == 2
+
+
+# ---- rule: stale worker skipped -------------------------------------------------------------------
+
+
+def test_stale_worker_is_skipped_and_taken_back_after_a_report() -> None:
+    c = Cluster("a", "b", report_timeout_s=5.0)
+    c.report("a", [stored(PROMPT)])
+    c.clock.now = 3.0
+    c.report("b")
+    c.clock.now = 5.5  # a's report is 5.5 s old, b's 2.5 s
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("b", 0)
+    assert c.router.stats.stale_skips == 1
+    c.report("a")
+    assert routed(c.router.route("r2", PROMPT, 1)) == ("a", 16)
+    c.clock.now = 100.0  # nobody is fresh: the request waits
+    assert c.router.route("r3", PROMPT, 1).outcome == Outcome.QUEUED
+
+
+def test_worker_without_a_report_takes_nothing() -> None:
+    c = Cluster("a")
+    assert c.router.route("r", PROMPT, 1).outcome == Outcome.QUEUED
+    c.report("a")
+    assert routed(c.router.poll()[0]) == ("a", 0)
+
+
+# ---- rule: a restart (or a cache clear, or lost events) drops the view ----------------------------
+
+
+def test_restart_clears_the_workers_view() -> None:
+    c = Cluster("a", "b")
+    c.report("a", [stored(PROMPT)])
+    c.report("b", [stored(PROMPT)])
+    assert c.router.predict_hits(PROMPT) == {"a": 16, "b": 16}
+    c.report("a", instance="i1")  # restarted: empty cache, no events yet
+    assert c.router.predict_hits(PROMPT) == {"a": 0, "b": 16}
+    assert c.router.stats.restarts == 1
+    c.report("b", [KVCleared()])
+    assert c.router.predict_hits(PROMPT) == {"a": 0, "b": 0}
+    c.router.check()
+
+
+def test_lost_report_drops_the_view_and_an_old_report_is_ignored() -> None:
+    c = Cluster("a")
+    c.report("a", [stored(PROMPT[:8])])
+    c.report("a", [stored(PROMPT[8:], parent=PROMPT[:8])], skip=1)  # seq 0 -> 2: one lost
+    # The view was dropped before the new events; they hang under a page it no longer has.
+    assert c.router.predict_hits(PROMPT) == {"a": 0}
+    assert (c.router.stats.lost_reports, c.router.stats.event_mismatches) == (1, 1)
+    c.seq["a"] = 0  # an old report arrives late
+    c.report("a", [stored(PROMPT)])
+    assert c.router.stats.out_of_order_reports == 1 and c.router.predict_hits(PROMPT) == {"a": 0}
+
+
+# ---- rule: approximate mode (workers without KV events) under its memory cap ----------------------
+
+
+def test_approximate_workers_get_affinity_from_routed_prompts_under_one_cap() -> None:
+    c = Cluster("a", "b", kv_events=False, approx_max_tokens=20)
+    c.report("a")
+    c.report("b")
+    other = [90 + t for t in range(17)]
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("a", 0)  # records 8 pages (16 tokens)
+    assert routed(c.router.route("r2", other, 1)) == ("b", 0)  # 8 more: 16 pages, cap 10
+    # The cap (20 tokens, both workers together) evicted a's 6 oldest entries: its deepest pages.
+    assert c.router.predict_hits(PROMPT) == {"a": 4, "b": 0}
+    assert c.router.predict_hits(other) == {"a": 0, "b": 16}
+    assert routed(c.router.route("r3", PROMPT, 1)) == ("a", 4)
+    c.report("a", instance="i1")  # a restart drops the approximate view too
+    assert c.router.predict_hits(PROMPT) == {"a": 0, "b": 0}
+    c.router.check()
+
+
+# ---- API edges ------------------------------------------------------------------------------------
+
+
+def test_bad_requests_and_workers_raise_clear_errors() -> None:
+    c = Cluster("a")
+    c.report("a")
+    c.router.route("r", PROMPT, 1)
+    with pytest.raises(ValueError, match="already routed"):
+        c.router.route("r", PROMPT, 1)
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        c.router.route("e", [], 1)
+    with pytest.raises(ValueError, match="already registered"):
+        c.router.add_worker("a")
+    with pytest.raises(KeyError, match="unknown worker"):
+        c.router.remove_worker("zz")
+    c.router.add_worker("b")
+    with pytest.raises(ValueError, match="page_size=4"):
+        c.report("b", page_size=4)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        RouterConfig(policy="random")
+
+
+def test_remove_worker_forgets_its_requests_and_view() -> None:
+    c = Cluster("a", "b")
+    c.report("a", [stored(PROMPT)])
+    c.report("b")
+    assert routed(c.router.route("r", PROMPT, 1)) == ("a", 16)
+    c.router.remove_worker("a")
+    assert c.router.worker_ids == ["b"] and not c.router.finish("r")
+    assert c.router.predict_hits(PROMPT) == {"b": 0}
+    c.router.add_worker("c")  # reuses a's view bit, with an empty view
+    c.report("c")
+    assert c.router.predict_hits(PROMPT) == {"b": 0, "c": 0}
+    c.router.check()
+
+
+def test_config_defaults_and_validation() -> None:
+    config = RouterConfig()
+    assert (config.policy, config.balance_abs_threshold, config.balance_rel_threshold) == (
+        "prefix",
+        4,
+        1.5,
+    )
+    assert (config.report_timeout_s, config.max_queue_len, config.queue_timeout_s) == (
+        5.0,
+        1024,
+        30.0,
+    )
+    assert config.approx_max_tokens == 1 << 20
+    for bad in ({"balance_rel_threshold": 0.5}, {"balance_abs_threshold": -1}, {"typo": 1}):
+        with pytest.raises(ValueError):
+            RouterConfig(**bad)  # type: ignore[arg-type]
