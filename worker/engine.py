@@ -53,7 +53,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tp_size != 1:
-            raise ValueError(f"tp_size={config.tp_size}: tensor parallelism is not available yet; use tp_size=1")
+            raise ValueError(
+                f"tp_size={config.tp_size}: tensor parallelism is not available yet; use tp_size=1"
+            )
         self.config = config
         self.runner = ModelRunner(config)
         mc = self.runner.model_config
@@ -290,6 +292,7 @@ class Engine:
         full_free = self.allocator.full_available_size()
         swa_free = self.allocator.swa_available_size()
         swa_total = plan.swa_tokens if self.hybrid else plan.full_tokens
+        full_reserved, swa_reserved = self.scheduler.reserved_tokens()
         return Headroom(
             full_total_tokens=plan.full_tokens,
             full_free_tokens=full_free,
@@ -308,6 +311,8 @@ class Engine:
             page_size=self.page_size,
             chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,
             hybrid=self.hybrid,
+            full_reserved_tokens=full_reserved,
+            swa_reserved_tokens=swa_reserved,
         )
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -318,9 +318,14 @@ class Scheduler:
         alloc = self.allocator
         full = alloc.full_available_size() + (self.tree.full_evictable_size() if self.tree else 0)
         swa = alloc.swa_available_size() + (self.tree.swa_evictable_size() if self.tree else 0)
-        full -= sum(self._full_reserve(r) for r in self.running)
+        full_reserved, swa_reserved = self.reserved_tokens()
+        return full - full_reserved, swa - swa_reserved
+
+    def reserved_tokens(self) -> tuple[int, int]:
+        """(full, SWA) tokens promised to running requests' future decode steps."""
         step = self.limits.swa_eviction_interval + self.limits.page_size
-        swa -= sum(min(r.remaining_new_tokens, step) for r in self.running)
+        full = sum(self._full_reserve(r) for r in self.running)
+        swa = sum(min(r.remaining_new_tokens, step) for r in self.running) if self.hybrid else 0
         return full, swa
 
     def _full_reserve(self, req: Request) -> int:

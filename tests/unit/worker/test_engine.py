@@ -55,6 +55,13 @@ def test_streaming_add_step_abort(model_dir: Path) -> None:
             if out.finished:
                 finished.add(out.request_id)
         steps += 1
+        if steps == 1:
+            head = engine.headroom()
+            assert (
+                head.num_running == 2
+                and head.full_reserved_tokens > 0
+                and head.swa_reserved_tokens > 0
+            )
         if steps == 2:
             assert engine.abort(a)
             assert not engine.abort(a)
