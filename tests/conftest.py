@@ -26,9 +26,10 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     return make
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one intra-op thread; two contend on a 2-core CI machine."""
+    """Tiny models run fastest on one intra-op thread; two contend on a 2-core CI machine.
+    Per test, so that a bench run in-process with its own thread count cannot leak it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -18,7 +18,7 @@ heads = 2 × full.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,15 +114,6 @@ NAMES = [
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in sorted(CONFIGS)
 ]
 PAGE_SIZES = [1, 4]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is faster and avoids OpenMP stalls on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_tokens(length: int, seed: int) -> list[int]:
