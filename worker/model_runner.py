@@ -86,7 +86,7 @@ class ModelRunner:
         device = self.device
         input_ids, positions, slots = [], [], []
         for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
-            input_ids.extend(req.token_ids[start : start + n])
+            input_ids.extend(req.token_slice(start, start + n))
             positions.append(torch.arange(start, start + n))
             slots.append(req.slots[: start + n].to(device))
         prefix = torch.tensor(batch.prefix_lens)  # [B] int64

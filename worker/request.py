@@ -46,19 +46,53 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    slots: torch.Tensor = field(
-        default_factory=lambda: torch.empty(0, dtype=torch.int64)
-    )  # [num_computed] int64
     num_computed: int = 0
     lock: PrefixLock | None = None
     swa: SWAFreeState = field(default_factory=SWAFreeState)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
     num_retractions: int = 0
     new_token_ids: list[int] = field(default_factory=list)  # produced since the last step() report
+    _slot_buf: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, dtype=torch.int64)
+    )  # [capacity] int64
+    _num_slots: int = 0
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Full slot id of each position that has one ([n] int64 view; valid until the next
+        `slots` assignment or `extend_slots`)."""
+        return self._slot_buf[: self._num_slots]
+
+    @slots.setter
+    def slots(self, value: torch.Tensor) -> None:
+        self._slot_buf = value.to(torch.int64)
+        self._num_slots = value.numel()
+
+    def extend_slots(self, start: int, new: torch.Tensor) -> None:
+        """Set the slots of positions `[start, start + len(new))`, dropping any after `start`.
+        The buffer grows by doubling, so a decode step copies one slot, not the whole row. A
+        tensor assigned through `slots` (possibly the tree's) is never written: it is exactly
+        full, so the first extension moves to a buffer of our own."""
+        end = start + new.numel()
+        if end > self._slot_buf.numel():
+            grown = torch.empty(
+                max(end, 2 * self._slot_buf.numel(), 16), dtype=torch.int64
+            )  # [capacity] int64
+            grown[:start] = self._slot_buf[:start]
+            self._slot_buf = grown
+        self._slot_buf[start:end] = new
+        self._num_slots = end
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`token_ids[start:end]` without building the whole sequence (a decode step reads one)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)]
 
     @property
     def seq_len(self) -> int:

@@ -210,8 +210,8 @@ class Scheduler:
                 last = torch.tensor([r.last_loc for r in decodes])
                 out = self.allocator.alloc_decode(seq, last)
                 if out is not None:
-                    for r, slot in zip(decodes, out.tolist(), strict=True):
-                        r.slots = torch.cat((r.slots, torch.tensor([slot])))
+                    for i, r in enumerate(decodes):
+                        r.extend_slots(r.num_computed, out[i : i + 1])
                     return decodes, out
             self._retract(max(self.running, key=lambda r: r.arrival))
 
@@ -249,7 +249,7 @@ class Scheduler:
             torch.tensor([req.last_loc]),
         )
         if out is not None:
-            req.slots = torch.cat((req.slots[: req.num_computed], out))
+            req.extend_slots(req.num_computed, out)
         return out
 
     def _admit(
