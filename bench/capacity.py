@@ -19,7 +19,7 @@ import time
 import torch
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.kv.pool_plan import LayerShape, request_bound
+from swaserve.worker.kv.pool_plan import request_bound
 from swaserve.worker.models.tiny import make_tiny_model
 
 
@@ -77,14 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         hybrid = Engine(
             EngineConfig(**common, swa_full_tokens_ratio="auto", expected_seq_len=seq_len)  # type: ignore[arg-type]
         )
-        spec = hybrid.runner.model_config.kv_spec()
-        shape = LayerShape(
-            num_full_layers=len(spec.full_layer_ids),
-            num_swa_layers=len(spec.swa_layer_ids),
-            full_token_bytes=spec.full_layout.token_bytes(torch.float32),
-            swa_token_bytes=spec.swa_layout.token_bytes(torch.float32),
-            sliding_window_size=spec.sliding_window_size,
-        )
+        shape = hybrid.runner.model_config.kv_spec().layer_shape(torch.float32)
         bound = request_bound(shape, seq_len, budget, swa_eviction_interval=args.interval)
         n = args.requests or int(bound * 1.1) + 1
         prompts = [[(i * 7 + j) % 250 + 1 for j in range(args.prompt_len)] for i in range(n)]
@@ -119,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         "hybrid_s": round(hybrid_s, 2),
         "single_pool_s": round(single_s, 2),
     }
-    print(f"KV budget {budget / 2**20:.1f} MiB, {n} requests of {seq_len} tokens (W={args.window}, I={args.interval})")
-    print(f"  hybrid pools (auto r): full {hybrid_plan.full_tokens} + SWA {hybrid_plan.swa_tokens} tokens")
+    print(
+        f"KV budget {budget / 2**20:.1f} MiB, {n} requests of {seq_len} tokens (W={args.window}, I={args.interval})"
+    )
+    print(
+        f"  hybrid pools (auto r): full {hybrid_plan.full_tokens} + SWA {hybrid_plan.swa_tokens} tokens"
+    )
     print(f"  single pool:           {single_plan.full_tokens} tokens")
     print(f"  peak running: hybrid {hybrid_peak}, single pool {single_peak}, bound {bound}")
-    print(f"  hybrid / single pool = {result['hybrid_vs_single']:.2f}x; hybrid / bound = {result['hybrid_of_bound']:.2f}")
+    print(
+        f"  hybrid / single pool = {result['hybrid_vs_single']:.2f}x; hybrid / bound = {result['hybrid_of_bound']:.2f}"
+    )
     if args.json:
         print(json.dumps(result))
     return 0

@@ -13,6 +13,7 @@ from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.kv_pool import KVLayout, KVPool, SWAKVPool
 from swaserve.worker.kv.pool_plan import (
     DEFAULT_SWA_EVICTION_INTERVAL,
+    LayerShape,
     PoolPlan,
     auto_swa_full_tokens_ratio,
     plan_pools,
@@ -38,6 +39,16 @@ class KVModelSpec:
     @property
     def is_hybrid(self) -> bool:
         return bool(self.swa_layer_ids)
+
+    def layer_shape(self, dtype: torch.dtype) -> LayerShape:
+        """Layer counts and per-token, per-layer KV bytes (F, S) at `dtype`, for the planners."""
+        return LayerShape(
+            num_full_layers=len(self.full_layer_ids),
+            num_swa_layers=len(self.swa_layer_ids),
+            full_token_bytes=self.full_layout.token_bytes(dtype),
+            swa_token_bytes=self.swa_layout.token_bytes(dtype),
+            sliding_window_size=self.sliding_window_size,
+        )
 
     def layouts_by_layer(self) -> list[KVLayout]:
         swa = set(self.swa_layer_ids)
@@ -80,9 +91,13 @@ def plan_kv_memory(spec: KVModelSpec, config: KVMemoryConfig, dtype: torch.dtype
     """Choose the pool plan for `spec` under `config` (raises ValueError with the reason)."""
     if (config.kv_cache_bytes is None) == (config.max_total_tokens is None):
         raise ValueError("give exactly one of kv_cache_bytes and max_total_tokens")
-    f = spec.full_layout.token_bytes(dtype)
-    s = spec.swa_layout.token_bytes(dtype)
-    l_full, l_swa = len(spec.full_layer_ids), len(spec.swa_layer_ids)
+    ls = spec.layer_shape(dtype)
+    f, s, l_full, l_swa = (
+        ls.full_token_bytes,
+        ls.swa_token_bytes,
+        ls.num_full_layers,
+        ls.num_swa_layers,
+    )
     p = config.page_size
     single = config.disable_hybrid_swa_memory or not spec.is_hybrid
     ratio = config.swa_full_tokens_ratio
@@ -90,7 +105,7 @@ def plan_kv_memory(spec: KVModelSpec, config: KVMemoryConfig, dtype: torch.dtype
     budget = config.kv_cache_bytes
     if budget is None:
         assert config.max_total_tokens is not None
-        return _plan_from_tokens(spec, config, f, s, single)
+        return _plan_from_tokens(ls, config, single)
 
     shape = dict(
         num_full_layers=l_full, num_swa_layers=l_swa, full_token_bytes=f, swa_token_bytes=s
@@ -136,15 +151,18 @@ def plan_kv_memory(spec: KVModelSpec, config: KVMemoryConfig, dtype: torch.dtype
     )
 
 
-def _plan_from_tokens(
-    spec: KVModelSpec, config: KVMemoryConfig, f: int, s: int, single: bool
-) -> PoolPlan:
+def _plan_from_tokens(shape: LayerShape, config: KVMemoryConfig, single: bool) -> PoolPlan:
     tokens = config.max_total_tokens
     p = config.page_size
     if not isinstance(tokens, int) or tokens <= p:
         raise ValueError(f"max_total_tokens must be an int > page_size={p}, got {tokens!r}")
     full_tokens = tokens // p * p
-    l_full, l_swa = len(spec.full_layer_ids), len(spec.swa_layer_ids)
+    f, s, l_full, l_swa = (
+        shape.full_token_bytes,
+        shape.swa_token_bytes,
+        shape.num_full_layers,
+        shape.num_swa_layers,
+    )
     if single:
         cell = f * l_full + s * l_swa
         return PoolPlan(full_tokens, 0, full_tokens * cell, 0, p, 0.0, single_pool=True)
@@ -154,7 +172,7 @@ def _plan_from_tokens(
     if not 0 < ratio <= 1:
         raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio}")
     swa_tokens = int(full_tokens * ratio) // p * p
-    w = spec.sliding_window_size
+    w = shape.sliding_window_size
     if swa_tokens <= w + p:
         raise ValueError(
             f"the SWA pool is too small for one request: r={ratio} of max_total_tokens={full_tokens} "
