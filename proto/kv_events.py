@@ -19,6 +19,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from swaserve.proto.kv_rules import valid_match_length
+
 
 def page_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """64-bit hash of one page of `token_ids` whose parent page hashes to `parent_hash`
@@ -131,18 +133,13 @@ class KVEventMirror:
         """Tokens of `token_ids` a worker would reuse: the longest cached run of whole pages,
         cut back to the last end that has `sliding_window_size` live tokens before it (or no
         tombstone at all before it)."""
-        best = 0
-        live_run: float = float("inf")  # live tokens since the last tombstone; inf: none yet
-        end = 0
+        runs = []
         for h in page_hashes(token_ids, page_size):
             tombstone = self.pages.get(h)
             if tombstone is None:
                 break
-            live_run = 0 if tombstone else live_run + page_size
-            end += page_size
-            if live_run >= sliding_window_size:
-                best = end
-        return best
+            runs.append((page_size, tombstone))
+        return valid_match_length(runs, sliding_window_size)
 
     def _expect(self, hashes: Sequence[int], *, present: bool, what: str) -> None:
         for h in hashes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swaserve.proto.kv_rules import swa_tokens_for_extend
 from swaserve.proto.messages import Headroom
 
 
@@ -37,7 +38,7 @@ def request_need(
     if not headroom.hybrid:
         return RequestNeed(uncached + max_new_tokens, 0)
     chunk = min(uncached, headroom.chunked_prefill_size or uncached)
-    swa = chunk + headroom.sliding_window_size + headroom.page_size
+    swa = swa_tokens_for_extend(chunk, headroom.sliding_window_size, headroom.page_size)
     return RequestNeed(uncached + max_new_tokens, swa)
 
 

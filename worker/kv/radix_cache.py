@@ -26,6 +26,7 @@ import itertools
 import torch
 
 from swaserve.proto.kv_events import KVCleared, KVRevived, KVTombstoned
+from swaserve.proto.kv_rules import valid_match_length
 from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
 from swaserve.worker.kv.swa_freeing import SWAFreeState
@@ -274,26 +275,25 @@ class SWARadixCache(RadixTree):
         """Nodes matching `key` from the root (the last one split to end at the match), and how
         many of them form the longest match that satisfies the window rule."""
         n = len(key) // self.page_size * self.page_size
-        node, pos, num_valid = self.root, 0, 0
+        node, pos = self.root, 0
         path: list[RadixNode] = []
-        live_run: float = float("inf")  # live tokens since the last tombstone; inf: none yet
         while pos < n:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
                 break
-            if child.tombstone:
-                if live_run >= self.sliding_window_size:
-                    num_valid = len(path)
-                live_run = 0
             matched = self._common_len(child.key, key, pos, n)
             if matched < len(child.key):
                 child = self._split(child, matched)
             path.append(child)
             pos += matched
-            live_run += 0 if child.tombstone else matched
             node = child
-        if live_run >= self.sliding_window_size:
-            num_valid = len(path)
+        valid = valid_match_length(
+            ((len(c.key), c.tombstone) for c in path), self.sliding_window_size
+        )
+        num_valid, end = 0, 0
+        while num_valid < len(path) and end + len(path[num_valid].key) <= valid:
+            end += len(path[num_valid].key)
+            num_valid += 1
         return path, num_valid
 
     def _revive(self, node: RadixNode, incoming: torch.Tensor) -> None:

@@ -1,0 +1,88 @@
+"""The window rule, page arithmetic and SWA need of `swaserve.proto.kv_rules`, against a
+brute-force reading of DESIGN §6, and the router's bit-mask match against the same rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swaserve.proto.kv_rules import (
+    cdiv,
+    min_swa_pool_tokens,
+    page_ceil,
+    page_floor,
+    swa_tokens_for_extend,
+    valid_match_length,
+)
+
+
+def brute_force(runs: list[tuple[int, bool]], window: int) -> int:
+    """Expand runs to tokens; an end e (a run boundary) is valid iff no tombstone token lies in
+    [0, e) or the last `window` tokens before e are all live."""
+    tokens = [t for n, tomb in runs for t in [tomb] * n]
+    ends = [0]
+    for n, _ in runs:
+        ends.append(ends[-1] + n)
+    best = 0
+    for e in ends[1:]:
+        before = tokens[:e]
+        if not any(before) or (e >= window and not any(before[e - window :])):
+            best = e
+    return best
+
+
+def test_reference_example() -> None:
+    runs = [(8, False), (4, True), (2, False), (3, False)]
+    assert valid_match_length(runs, 4) == 17
+    assert valid_match_length(runs[:3], 4) == 8
+    assert valid_match_length([(3, True)], 2) == 0
+    assert valid_match_length([], 2) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        runs = [(rng.randint(1, 5), rng.random() < 0.3) for _ in range(rng.randint(0, 8))]
+        window = rng.randint(1, 9)
+        assert valid_match_length(runs, window) == brute_force(runs, window), (runs, window)
+
+
+def test_page_arithmetic() -> None:
+    assert [cdiv(n, 4) for n in (0, 1, 4, 5)] == [0, 1, 1, 2]
+    assert page_floor(7, 4) == 4 and page_ceil(7, 4) == 8 and page_ceil(8, 4) == 8
+    assert swa_tokens_for_extend(100, 16, 4) == 120
+    assert min_swa_pool_tokens(16, 4) == 24 and min_swa_pool_tokens(2, 4) == 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_router_bitmask_match_follows_the_rule(seed: int) -> None:
+    """The router's one-walk match over KV events equals the rule on each worker's pages."""
+    from swaserve.proto.kv_events import KVStored, KVTombstoned, page_hashes
+    from swaserve.router.cache_view import ExactCacheView
+
+    rng = random.Random(seed)
+    page = 2
+    for _ in range(50):
+        tokens = [rng.randint(0, 3) for _ in range(page * rng.randint(1, 8))]
+        hashes = page_hashes(tokens, page)
+        view = ExactCacheView(page)
+        windows = {}
+        runs_of = {}
+        for worker in range(3):
+            held = rng.randint(0, len(hashes))
+            tombs = [rng.random() < 0.35 for _ in range(held)]
+            windows[worker] = rng.randint(1, 7)
+            if held:
+                view.apply(
+                    worker,
+                    [KVStored(tuple(hashes[:held]), None, tuple(tokens[: held * page]), page)],
+                )
+                tomb_hashes = tuple(h for h, t in zip(hashes, tombs, strict=False) if t)
+                if tomb_hashes:
+                    view.apply(worker, [KVTombstoned(tomb_hashes)])
+            runs_of[worker] = [(page, t) for t in tombs]
+        got = view.match(tokens, windows)
+        for worker, window in windows.items():
+            assert got[worker] == valid_match_length(runs_of[worker], window)
