@@ -12,7 +12,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import RMSNorm, group_by_expert
+from swaserve.worker.models.layers import RMSNorm, gathers_expert_weights, sort_by_expert
 
 
 class GptOssTopKRouter(nn.Module):
@@ -46,6 +46,7 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype))  # [E, 2I]
         self.down_proj = nn.Parameter(torch.empty(e, i, d, dtype=dtype))  # [E, I, D]
         self.down_proj_bias = nn.Parameter(torch.empty(e, d, dtype=dtype))  # [E, D]
+        self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
 
     def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(up + 1) · gate · σ(α · gate), gate clamped above and up on both sides at `limit`."""
@@ -59,12 +60,43 @@ class GptOssExperts(nn.Module):
         top_k_index: torch.Tensor,  # [T, k] int64
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, D]
-        out = torch.zeros_like(x)  # [T, D]
-        for e, rows, slots in group_by_expert(top_k_index, self.num_experts):
-            gate_up = x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
-            y = self.clamped_swiglu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, D]
-            out.index_add_(0, rows, (y * top_k_weights[rows, slots, None]).to(x.dtype))
-        return out
+        """Σ over each token's k experts of weight · expert(x): gathered weights for few pairs
+        (no host sync), grouped by expert for many (one host read, see `sort_by_expert`)."""
+        if gathers_expert_weights(top_k_index.numel(), self.expert_elements):
+            return self.forward_gathered(x, top_k_index, top_k_weights)
+        return self.forward_grouped(x, top_k_index, top_k_weights)
+
+    def forward_gathered(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        """Each (token, expert) pair with its own copy of the expert's weights: one bmm each."""
+        t, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
+        gate_up = torch.bmm(xs, self.gate_up_proj[flat])  # [N, 1, 2I]
+        gate_up = gate_up + self.gate_up_proj_bias[flat].unsqueeze(1)
+        y = torch.bmm(self.clamped_swiglu(gate_up), self.down_proj[flat])  # [N, 1, D]
+        y = y.view(t, k, -1) + self.down_proj_bias[top_k_index]  # [T, k, D]
+        return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+
+    def forward_grouped(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        """Tokens sorted by expert and padded to the largest group: one bmm over [E, C, D]."""
+        groups = sort_by_expert(top_k_index, self.num_experts)
+        xs = x[groups.token_rows]  # [E, C, D]
+        gate_up = torch.bmm(xs, self.gate_up_proj) + self.gate_up_proj_bias.unsqueeze(1)
+        y = torch.bmm(self.clamped_swiglu(gate_up), self.down_proj)  # [E, C, D]
+        y = y + self.down_proj_bias.unsqueeze(1)
+        y = y[groups.expert, groups.position]  # [N, D], real pairs only, sorted by expert
+        weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1]
+        return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
 
 
 class GptOssMLP(nn.Module):

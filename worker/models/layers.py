@@ -1,5 +1,6 @@
 """Layers shared by the hybrid-SWA models: RMSNorm, attention through an `AttentionBackend`,
-the dense SwiGLU MLP, the decoder layer, and the expert grouping that both MoE blocks use.
+the dense SwiGLU MLP, the decoder layer, and the expert grouping that both MoE blocks use
+(`gathers_expert_weights` picks the small- or large-batch path, `sort_by_expert` groups pairs).
 
 Parameter names are transformers' (q_proj, k_proj, v_proj, o_proj, sinks, gate_proj, ...), so
 that HF checkpoints load by name. Activations are token-major: [T, ...] over the whole batch.
@@ -7,7 +8,7 @@ that HF checkpoints load by name. Activations are token-major: [T, ...] over the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -127,19 +128,53 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-def group_by_expert(
+# Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and
+# down weights): 2**27 elements is 256 MiB in bfloat16, enough for a GPT-OSS-120b decode step of
+# one token (4 × 3 × 2880²) and for decode batches of hundreds of tokens on small experts.
+GATHER_BUDGET_ELEMENTS = 1 << 27
+
+
+def gathers_expert_weights(num_pairs: int, expert_elements: int) -> bool:
+    """True when `num_pairs` (token, expert) pairs are few enough to gather each pair's expert
+    weights and run one batched matmul per projection: no host sync, no sort. Otherwise the
+    grouped path (`sort_by_expert`) reads each expert's weights once."""
+    return num_pairs * expert_elements <= GATHER_BUDGET_ELEMENTS
+
+
+@dataclass(slots=True)
+class ExpertGroups:
+    """The T·k (token, expert) pairs sorted by expert (tokens ascending within an expert), and a
+    padded [E, C] table of the token each expert reads, C being the largest group. Padding reads
+    token 0; its outputs are never picked up, since `expert` / `position` name only real pairs."""
+
+    token_rows: torch.Tensor  # [E, C] int64, token read by each (expert, position); 0 on padding
+    expert: torch.Tensor  # [N] int64, expert of each sorted pair
+    position: torch.Tensor  # [N] int64, the pair's position within its expert's group
+    token: torch.Tensor  # [N] int64, token row of each sorted pair
+    pair: torch.Tensor  # [N] int64, index of each sorted pair in top_k_index.reshape(-1)
+
+
+def sort_by_expert(
     top_k_index: torch.Tensor,  # [T, k] int64 expert ids
     num_experts: int,
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """For each expert that any token chose, in ascending expert order: (expert, token rows,
-    top-k slots). One host sync per call, not one per expert."""
+) -> ExpertGroups:
+    """Groups the pairs by expert for batched matmuls over [E, C, D], without a loop over experts.
+
+    Reads the largest group size C back to the host once (the buffers' shape depends on it): a
+    host sync, which is why the MoE blocks take this path only for large token counts and gather
+    weights per pair (`gathers_expert_weights`) for small ones."""
     k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1)  # [T·k]
-    order = torch.argsort(flat, stable=True)  # [T·k] int64, grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            picks = order[start : start + count]  # [count] int64
-            yield expert, picks // k, picks % k
-        start += count
+    flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
+    num_pairs = flat.numel()
+    pair = torch.argsort(flat, stable=True)  # [N] int64, grouped by expert
+    expert = flat[pair]  # [N] int64, ascending
+    counts = torch.bincount(flat, minlength=num_experts)  # [E] int64
+    starts = torch.cumsum(counts, dim=0) - counts  # [E] int64, first sorted pair of each expert
+    position = torch.arange(num_pairs, device=flat.device) - starts[expert]  # [N] int64
+    capacity = int(counts.max())  # the one host read
+    token = pair // k  # [N] int64
+    token_rows = torch.zeros(
+        num_experts, capacity, dtype=torch.int64, device=flat.device
+    )  # [E, C] int64
+    token_rows[expert, position] = token
+    return ExpertGroups(token_rows, expert, position, token, pair)

@@ -13,7 +13,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import DenseMLP, group_by_expert
+from swaserve.worker.models.layers import DenseMLP, gathers_expert_weights, sort_by_expert
 
 
 class MiMoV2FlashTopkRouter(nn.Module):
@@ -65,6 +65,7 @@ class MiMoV2FlashExperts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype))  # [E, 2I, D]
         self.down_proj = nn.Parameter(torch.empty(e, d, i, dtype=dtype))  # [E, D, I]
+        self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
 
     def forward(
         self,
@@ -72,12 +73,42 @@ class MiMoV2FlashExperts(nn.Module):
         top_k_index: torch.Tensor,  # [T, k] int64
         top_k_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, D]
-        out = torch.zeros_like(x)  # [T, D]
-        for e, rows, slots in group_by_expert(top_k_index, self.num_experts):
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # 2 × [n, I]
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, D]
-            out.index_add_(0, rows, (y * top_k_weights[rows, slots, None]).to(x.dtype))
-        return out
+        """Σ over each token's k experts of weight · expert(x): gathered weights for few pairs
+        (no host sync), grouped by expert for many (one host read, see `sort_by_expert`)."""
+        if gathers_expert_weights(top_k_index.numel(), self.expert_elements):
+            return self.forward_gathered(x, top_k_index, top_k_weights)
+        return self.forward_grouped(x, top_k_index, top_k_weights)
+
+    def forward_gathered(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k] float32
+    ) -> torch.Tensor:  # [T, D]
+        """Each (token, expert) pair with its own copy of the expert's weights: one bmm each."""
+        t, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
+        gate_up = torch.bmm(xs, self.gate_up_proj[flat].transpose(1, 2))  # [N, 1, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 × [N, 1, I]
+        y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2))  # [N, 1, D]
+        y = y.view(t, k, -1)  # [T, k, D]
+        return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+
+    def forward_grouped(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k] float32
+    ) -> torch.Tensor:  # [T, D]
+        """Tokens sorted by expert and padded to the largest group: one bmm over [E, C, D]."""
+        groups = sort_by_expert(top_k_index, self.num_experts)
+        xs = x[groups.token_rows]  # [E, C, D]
+        gate, up = torch.bmm(xs, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I]
+        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, D]
+        y = y[groups.expert, groups.position]  # [N, D], real pairs only, sorted by expert
+        weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1] float32
+        return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
 
 
 class MiMoV2FlashMoE(nn.Module):
