@@ -24,6 +24,7 @@ from swaserve.worker.models.errors import (
     ModelConfigError,
     UnknownArchitectureError,
 )
+from swaserve.worker.models.quantization import QuantizationConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -116,6 +117,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # What the checkpoint stores (config.json's quantization_config); None: plain weights.
+    quantization: QuantizationConfig | None = None
 
     @property
     def num_layers(self) -> int:

@@ -20,6 +20,7 @@ from swaserve.worker.models.config import (
     sliding_window_size_from_hf,
 )
 from swaserve.worker.models.errors import MissingConfigFieldError, ModelConfigError
+from swaserve.worker.models.quantization import parse_quantization_config
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -143,6 +144,7 @@ class ConfigParser:
             bos_token_id=self.hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=self.hf.get("pad_token_id"),
+            quantization=parse_quantization_config(self.hf, self.source),
         )
 
 

@@ -40,3 +40,21 @@ class TensorShapeError(WeightLoadError):
 
 class UnexpectedTensorError(WeightLoadError):
     """The checkpoint holds tensors that no parameter of the model takes."""
+
+
+class CheckpointFileError(WeightLoadError):
+    """A safetensors file is unreadable or shorter than its header says (e.g. a cut-off
+    download); the message names the file and the first tensor whose bytes are missing."""
+
+
+class QuantizedTensorError(WeightLoadError):
+    """A quantized tensor does not fit its parameter: wrong MXFP4 block count, scales of the
+    wrong shape or dtype, or a float8 weight without its scales."""
+
+
+class UnsupportedQuantizationError(ModelConfigError):
+    """config.json's `quantization_config` names a method or option swaserve cannot load."""
+
+
+class ChatTemplateError(ModelError):
+    """The model has no chat template, or its template cannot be read or rendered."""

@@ -1,36 +1,63 @@
 """Load an HF model dir: config.json → model class (built on the meta device) → safetensors
-weights by HF parameter name, from `model.safetensors` or a sharded checkpoint with
-`model.safetensors.index.json`. Local files only; nothing is ever downloaded.
+weights, from `model.safetensors` or a sharded checkpoint with `model.safetensors.index.json`.
+Local files only; nothing is ever downloaded.
 
-Every mismatch is a typed error that names the tensor: a parameter without a tensor
-(`MissingTensorError`), a tensor of another shape (`TensorShapeError`), tensors no parameter takes
-(`UnexpectedTensorError`, except those the model class declares ignorable).
+Each parameter is looked up in every layout its architecture's `WeightMap` declares (packed
+in-memory names first, then the original / published layout) and, when config.json has a
+`quantization_config`, in its quantized form (MXFP4 blocks + scales, FP8 weight + block scales),
+which is dequantized to the parameter's dtype while loading, one tensor (one expert) at a time.
+
+The whole checkpoint is checked before any data is read, and every mismatch is a typed error
+that names the tensor: a parameter without a tensor (`MissingTensorError`), a tensor of another
+shape (`TensorShapeError`), a quantized tensor that does not fit (`QuantizedTensorError`),
+tensors nothing takes (`UnexpectedTensorError`; tensors a declared `SkipRule` covers are skipped
+and logged once), a truncated file (`CheckpointFileError`).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections import defaultdict
+import logging
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from swaserve.worker.attention.base import AttentionBackend
 from swaserve.worker.models.causal_lm import HybridCausalLM
+from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from swaserve.worker.models.config import ModelConfig, load_model_config
-from swaserve.worker.models.errors import (
-    MissingTensorError,
-    TensorShapeError,
-    UnexpectedTensorError,
-    WeightLoadError,
-)
+from swaserve.worker.models.errors import MissingTensorError, UnexpectedTensorError
+from swaserve.worker.models.quantization import QuantizationConfig
 from swaserve.worker.models.registry import get_model_class
+from swaserve.worker.models.weight_maps import Placement, SkipRule, weight_map
+from swaserve.worker.models.weight_sources import Source, resolve_source
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "LoadReport",
+    "build_model",
+    "checkpoint_index",
+    "load_model",
+    "load_weights",
+]
+
+logger = logging.getLogger(__name__)
 _MAX_NAMES_IN_MESSAGE = 8
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What `load_weights` read."""
+
+    num_tensors: int = 0  # checkpoint tensors read (a quantized pair counts two)
+    num_bytes: int = 0  # their bytes on disk
+    num_files: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)  # names a SkipRule covered
+    quantization: str = "none"  # the checkpoint's quant_method
 
 
 def load_model(
@@ -39,11 +66,13 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    progress: bool | None = None,
 ) -> HybridCausalLM:
-    """Parse config.json, build the model on `device` in `dtype`, load its weights (eval mode)."""
+    """Parse config.json, build the model on `device` in `dtype`, load its weights (eval mode).
+    `progress`: show a progress bar (None: only on a terminal)."""
     config = load_model_config(model_dir)
     model = build_model(config, backend, dtype=dtype, device=device)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, progress=progress)
     return model
 
 
@@ -64,70 +93,136 @@ def build_model(
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
     """Tensor name → safetensors file that holds it."""
-    root = Path(model_dir)
-    index_path = root / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise WeightLoadError(f"cannot read the weight_map of {index_path}: {exc}") from exc
-        files = {name: root / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise WeightLoadError(f"{index_path} names shard {shard.name}, which is missing")
-        return files
-    single = root / SINGLE_FILE
-    if not single.is_file():
-        raise WeightLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    return {name: info.path for name, info in Checkpoint(model_dir).tensors.items()}
 
 
-def load_weights(model: HybridCausalLM, model_dir: str | Path) -> None:
-    """Copy every parameter and persistent buffer of `model` from the checkpoint in `model_dir`
-    (cast to the parameter's dtype, moved to its device). Checks names before reading any data."""
-    index = checkpoint_index(model_dir)
+def load_weights(
+    model: HybridCausalLM, model_dir: str | Path, *, progress: bool | None = None
+) -> LoadReport:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint in `model_dir`
+    (dequantized and cast to the parameter's dtype, on its device). Checks names, shapes and
+    quantized layouts of the whole checkpoint before reading any data."""
+    start = time.perf_counter()
+    checkpoint = Checkpoint(model_dir)
+    plan, report = _plan(model, checkpoint)
+    report.num_files = len(checkpoint.files)
+    with (
+        checkpoint,
+        torch.no_grad(),
+        tqdm(
+            total=report.num_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"loading {Path(model_dir).name}",
+            disable=None if progress is None else not progress,
+        ) as bar,
+    ):
+        for target, placement, source in plan:
+            source.read_into(target[placement.index], checkpoint)
+            bar.update(source.num_bytes)
+    report.seconds = time.perf_counter() - start
+    logger.info(
+        "loaded %d tensors (%.1f MiB, quantization %s) from %d file(s) in %s in %.2f s",
+        report.num_tensors,
+        report.num_bytes / 2**20,
+        report.quantization,
+        report.num_files,
+        model_dir,
+        report.seconds,
+    )
+    return report
+
+
+def _plan(
+    model: HybridCausalLM, checkpoint: Checkpoint
+) -> tuple[list[tuple[torch.Tensor, Placement, Source]], LoadReport]:
+    """(target, placement, source) for every piece of every parameter, checked; or raise."""
+    config = model.config
+    layouts = weight_map(config.architecture)
+    quantization = config.quantization
     targets, aliases = _load_targets(model)
-    sources: dict[str, str] = {}
-    for name in targets:
-        alias = next((a for a, canonical in aliases.items() if canonical == name), None)
-        if name in index:
-            sources[name] = name
-        elif alias is not None and alias in index:
-            sources[name] = alias
-    missing = [name for name in targets if name not in sources]
+    canonical_alias = {canonical: alias for alias, canonical in aliases.items()}
+    plan: list[tuple[torch.Tensor, Placement, Source]] = []
+    missing: list[str] = []
+    tried: list[str] = []
+    for name, target in targets.items():
+        shape = tuple(target.shape)
+        candidates = layouts.layouts(name, shape)
+        if name in canonical_alias:
+            candidates += layouts.layouts(canonical_alias[name], shape)
+        chosen = _first_complete(candidates, checkpoint, quantization)
+        if chosen is None:
+            missing.append(name)
+            tried += [p.source for layout in candidates[1:] for p in layout[:1]]
+            continue
+        plan += [(target, placement, source) for placement, source in chosen]
     if missing:
+        also = f"; also looked for {_names(tried)}" if tried else ""
         raise MissingTensorError(
-            f"checkpoint in {model_dir} has no tensor for {_names(missing)} "
-            f"({len(missing)} missing)"
+            f"checkpoint in {checkpoint.root} has no tensor for {_names(missing)} "
+            f"({len(missing)} missing){also}"
         )
-    ignored = [re.compile(p) for p in model.ignored_checkpoint_tensors]
-    used = set(sources.values())
-    unexpected = [
-        name
-        for name in index
-        if name not in used and name not in aliases and not any(p.search(name) for p in ignored)
-    ]
+    used = {n for _, _, source in plan for n in source.names}
+    report = LoadReport(quantization=quantization.method if quantization else "none")
+    skip_rules = _skip_rules(model)
+    unexpected: list[str] = []
+    for name in checkpoint.tensors:
+        if name in used:
+            continue
+        rule = next((r for r in skip_rules if r.matches(name)), None)
+        if rule is not None:
+            report.skipped.append(name)
+        elif name not in aliases:  # a tied LM head's own copy may be there; it is not needed
+            unexpected.append(name)
     if unexpected:
         raise UnexpectedTensorError(
-            f"checkpoint in {model_dir} has tensors the {model.config.architecture} model does "
+            f"checkpoint in {checkpoint.root} has tensors the {config.architecture} model does "
             f"not take: {_names(unexpected)} ({len(unexpected)} unexpected)"
         )
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for name, source in sources.items():
-        by_file[index[source]].append(name)
-    with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    target = targets[name]
-                    shape = tuple(f.get_slice(sources[name]).get_shape())
-                    if shape != tuple(target.shape):
-                        raise TensorShapeError(
-                            f"tensor {sources[name]!r} in {path.name}: expected shape "
-                            f"{tuple(target.shape)}, got {shape}"
-                        )
-                    target.copy_(f.get_tensor(sources[name]))
+    for target, placement, source in plan:
+        source.check(tuple(target[placement.index].shape))
+    if report.skipped:
+        reasons = sorted({r.reason for r in skip_rules if any(map(r.matches, report.skipped))})
+        logger.info(
+            "skipping %d checkpoint tensors (%s): %s",
+            len(report.skipped),
+            "; ".join(reasons),
+            _names(report.skipped),
+        )
+    report.num_tensors = sum(len(source.names) for _, _, source in plan)
+    report.num_bytes = sum(source.num_bytes for _, _, source in plan)
+    return plan, report
+
+
+def _first_complete(
+    candidates: list[list[Placement]],
+    checkpoint: Checkpoint,
+    quantization: QuantizationConfig | None,
+) -> list[tuple[Placement, Source]] | None:
+    """The first layout whose every tensor the checkpoint holds, with their sources."""
+    for layout in candidates:
+        found = []
+        for placement in layout:
+            source = resolve_source(placement.source, checkpoint, quantization)
+            if source is None:
+                break
+            found.append((placement, source))
+        else:
+            return found
+    return None
+
+
+def _skip_rules(model: HybridCausalLM) -> list[SkipRule]:
+    """The architecture's declared rules, plus any pattern the model class declares alone."""
+    rules = list(weight_map(model.config.architecture).skip)
+    declared = {r.pattern for r in rules}
+    rules += [
+        SkipRule(p, f"ignored by {type(model).__name__}")
+        for p in model.ignored_checkpoint_tensors
+        if p not in declared
+    ]
+    return rules
 
 
 def _load_targets(model: HybridCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

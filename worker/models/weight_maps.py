@@ -1,0 +1,137 @@
+"""Checkpoint layouts, one declared `WeightMap` per architecture.
+
+Our model classes hold transformers' *in-memory* (packed) parameter names. Checkpoints come in
+two layouts, and a model dir may mix them tensor by tensor:
+
+- packed: exactly the in-memory names (what GPT-OSS is published in and what transformers'
+  `save_pretrained` writes for it; swaserve's tiny models in `--format hf`);
+- original: what MiMo-V2-Flash is published in and what transformers 5's `save_pretrained`
+  writes for it — transformers' `conversion_mapping` for "mimo_v2_flash" is qwen2_moe's expert
+  fusion plus `self_attn.attention_sink_bias` → `self_attn.sinks`:
+
+      mlp.experts.{e}.gate_proj.weight [I, D] ┐ concatenated per expert → mlp.experts.gate_up_proj [E, 2I, D]
+      mlp.experts.{e}.up_proj.weight   [I, D] ┘
+      mlp.experts.{e}.down_proj.weight [D, I]   stacked               → mlp.experts.down_proj   [E, D, I]
+
+`SkipRule`s name checkpoint tensors the model does not run (MiMo-V2-Flash's multi-token-
+prediction layers); any other tensor the map does not place is an error in the loader.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.worker.models.config import GPT_OSS, MIMO_V2_FLASH
+from swaserve.worker.models.errors import UnknownArchitectureError
+
+
+@dataclass(frozen=True, slots=True)
+class Rename:
+    """A parameter whose name ends in `packed` is stored under the name ending in `original`."""
+
+    packed: str  # e.g. "self_attn.sinks"
+    original: str  # e.g. "self_attn.attention_sink_bias"
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertStack:
+    """A packed expert parameter `<prefix><packed>` [E, P·n, ...] stored as one tensor per expert
+    and part: `<prefix><part with {expert}>` [n, ...], the parts concatenated along dim 0."""
+
+    packed: str  # e.g. "mlp.experts.gate_up_proj"
+    parts: tuple[str, ...]  # e.g. ("mlp.experts.{expert}.gate_proj.weight", ...)
+
+
+@dataclass(frozen=True, slots=True)
+class SkipRule:
+    """Checkpoint tensors matching `pattern` (a regex, searched) are not loaded."""
+
+    pattern: str
+    reason: str
+
+    def matches(self, name: str) -> bool:
+        return re.search(self.pattern, name) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One checkpoint tensor's place in a parameter: `param[index]` (index () = the whole)."""
+
+    source: str
+    index: tuple[int | slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightMap:
+    """The checkpoint layouts of one architecture besides the packed names."""
+
+    renames: tuple[Rename, ...] = ()
+    expert_stacks: tuple[ExpertStack, ...] = ()
+    skip: tuple[SkipRule, ...] = ()
+
+    def layouts(self, name: str, shape: tuple[int, ...]) -> list[list[Placement]]:
+        """Every way the parameter `name` of `shape` may be stored, packed first; each way is
+        the list of checkpoint tensors that together fill it."""
+        found = [[Placement(name, ())]]
+        for rename in self.renames:
+            if name.endswith(rename.packed):
+                original = name[: -len(rename.packed)] + rename.original
+                found.append([Placement(original, ())])
+        for stack in self.expert_stacks:
+            if name.endswith(stack.packed) and len(shape) >= 2:
+                found.append(self._stacked(name[: -len(stack.packed)], stack, shape))
+        return found
+
+    @staticmethod
+    def _stacked(prefix: str, stack: ExpertStack, shape: tuple[int, ...]) -> list[Placement]:
+        num_experts, rows = shape[0], shape[1] // len(stack.parts)
+        return [
+            Placement(prefix + part.format(expert=e), (e, slice(p * rows, (p + 1) * rows)))
+            for e in range(num_experts)
+            for p, part in enumerate(stack.parts)
+        ]
+
+    def skipped(self, name: str) -> SkipRule | None:
+        return next((rule for rule in self.skip if rule.matches(name)), None)
+
+    def to_original(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The same tensors under the original layout's names (what the tiny-model maker writes
+        for `--format original`); names no rule covers stay as they are."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in weights.items():
+            layouts = self.layouts(name, tuple(tensor.shape))
+            chosen = layouts[-1] if len(layouts) > 1 else layouts[0]
+            for placement in chosen:
+                out[placement.source] = tensor[placement.index].contiguous()
+        return out
+
+
+GPT_OSS_WEIGHTS = WeightMap()
+"""GPT-OSS is published (and saved by transformers) under the packed names; its experts may be
+MXFP4 (`<name>_blocks` / `<name>_scales`, read by the loader for any packed expert tensor)."""
+
+MIMO_V2_FLASH_WEIGHTS = WeightMap(
+    renames=(Rename("self_attn.sinks", "self_attn.attention_sink_bias"),),
+    expert_stacks=(
+        ExpertStack(
+            "mlp.experts.gate_up_proj",
+            ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
+        ),
+        ExpertStack("mlp.experts.down_proj", ("mlp.experts.{expert}.down_proj.weight",)),
+    ),
+    # The same rule as MiMoV2FlashForCausalLM.ignored_checkpoint_tensors, with its reason.
+    skip=(
+        SkipRule(r"^model\.mtp\.", "multi-token-prediction layers, which swaserve does not run"),
+    ),
+)
+
+WEIGHT_MAPS: dict[str, WeightMap] = {GPT_OSS: GPT_OSS_WEIGHTS, MIMO_V2_FLASH: MIMO_V2_FLASH_WEIGHTS}
+
+
+def weight_map(architecture: str) -> WeightMap:
+    if architecture not in WEIGHT_MAPS:
+        raise UnknownArchitectureError(f"no checkpoint layout declared for {architecture}")
+    return WEIGHT_MAPS[architecture]

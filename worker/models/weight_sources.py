@@ -1,0 +1,195 @@
+"""Where one parameter (or one slice of it) comes from in a checkpoint: a plain tensor, an FP8
+block-scaled pair, or an MXFP4 blocks/scales pair. Each source checks its header entries against
+the parameter before any data is read (`check`), then fills the parameter (`read_into`),
+one leading index (one expert) at a time for 3-D and larger tensors, so that peak host memory
+stays near one expert's tensor however large the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.worker.models.checkpoint import Checkpoint, TensorInfo
+from swaserve.worker.models.errors import QuantizedTensorError, TensorShapeError
+from swaserve.worker.models.fp8 import dequantize_fp8, fp8_scale_shape
+from swaserve.worker.models.mxfp4 import BYTES_PER_BLOCK, dequantize_mxfp4, mxfp4_shapes
+from swaserve.worker.models.quantization import (
+    DEFAULT_FP8_BLOCK_SIZE,
+    FP8,
+    MXFP4,
+    QuantizationConfig,
+)
+
+MXFP4_BLOCKS, MXFP4_SCALES, FP8_SCALE = "_blocks", "_scales", "_scale_inv"
+FLOAT8_DTYPES = ("F8_E4M3", "F8_E5M2")
+FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+
+
+def _where(info: TensorInfo) -> str:
+    return f"tensor {info.name!r} in {info.path.name}"
+
+
+def _check_shape(info: TensorInfo, expected: tuple[int, ...]) -> None:
+    if info.shape != expected:
+        raise TensorShapeError(f"{_where(info)}: expected shape {expected}, got {info.shape}")
+
+
+def _rows(shape: torch.Size | tuple[int, ...]) -> range | None:
+    """Leading indices to stream over (None: read whole)."""
+    return range(shape[0]) if len(shape) >= 3 else None
+
+
+@dataclass(frozen=True, slots=True)
+class PlainSource:
+    info: TensorInfo
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.info.name,)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.info.num_bytes
+
+    def check(self, expected: tuple[int, ...]) -> None:
+        if self.info.dtype in FLOAT8_DTYPES:
+            raise QuantizedTensorError(
+                f"{_where(self.info)} is {self.info.dtype} but has no {self.info.name + FP8_SCALE!r} "
+                "(or config.json has no fp8 quantization_config, or lists it in modules_to_not_convert)"
+            )
+        _check_shape(self.info, expected)
+
+    def read_into(self, out: torch.Tensor, checkpoint: Checkpoint) -> None:
+        rows = _rows(out.shape)
+        if rows is None:
+            out.copy_(checkpoint.read(self.info.name))
+            return
+        for e in rows:
+            out[e].copy_(checkpoint.read(self.info.name, e))
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Source:
+    weight: TensorInfo
+    scale_inv: TensorInfo
+    block_size: tuple[int, int]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight.name, self.scale_inv.name)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.weight.num_bytes + self.scale_inv.num_bytes
+
+    def check(self, expected: tuple[int, ...]) -> None:
+        _check_shape(self.weight, expected)
+        if self.weight.dtype != "F8_E4M3":
+            raise QuantizedTensorError(
+                f"{_where(self.weight)}: an fp8 weight must be F8_E4M3, got {self.weight.dtype}"
+            )
+        want = fp8_scale_shape(expected, self.block_size)
+        if self.scale_inv.shape != want:
+            raise QuantizedTensorError(
+                f"{_where(self.scale_inv)}: expected block scales of shape {want} (weight "
+                f"{expected} in blocks of {self.block_size}), got {self.scale_inv.shape}"
+            )
+        if self.scale_inv.dtype not in FP8_SCALE_DTYPES:
+            raise QuantizedTensorError(
+                f"{_where(self.scale_inv)}: scales must be one of {FP8_SCALE_DTYPES}, "
+                f"got {self.scale_inv.dtype}"
+            )
+
+    def read_into(self, out: torch.Tensor, checkpoint: Checkpoint) -> None:
+        w, s = self.weight.name, self.scale_inv.name
+        rows = _rows(out.shape)
+        if rows is None:
+            out.copy_(
+                dequantize_fp8(checkpoint.read(w), checkpoint.read(s), self.block_size, out.dtype)
+            )
+            return
+        for e in rows:
+            weight, scale = checkpoint.read(w, e), checkpoint.read(s, e)
+            out[e].copy_(dequantize_fp8(weight, scale, self.block_size, out.dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4Source:
+    blocks: TensorInfo
+    scales: TensorInfo
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.blocks.name, self.scales.name)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.blocks.num_bytes + self.scales.num_bytes
+
+    def check(self, expected: tuple[int, ...]) -> None:
+        want_blocks, want_scales = mxfp4_shapes(expected)
+        got = self.blocks.shape
+        if len(expected) < 3 or expected[-2] % (2 * BYTES_PER_BLOCK):
+            raise QuantizedTensorError(
+                f"{_where(self.blocks)}: MXFP4 stores [experts, K, N] parameters with K a "
+                f"multiple of 32; the parameter is {expected}"
+            )
+        if self.blocks.dtype != "U8" or self.scales.dtype != "U8":
+            raise QuantizedTensorError(
+                f"{_where(self.blocks)}: MXFP4 blocks and scales must be U8, got "
+                f"{self.blocks.dtype} and {self.scales.dtype}"
+            )
+        if (
+            len(got) == len(want_blocks)
+            and got[:-2] == want_blocks[:-2]
+            and got[-1] == want_blocks[-1]
+        ):
+            if got[-2] != want_blocks[-2]:
+                raise QuantizedTensorError(
+                    f"{_where(self.blocks)}: {got[-2]} blocks of 32 values per row, but the "
+                    f"parameter {expected} needs {want_blocks[-2]} (K = {expected[-2]})"
+                )
+        elif got != want_blocks:
+            raise TensorShapeError(
+                f"{_where(self.blocks)}: expected MXFP4 blocks of shape {want_blocks} for the "
+                f"parameter {expected}, got {got}"
+            )
+        if self.scales.shape != want_scales:
+            raise QuantizedTensorError(
+                f"{_where(self.scales)}: expected one scale per block, shape {want_scales}, "
+                f"got {self.scales.shape}"
+            )
+
+    def read_into(self, out: torch.Tensor, checkpoint: Checkpoint) -> None:
+        for e in range(out.shape[0]):
+            blocks = checkpoint.read(self.blocks.name, e)  # [N, G, 16] uint8
+            scales = checkpoint.read(self.scales.name, e)  # [N, G] uint8
+            out[e].copy_(dequantize_mxfp4(blocks, scales, out.dtype))
+
+
+Source = PlainSource | Fp8Source | Mxfp4Source
+
+
+def resolve_source(
+    name: str, checkpoint: Checkpoint, quantization: QuantizationConfig | None
+) -> Source | None:
+    """How checkpoint tensor `name` is stored, or None when it is not there in any form."""
+    tensors = checkpoint.tensors
+    module = name.removesuffix(".weight")
+    converts = quantization is not None and quantization.converts(module)
+    if converts and quantization.method == MXFP4 and name + MXFP4_BLOCKS in tensors:
+        blocks = tensors[name + MXFP4_BLOCKS]
+        scales = tensors.get(name + MXFP4_SCALES)
+        if scales is None:
+            raise QuantizedTensorError(
+                f"{_where(blocks)} has no {name + MXFP4_SCALES!r} (the MXFP4 block exponents)"
+            )
+        return Mxfp4Source(blocks, scales)
+    if converts and quantization.method == FP8 and name + FP8_SCALE in tensors and name in tensors:
+        block = quantization.weight_block_size or DEFAULT_FP8_BLOCK_SIZE
+        return Fp8Source(tensors[name], tensors[name + FP8_SCALE], block)
+    if name in tensors:
+        return PlainSource(tensors[name])
+    return None
