@@ -2,9 +2,19 @@
 transformers' AutoConfig and model classes), random safetensors weights, and a byte-level
 tokenizer (tokenizer.json + tokenizer_config.json with a simple chat template).
 
-Weights follow our model classes' parameter shapes (HF names), drawn from one seeded generator:
-the same arguments give the same bytes. Used by tests, benches and the demo; `swaserve
-make-tiny-model DIR --arch gpt-oss|mimo-v2-flash` runs it from the command line.
+Weights follow our model classes' parameter shapes, drawn from one seeded generator: the same
+arguments give the same bytes. Every checkpoint layout the loader reads can be written:
+
+- `checkpoint_format`: "hf" writes the packed in-memory names; "original" the layout the
+  architecture is published in and transformers' `save_pretrained` writes (MiMo-V2-Flash:
+  per-expert gate/up/down_proj and `attention_sink_bias`; GPT-OSS: the packed names, as
+  published), through the architecture's `WeightMap`;
+- `quantization`: "mxfp4" (GPT-OSS: experts as random MXFP4 blocks and scales, the config of
+  the published checkpoints) or "fp8" (projection weights as float8_e4m3fn with block scales,
+  DeepSeek / MiMo-V2-Flash style; `modules_to_not_convert` stay float).
+
+Used by tests, benches and the demo; `swaserve make-tiny-model DIR --arch gpt-oss|mimo-v2-flash
+[--format hf|original] [--quantization none|mxfp4|fp8]` runs it from the command line.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +31,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swaserve.worker.models.config import (
     FULL_ATTENTION,
     GPT_OSS,
@@ -27,8 +39,12 @@ from swaserve.worker.models.config import (
     SLIDING_ATTENTION,
     parse_model_config,
 )
-from swaserve.worker.models.loader import INDEX_FILE, SINGLE_FILE
+from swaserve.worker.models.fp8 import quantize_fp8
+from swaserve.worker.models.mxfp4 import random_mxfp4
+from swaserve.worker.models.quantization import FP8, MXFP4
 from swaserve.worker.models.registry import get_model_class
+from swaserve.worker.models.weight_maps import weight_map
+from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4_SCALES
 
 ARCHITECTURES = {"gpt-oss": GPT_OSS, "mimo-v2-flash": MIMO_V2_FLASH}
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -38,6 +54,19 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}<|eos|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+CHECKPOINT_FORMATS = ("hf", "original")
+QUANTIZATIONS = ("none", MXFP4, FP8)
+# As the published GPT-OSS config.json: only the experts are MXFP4.
+MXFP4_MODULES_TO_NOT_CONVERT = (
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+)
+# Layer 0's attention stays float, so that a tiny FP8 model exercises the rule.
+FP8_MODULES_TO_NOT_CONVERT = ("model.layers.0.self_attn", "lm_head", "model.embed_tokens")
+_MXFP4_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
+_FP8_PROJECTIONS = re.compile(r"^model\.layers\..*_proj(\.weight)?$")  # not routers, norms, biases
 
 
 def make_tiny_model(
@@ -57,6 +86,9 @@ def make_tiny_model(
     num_experts_per_tok: int = 2,
     vocab_size: int | None = None,
     num_shards: int = 1,
+    checkpoint_format: str = "hf",
+    quantization: str = "none",
+    fp8_block_size: tuple[int, int] = (128, 128),
     **overrides: Any,
 ) -> Path:
     """Write the model dir and return its path.
@@ -66,9 +98,17 @@ def make_tiny_model(
     `layer_types` defaults to each architecture's HF pattern. `overrides` are extra or replaced
     config.json fields (e.g. `swiglu_limit=0.5`, `tie_word_embeddings=True`, `n_group=2`).
     `num_shards > 1` writes a sharded checkpoint with `model.safetensors.index.json`.
+    `checkpoint_format`, `quantization`: see the module docstring; `fp8_block_size` is FP8's
+    `weight_block_size` (rows, cols).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}")
+    if quantization == MXFP4 and arch != "gpt-oss":
+        raise ValueError("mxfp4 is GPT-OSS's checkpoint format; use fp8 for mimo-v2-flash")
     if sliding_window_size < 0 or num_layers < 1 or num_shards < 1:
         raise ValueError("need sliding_window_size >= 0, num_layers >= 1 and num_shards >= 1")
     vocab = vocab_size or 32 * math.ceil((256 + len(SPECIAL_TOKENS)) / 32)
@@ -147,13 +187,51 @@ def make_tiny_model(
                 },
             },
         }
+    if quantization == MXFP4:
+        hf["quantization_config"] = {
+            "quant_method": MXFP4,
+            "modules_to_not_convert": list(MXFP4_MODULES_TO_NOT_CONVERT),
+        }
+    elif quantization == FP8:
+        hf["quantization_config"] = {
+            "quant_method": FP8,
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(fp8_block_size),
+            "modules_to_not_convert": list(FP8_MODULES_TO_NOT_CONVERT),
+        }
     hf |= overrides
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    _write_weights(root, hf, seed, num_shards)
+    weights = checkpoint_weights(hf, seed, checkpoint_format)
+    _write_weights(root, weights, num_shards)
     write_byte_tokenizer(root)
     return root
+
+
+def checkpoint_weights(
+    hf_config: dict[str, Any], seed: int, checkpoint_format: str = "hf"
+) -> dict[str, torch.Tensor]:
+    """Checkpoint name → tensor as `make_tiny_model` writes them: `random_weights`, MXFP4 experts
+    drawn at random (from the same generator, after the float weights), renamed to
+    `checkpoint_format`, FP8 projections quantized per `quantization_config`."""
+    config = parse_model_config(hf_config, source="<tiny model config>")
+    weights = random_weights(hf_config, seed)
+    quant = config.quantization
+    if quant is not None and quant.method == MXFP4:
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name in [n for n in weights if _MXFP4_EXPERTS.search(n)]:
+            blocks, scales = random_mxfp4(tuple(weights.pop(name).shape), gen)
+            weights[name + MXFP4_BLOCKS], weights[name + MXFP4_SCALES] = blocks, scales
+    if checkpoint_format == "original":
+        weights = weight_map(config.architecture).to_original(weights)
+    if quant is not None and quant.method == FP8:
+        block = quant.weight_block_size or (128, 128)
+        for name in [n for n in weights if _FP8_PROJECTIONS.search(n)]:
+            if quant.converts(name.removesuffix(".weight")):
+                weights[name], weights[name + FP8_SCALE] = quantize_fp8(weights[name], block)
+    return weights
 
 
 def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -190,8 +268,7 @@ def _std(name: str) -> float:
     return 0.1
 
 
-def _write_weights(root: Path, hf_config: dict[str, Any], seed: int, num_shards: int) -> None:
-    weights = random_weights(hf_config, seed)
+def _write_weights(root: Path, weights: dict[str, torch.Tensor], num_shards: int) -> None:
     for stale in [root / SINGLE_FILE, root / INDEX_FILE, *root.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     if num_shards == 1:
@@ -276,6 +353,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=2, help="KV heads of the full layers")
     parser.add_argument("--hidden", type=int, default=32, help="hidden size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--format",
+        choices=CHECKPOINT_FORMATS,
+        default="hf",
+        help="hf: packed in-memory names; original: the published / save_pretrained layout",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="mxfp4: GPT-OSS experts as MXFP4 blocks + scales; fp8: block-scaled float8 weights",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -288,11 +377,14 @@ def run(args: argparse.Namespace) -> int:
         num_kv_heads=args.kv_heads,
         hidden_size=args.hidden,
         seed=args.seed,
+        checkpoint_format=args.format,
+        quantization=args.quantization,
     )
     config = parse_model_config(json.loads((root / "config.json").read_text()))
     print(
         f"wrote {args.arch} to {root}: {config.num_layers} layers "
         f"(full {config.full_layer_ids}, SWA {config.swa_layer_ids}), W={config.sliding_window_size}, "
-        f"hidden {config.hidden_size}, vocab {config.vocab_size}"
+        f"hidden {config.hidden_size}, vocab {config.vocab_size}, {args.format} layout, "
+        f"quantization {args.quantization}"
     )
     return 0

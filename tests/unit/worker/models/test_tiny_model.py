@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -87,12 +88,37 @@ def test_make_tiny_model_subcommand(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert (hf["num_key_value_heads"], hf["hidden_size"]) == (2, 64)
     assert capsys.readouterr().out == (
         f"wrote mimo-v2-flash to {tmp_path / 'm'}: 3 layers (full [0], SWA [1, 2]), W=2, "
-        "hidden 64, vocab 288\n"
+        "hidden 64, vocab 288, hf layout, quantization none\n"
     )
+
+
+def test_make_tiny_model_subcommand_writes_original_fp8(tmp_path: Path) -> None:
+    argv = ["make-tiny-model", str(tmp_path / "m"), "--arch", "mimo-v2-flash", "--layers", "2"]
+    assert main([*argv, "--format", "original", "--quantization", "fp8"]) == 0
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert hf["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["model.layers.0.self_attn", "lm_head", "model.embed_tokens"],
+    }
+    weights = load_file(tmp_path / "m" / SINGLE_FILE)
+    gate = weights["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    assert (gate.dtype, tuple(gate.shape)) == (torch.float8_e4m3fn, (32, 32))
+    assert tuple(weights["model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv"].shape) == (1, 1)
+    assert weights["model.layers.1.self_attn.attention_sink_bias"].dtype == torch.float32
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32  # not converted
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" not in weights
+    assert "model.layers.1.mlp.gate.weight_scale_inv" not in weights  # the router stays float
 
 
 def test_bad_arguments_raise(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown arch 'llama'"):
         make_tiny_model(tmp_path, arch="llama")
+    with pytest.raises(ValueError, match="mxfp4 is GPT-OSS's checkpoint format"):
+        make_tiny_model(tmp_path, arch="mimo-v2-flash", quantization="mxfp4")
+    with pytest.raises(ValueError, match="checkpoint_format must be one of"):
+        make_tiny_model(tmp_path, checkpoint_format="gguf")
     with pytest.raises(ValueError, match="vocab_size must hold the 262 tokenizer tokens"):
         make_tiny_model(tmp_path, vocab_size=100)
