@@ -130,15 +130,16 @@ class DecoderLayer(nn.Module):
 
 # Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and
 # down weights): 2**27 elements is 256 MiB in bfloat16, enough for a GPT-OSS-120b decode step of
-# one token (4 × 3 × 2880²) and for decode batches of hundreds of tokens on small experts.
+# one token (4 × 3 × 2880²).
 GATHER_BUDGET_ELEMENTS = 1 << 27
 
 
-def gathers_expert_weights(num_pairs: int, expert_elements: int) -> bool:
-    """True when `num_pairs` (token, expert) pairs are few enough to gather each pair's expert
-    weights and run one batched matmul per projection: no host sync, no sort. Otherwise the
-    grouped path (`sort_by_expert`) reads each expert's weights once."""
-    return num_pairs * expert_elements <= GATHER_BUDGET_ELEMENTS
+def gathers_expert_weights(num_pairs: int, num_experts: int, expert_elements: int) -> bool:
+    """True when `num_pairs` (token, expert) pairs are few enough to copy each pair's expert
+    weights and run one batched matmul per projection: no host sync, no sort. That takes no more
+    pairs than experts (the grouped path reads each expert's weights once, so beyond that it
+    moves less memory) and at most `GATHER_BUDGET_ELEMENTS` copied weight elements."""
+    return num_pairs <= num_experts and num_pairs * expert_elements <= GATHER_BUDGET_ELEMENTS
 
 
 @dataclass(slots=True)

@@ -107,34 +107,38 @@ def test_batched_experts_equal_the_per_expert_loop(
 
 
 @pytest.mark.parametrize("arch", sorted(REFERENCES))
-def test_forward_takes_the_gathered_path_for_few_tokens_and_grouped_for_many(
+def test_forward_gathers_while_pairs_fit_experts_and_budget(
     arch: str, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     experts = make_experts(arch, tmp_path)
-    per_pair = experts.expert_elements
-    assert per_pair == 3 * HIDDEN * HIDDEN
-    # A budget of exactly 4 tokens' pairs: 4 tokens gather, 5 tokens group.
-    monkeypatch.setattr(
-        "swaserve.worker.models.layers.GATHER_BUDGET_ELEMENTS", 4 * TOP_K * per_pair
-    )
+    assert experts.expert_elements == 3 * HIDDEN * HIDDEN
     taken: list[str] = []
     for name in ("forward_gathered", "forward_grouped"):
         original = getattr(experts, name)
         monkeypatch.setattr(
             experts, name, lambda *a, _name=name, _f=original: taken.append(_name) or _f(*a)
         )
-    for num_tokens in (4, 5):
+
+    def run(num_tokens: int) -> None:
         index, weights = random_routing(num_tokens, seed=0)
         with torch.no_grad():
             experts(torch.randn(num_tokens, HIDDEN), index, weights)
-    assert taken == ["forward_gathered", "forward_grouped"]
+
+    run(2)  # 6 pairs ≤ 8 experts
+    run(3)  # 9 pairs > 8 experts
+    monkeypatch.setattr(
+        "swaserve.worker.models.layers.GATHER_BUDGET_ELEMENTS", 5 * experts.expert_elements
+    )
+    run(2)  # 6 pairs' weights exceed a 5-pair budget
+    assert taken == ["forward_gathered", "forward_grouped", "forward_grouped"]
 
 
-def test_gather_budget_fits_one_gpt_oss_120b_decode_token() -> None:
-    per_expert = 3 * 2880 * 2880  # GPT-OSS-120b: D = I = 2880, top-4
-    assert gathers_expert_weights(1 * 4, per_expert)
-    assert not gathers_expert_weights(2 * 4, per_expert)
-    assert gathers_expert_weights(256 * 8, 3 * 32 * 32)  # tiny experts: 256 decodes, top-8
+def test_gather_rule_on_real_expert_sizes() -> None:
+    per_expert = 3 * 2880 * 2880  # GPT-OSS-120b: D = I = 2880, 128 experts, top-4
+    assert gathers_expert_weights(1 * 4, 128, per_expert)
+    assert not gathers_expert_weights(2 * 4, 128, per_expert)  # over the budget
+    assert gathers_expert_weights(8, 8, 3 * 32 * 32)
+    assert not gathers_expert_weights(9, 8, 3 * 32 * 32)  # more pairs than experts
 
 
 def test_sort_by_expert_pads_each_group_to_the_largest() -> None:
