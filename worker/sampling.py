@@ -1,8 +1,12 @@
 """Sampling parameters and the batched sampler.
 
-Greedy when `temperature == 0`; otherwise temperature, then top-k, top-p and min-p filters, then a
-draw. A request with a `seed` draws from its own generator, so its tokens do not depend on which
-other requests share its batches.
+Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax. Other rows: temperature, then
+only the filters a row set (top-k by `torch.topk`; top-p by a sort, the only full-vocabulary
+sort; min-p against the row's top probability), then one batched draw for all of them by the
+exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. per token picks token i with
+probability probs[i]. A request with a `seed` draws its noise from its own generator, so its
+tokens do not depend on which other requests share its batches; unseeded rows share one draw
+from the engine's generator. Nothing is read back to the host but the sampled tokens.
 """
 
 from __future__ import annotations
@@ -70,46 +74,129 @@ class Sampler:
     ) -> torch.Tensor:  # [B] int64
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError("one SamplingParams and one generator slot per logits row")
-        logits = logits.float()
-        out = torch.argmax(logits, dim=-1)  # [B] int64
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
-            return out
-        rows = torch.tensor(sampled_rows, device=logits.device)
+            return torch.argmax(logits, dim=-1)
+        logits = logits.float()
+        if len(sampled_rows) == len(params):
+            probs = filtered_probs(logits, params)  # [B, V] float32
+            return self.race(probs, generators)
+        out = torch.argmax(logits, dim=-1)  # [B] int64
+        rows = torch.tensor(sampled_rows, device=logits.device)  # [b] int64
         probs = filtered_probs(logits[rows], [params[i] for i in sampled_rows])  # [b, V] float32
-        for j, i in enumerate(sampled_rows):
-            gen = generators[i] or self.generator
-            out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        out[rows] = self.race(probs, [generators[i] for i in sampled_rows])
         return out
+
+    def race(
+        self,
+        probs: torch.Tensor,  # [b, V] float32, rows sum to 1
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [b] int64
+        """One draw per row: argmax(probs / E), E ~ Exp(1). A row with a generator draws its E
+        from it; the other rows share one draw from the engine's generator."""
+        noise = torch.empty_like(probs)  # [b, V] float32
+        unseeded = [j for j, gen in enumerate(generators) if gen is None]
+        if len(unseeded) == len(generators):
+            noise.exponential_(generator=self.generator)
+        else:
+            for j, gen in enumerate(generators):
+                if gen is not None:
+                    noise[j].exponential_(generator=gen)
+            if unseeded:
+                index = torch.tensor(unseeded, device=probs.device)  # [u] int64
+                shared = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+                noise[index] = shared.exponential_(generator=self.generator)  # [u, V] float32
+        # An Exp(1) draw of exactly 0 would turn a filtered token's 0 / 0 into NaN (which argmax
+        # picks); flooring it at the smallest normal float keeps filtered tokens at 0.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return torch.argmax(probs / noise, dim=-1)
+
+
+def uses_top_p(p: SamplingParams) -> bool:
+    return p.top_p < 1.0
+
+
+def top_k_of(p: SamplingParams, vocab: int) -> int:
+    """The row's top-k, or 0 when it keeps the whole vocabulary."""
+    return p.top_k if 0 < p.top_k < vocab else 0
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (rows renormalized)."""
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(
-        1
-    )  # [b, 1] float32
-    logits = logits / temps
+    """Probabilities after temperature, top-k, top-p and min-p (rows renormalized), with each
+    row paying only for the filters it set: temperature-only and min-p rows are a softmax, top-k
+    rows a `torch.topk`, and only top-p rows a full-vocabulary sort."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], device=device)  # [b] float32
+    logits = logits / temps.unsqueeze(1)  # [b, V] float32
+    kinds: dict[str, list[int]] = {"softmax": [], "top_k": [], "sorted": []}
+    for i, p in enumerate(params):
+        if uses_top_p(p):
+            kinds["sorted"].append(i)
+        elif top_k_of(p, vocab):
+            kinds["top_k"].append(i)
+        else:
+            kinds["softmax"].append(i)
+    compute = {"softmax": softmax_probs, "top_k": top_k_probs, "sorted": sorted_probs}
+    if any(len(rows) == len(params) for rows in kinds.values()):
+        kind = next(k for k, rows in kinds.items() if rows)
+        return compute[kind](logits, params)
+    probs = torch.empty_like(logits)  # [b, V] float32
+    for kind, rows in kinds.items():
+        if rows:
+            index = torch.tensor(rows, device=device)  # [r] int64
+            probs[index] = compute[kind](logits[index], [params[i] for i in rows])
+    return probs
+
+
+def min_p_floor(
+    probs: torch.Tensor,  # [b, n] float32, each row's best probability first or anywhere
+    params: list[SamplingParams],
+) -> torch.Tensor:  # [b, n] float32
+    """Zeroes the probabilities below min_p × the row's best (never the best itself) and
+    renormalizes; returns `probs` unchanged when no row set min_p."""
+    if not any(p.min_p > 0.0 for p in params):
+        return probs
+    min_ps = torch.tensor([p.min_p for p in params], device=probs.device)  # [b] float32
+    floor = min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [b, 1] float32
+    probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def softmax_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows without top-k / top-p: softmax (then min-p), no sort."""
+    return min_p_floor(torch.softmax(logits, dim=-1), params)  # [b, V] float32
+
+
+def top_k_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows with top-k and no top-p: softmax over the row's k best (then min-p), by one
+    `torch.topk` of the batch's largest k; columns past a row's own k are masked."""
     vocab = logits.shape[-1]
-    top_ks = torch.tensor(
-        [p.top_k if p.top_k > 0 else vocab for p in params], device=device
-    )  # [b] int64
-    top_ks = top_ks.clamp(max=vocab)
+    top_ks = [top_k_of(p, vocab) for p in params]
+    values, order = torch.topk(logits, max(top_ks), dim=-1)  # [b, K] float32, [b, K] int64
+    ks = torch.tensor(top_ks, device=logits.device)  # [b] int64
+    ranks = torch.arange(values.shape[1], device=logits.device)  # [K] int64
+    values = values.masked_fill(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
+    kept = min_p_floor(torch.softmax(values, dim=-1), params)  # [b, K] float32
+    return torch.zeros_like(logits).scatter_(1, order, kept)  # [b, V] float32
+
+
+def sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows with top-p (and maybe top-k / min-p): one full-vocabulary sort."""
+    device, vocab = logits.device, logits.shape[-1]
+    top_ks = torch.tensor([top_k_of(p, vocab) or vocab for p in params], device=device)  # [b] int64
     top_ps = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [b, 1] float32
     min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [b, 1] float32
 
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [b, V]
+    ordered, order = torch.sort(logits, dim=-1, descending=True)  # [b, V] float32, int64
     ranks = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V] int64
-    drop = ranks >= top_ks.unsqueeze(1)
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop = ranks >= top_ks.unsqueeze(1)  # [b, V] bool
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)  # [b, V] float32
     # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [b, V] float32
     drop |= mass_before >= top_ps
     # min-p: drop tokens below min_p × the top probability.
-    drop |= sorted_probs < min_ps * sorted_probs[:, :1]
+    drop |= probs < min_ps * probs[:, :1]
     drop[:, 0] = False
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    probs = torch.empty_like(sorted_probs)
-    probs.scatter_(1, order, sorted_probs)
-    return probs
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.empty_like(probs).scatter_(1, order, probs)  # [b, V] float32
