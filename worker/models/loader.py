@@ -29,10 +29,10 @@ from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from swaserve.worker.models.config import ModelConfig, load_model_config
 from swaserve.worker.models.errors import MissingTensorError, UnexpectedTensorError
-from swaserve.worker.models.quantization import QuantizationConfig
+from swaserve.worker.models.quantization import FP8, MXFP4, QuantizationConfig
 from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import Placement, SkipRule, weight_map
-from swaserve.worker.models.weight_sources import Source, resolve_source
+from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, Source, resolve_source
 
 __all__ = [
     "INDEX_FILE",
@@ -151,17 +151,17 @@ def _plan(
         candidates = layouts.layouts(name, shape)
         if name in canonical_alias:
             candidates += layouts.layouts(canonical_alias[name], shape)
-        chosen = _first_complete(candidates, checkpoint, quantization)
+        chosen, absent = _first_complete(candidates, checkpoint, quantization)
         if chosen is None:
             missing.append(name)
-            tried += [p.source for layout in candidates[1:] for p in layout[:1]]
+            tried += absent
             continue
         plan += [(target, placement, source) for placement, source in chosen]
     if missing:
-        also = f"; also looked for {_names(tried)}" if tried else ""
+        also = f"; the original layout also lacks {_names(tried)}" if tried else ""
         raise MissingTensorError(
             f"checkpoint in {checkpoint.root} has no tensor for {_names(missing)} "
-            f"({len(missing)} missing){also}"
+            f"({len(missing)} missing){also}{_quantized_hint(missing, checkpoint, quantization)}"
         )
     used = {n for _, _, source in plan for n in source.names}
     report = LoadReport(quantization=quantization.method if quantization else "none")
@@ -199,18 +199,37 @@ def _first_complete(
     candidates: list[list[Placement]],
     checkpoint: Checkpoint,
     quantization: QuantizationConfig | None,
-) -> list[tuple[Placement, Source]] | None:
-    """The first layout whose every tensor the checkpoint holds, with their sources."""
-    for layout in candidates:
-        found = []
-        for placement in layout:
-            source = resolve_source(placement.source, checkpoint, quantization)
-            if source is None:
-                break
-            found.append((placement, source))
-        else:
-            return found
-    return None
+) -> tuple[list[tuple[Placement, Source]] | None, list[str]]:
+    """(the first layout whose every tensor the checkpoint holds, with their sources; or None
+    and the tensors the other layouts lack)."""
+    absent: list[str] = []
+    for i, layout in enumerate(candidates):
+        found = [
+            (placement, resolve_source(placement.source, checkpoint, quantization))
+            for placement in layout
+        ]
+        complete = [(p, source) for p, source in found if source is not None]
+        if len(complete) == len(layout):
+            return complete, []
+        if i > 0:
+            absent += [p.source for p, source in found if source is None]
+    return None, absent
+
+
+def _quantized_hint(
+    missing: list[str], checkpoint: Checkpoint, quantization: QuantizationConfig | None
+) -> str:
+    """Why a parameter stored quantized was not found: config.json does not declare it."""
+    for name in missing:
+        for suffix, method in ((MXFP4_BLOCKS, MXFP4), (FP8_SCALE, FP8)):
+            if name + suffix in checkpoint and (
+                quantization is None or quantization.method != method
+            ):
+                return (
+                    f"; the checkpoint holds {name + suffix!r} ({method}) but config.json has no "
+                    f"quantization_config with quant_method {method!r}"
+                )
+    return ""
 
 
 def _skip_rules(model: HybridCausalLM) -> list[SkipRule]:
