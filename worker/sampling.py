@@ -92,23 +92,22 @@ class Sampler:
         probs: torch.Tensor,  # [b, V] float32, rows sum to 1
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:  # [b] int64
-        """One draw per row: argmax(probs / E), E ~ Exp(1). A row with a generator draws its E
-        from it; the other rows share one draw from the engine's generator."""
-        noise = torch.empty_like(probs)  # [b, V] float32
+        """One draw per row: argmax(probs / E), E = -log U ~ Exp(1) with U uniform in [0, 1)
+        (faster than `exponential_` on CPU; E > 0, so a filtered token's 0 / E stays 0). A row
+        with a generator draws its U from it; the other rows share one draw from the engine's."""
+        uniform = torch.empty_like(probs)  # [b, V] float32
         unseeded = [j for j, gen in enumerate(generators) if gen is None]
         if len(unseeded) == len(generators):
-            noise.exponential_(generator=self.generator)
+            uniform.uniform_(generator=self.generator)
         else:
             for j, gen in enumerate(generators):
                 if gen is not None:
-                    noise[j].exponential_(generator=gen)
+                    uniform[j].uniform_(generator=gen)
             if unseeded:
                 index = torch.tensor(unseeded, device=probs.device)  # [u] int64
                 shared = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-                noise[index] = shared.exponential_(generator=self.generator)  # [u, V] float32
-        # An Exp(1) draw of exactly 0 would turn a filtered token's 0 / 0 into NaN (which argmax
-        # picks); flooring it at the smallest normal float keeps filtered tokens at 0.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+                uniform[index] = shared.uniform_(generator=self.generator)  # [u, V] float32
+        noise = uniform.log_().neg_()  # [b, V] float32, Exp(1); inf where U = 0
         return torch.argmax(probs / noise, dim=-1)
 
 
