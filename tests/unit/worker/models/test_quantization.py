@@ -14,6 +14,7 @@ import torch
 from ref_backend import RefBackend
 from safetensors.torch import load_file, save_file
 
+from swaserve.worker.models.checkpoint import Checkpoint
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.errors import (
     MissingTensorError,
@@ -269,3 +270,21 @@ def test_quantization_config_fields(fp8_dir: Path) -> None:
         parse_quantization_config(
             {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}
         )
+
+
+def test_expert_tensors_are_read_one_expert_at_a_time(
+    mxfp4_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[tuple[str, int | None]] = []
+    original_read = Checkpoint.read
+
+    def recording_read(self: Checkpoint, name: str, index: int | None = None) -> torch.Tensor:
+        reads.append((name, index))
+        return original_read(self, name, index)
+
+    monkeypatch.setattr(Checkpoint, "read", recording_read)
+    load_model(mxfp4_dir, RefBackend())
+    blocks = [index for name, index in reads if name == GATE_UP + "_blocks"]
+    assert blocks == [0, 1, 2, 3]  # never the whole [E, ...] tensor at once
+    bias = [index for name, index in reads if name == GATE_UP + "_bias"]
+    assert bias == [None]  # 2-D tensors are read whole
