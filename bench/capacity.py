@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         hybrid = Engine(
             EngineConfig(**common, swa_full_tokens_ratio="auto", expected_seq_len=seq_len)  # type: ignore[arg-type]
         )
-        shape = hybrid.runner.model_config.kv_spec().layer_shape(torch.float32)
+        shape = hybrid.model_config.kv_spec().layer_shape(torch.float32)
         bound = request_bound(shape, seq_len, budget, swa_eviction_interval=args.interval)
         n = args.requests or int(bound * 1.1) + 1
         prompts = [[(i * 7 + j) % 250 + 1 for j in range(args.prompt_len)] for i in range(n)]
@@ -85,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         hybrid_peak, hybrid_steps = peak_running(hybrid, prompts, args.new_tokens)
         hybrid_s = time.perf_counter() - t0
-        hybrid_plan = hybrid.runner.memory.plan
+        hybrid_plan = hybrid.plan
         hybrid.shutdown()
 
         single = Engine(EngineConfig(**common, disable_hybrid_swa_memory=True))  # type: ignore[arg-type]
         t0 = time.perf_counter()
         single_peak, single_steps = peak_running(single, prompts, args.new_tokens)
         single_s = time.perf_counter() - t0
-        single_plan = single.runner.memory.plan
+        single_plan = single.plan
         single.shutdown()
 
     result = {

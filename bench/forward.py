@@ -120,7 +120,7 @@ class SwaserveRunner:
                 page_size=args.page_size,
             ),
         )
-        self.model = load_model(model_dir, TorchAttentionBackend(self.memory, self.window))
+        self.model = load_model(model_dir, TorchAttentionBackend(self.memory.kv_pool, self.window))
         self.requests: list[Request] = []
 
     def reset(self) -> None:
@@ -140,13 +140,14 @@ class SwaserveRunner:
             slots = torch.zeros(max_len, dtype=torch.int64)  # [max_len] int64
             slots[:length] = out[i * length : (i + 1) * length]
             self.requests.append(Request(slots, length, SWAFreeState()))
-        batch = ForwardBatch(
+        batch = ForwardBatch.from_slots(
             input_ids=prompts.reshape(-1),
             positions=torch.arange(length).repeat(b),  # [B·L] int64
             prefix_lens=prefix,
             seq_lens=seq,
             req_token_slots=[r.slots[:length] for r in self.requests],
             out_full_loc=out,
+            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
             logits_positions="last",
         )
         next_ids = self.model(batch).argmax(-1)  # [B] int64
@@ -162,13 +163,14 @@ class SwaserveRunner:
         assert out is not None, "KV pool too small"
         for r, slot in zip(reqs, out, strict=True):
             r.slots[r.cached] = slot
-        batch = ForwardBatch(
+        batch = ForwardBatch.from_slots(
             input_ids=next_ids,
             positions=cached,
             prefix_lens=cached,
             seq_lens=cached + 1,
             req_token_slots=[r.slots[: r.cached + 1] for r in reqs],
             out_full_loc=out,
+            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
         )
         next_ids = self.model(batch).argmax(-1)  # [B] int64
         for r in reqs:

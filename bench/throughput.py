@@ -25,12 +25,17 @@ from swaserve.worker.models.tiny import make_tiny_model
 def workload(n: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(1, 250) for _ in range(rng.randint(32, max_prompt))], rng.randint(16, max_output))
+        (
+            [rng.randrange(1, 250) for _ in range(rng.randint(32, max_prompt))],
+            rng.randint(16, max_output),
+        )
         for _ in range(n)
     ]
 
 
-def run_swaserve(model_dir: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> tuple[float, int]:
+def run_swaserve(
+    model_dir: str, work: list[tuple[list[int], int]], args: argparse.Namespace
+) -> tuple[float, int]:
     engine = Engine(
         EngineConfig(
             model=model_dir,
@@ -49,7 +54,9 @@ def run_swaserve(model_dir: str, work: list[tuple[list[int], int]], args: argpar
     return elapsed, sum(len(o.token_ids) for o in outs)
 
 
-def run_transformers(model_dir: str, work: list[tuple[list[int], int]], batch: int) -> tuple[float, int]:
+def run_transformers(
+    model_dir: str, work: list[tuple[list[int], int]], batch: int
+) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -63,7 +70,9 @@ def run_transformers(model_dir: str, work: list[tuple[list[int], int]], batch: i
             chunk = work[i : i + batch]
             width = max(len(p) for p, _ in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])  # [b, width] int64
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])  # [b, width] int64
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk]
+            )  # [b, width] int64
             new = max(m for _, m in chunk)
             model.generate(
                 ids,
@@ -119,13 +128,25 @@ def main(argv: list[str] | None = None) -> int:
         "swaserve_total_tok_s": round((sw_out + prompt_tokens) / sw_s, 1),
         "transformers_total_tok_s": round((hf_out + prompt_tokens) / hf_s, 1),
     }
-    result["output_ratio"] = round(result["swaserve_output_tok_s"] / result["transformers_output_tok_s"], 3)
-    result["total_ratio"] = round(result["swaserve_total_tok_s"] / result["transformers_total_tok_s"], 3)
-    print(f"{args.requests} requests, {prompt_tokens} prompt tokens, {sw_out} output tokens (CPU, float32)")
+    result["output_ratio"] = round(
+        result["swaserve_output_tok_s"] / result["transformers_output_tok_s"], 3
+    )
+    result["total_ratio"] = round(
+        result["swaserve_total_tok_s"] / result["transformers_total_tok_s"], 3
+    )
+    print(
+        f"{args.requests} requests, {prompt_tokens} prompt tokens, {sw_out} output tokens (CPU, float32)"
+    )
     print(f"{'':14}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>13}")
-    print(f"{'swaserve':14}{sw_s:>10.2f}{result['swaserve_output_tok_s']:>12}{result['swaserve_total_tok_s']:>13}")
-    print(f"{'transformers':14}{hf_s:>10.2f}{result['transformers_output_tok_s']:>12}{result['transformers_total_tok_s']:>13}")
-    print(f"ratio (swaserve / transformers): output {result['output_ratio']:.2f}x, total {result['total_ratio']:.2f}x")
+    print(
+        f"{'swaserve':14}{sw_s:>10.2f}{result['swaserve_output_tok_s']:>12}{result['swaserve_total_tok_s']:>13}"
+    )
+    print(
+        f"{'transformers':14}{hf_s:>10.2f}{result['transformers_output_tok_s']:>12}{result['transformers_total_tok_s']:>13}"
+    )
+    print(
+        f"ratio (swaserve / transformers): output {result['output_ratio']:.2f}x, total {result['total_ratio']:.2f}x"
+    )
     if args.json:
         print(json.dumps(result))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,16 +11,28 @@ from pathlib import Path
 import torch
 
 from swaserve.proto.kv_events import KVEvent, KVTombstoned
+from swaserve.proto.kv_rules import min_swa_pool_tokens, page_ceil
 from swaserve.proto.messages import Headroom
 from swaserve.worker.config import EngineConfig
-from swaserve.worker.kv.allocator import SWATokenAllocator
+from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
-from swaserve.worker.model_runner import ModelRunner
+from swaserve.worker.kv.slot_table import RequestSlotTable
+from swaserve.worker.kv_manager import KVCacheManager, is_hybrid
+from swaserve.worker.model_input import ModelInput, build_model_input
+from swaserve.worker.model_runner import (
+    ModelRunner,
+    default_kv_cache_bytes,
+    resolve_device,
+    resolve_dtype,
+)
+from swaserve.worker.models.config import load_model_config
 from swaserve.worker.request import FinishReason, Request, RequestStatus
 from swaserve.worker.sampling import Sampler, SamplingParams, make_generator
 from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from swaserve.worker.stats import EngineStats
 from swaserve.worker.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -34,6 +47,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set with finish_reason "error": why the step failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +72,40 @@ class Engine:
                 f"tp_size={config.tp_size}: tensor parallelism is not available yet; use tp_size=1"
             )
         self.config = config
-        self.runner = ModelRunner(config)
-        mc = self.runner.model_config
-        memory = self.runner.memory
-        self.allocator = memory.allocator
+        self.model_config = mc = load_model_config(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        kv_config = config.kv_memory_config(
+            kv_cache_bytes=default_kv_cache_bytes(config, device, dtype)
+        )
+        self.plan = plan_kv_memory(mc.kv_spec(), kv_config, dtype)
+        self.allocator = build_kv_allocator(self.plan)  # host state: rank 0's, whatever the device
         self.page_size = config.page_size
         self.window = mc.sliding_window_size if mc.swa_layer_ids else None
         self.stats = EngineStats()
         self.tree = self._make_tree() if config.enable_prefix_cache else None
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        slot_table = RequestSlotTable(
+            config.max_running_requests,
+            page_ceil(min(self.max_model_len, self.plan.full_tokens), config.page_size),
+        )
+        self.kv = KVCacheManager(
+            self.allocator,
+            self.tree,
+            slot_table,
+            page_size=config.page_size,
+            sliding_window_size=self.window,
+            stats=self.stats,
+        )
+        self.runner = ModelRunner(
+            config,
+            mc,
+            self.plan,
+            device=device,
+            dtype=dtype,
+            slot_table_shape=(slot_table.num_rows, slot_table.max_len),
         )
         limits = SchedulerLimits(
             page_size=config.page_size,
@@ -79,10 +118,8 @@ class Engine:
             schedule_policy=config.schedule_policy,
             schedule_conservativeness=config.schedule_conservativeness,
         )
-        self.scheduler = Scheduler(
-            limits, self.allocator, self.tree, self.stats, frozenset(mc.eos_token_ids)
-        )
-        self.sampler = Sampler(self.runner.device, config.seed)
+        self.scheduler = Scheduler(limits, self.kv, self.stats, frozenset(mc.eos_token_ids))
+        self.sampler = Sampler(device, config.seed)
         tokenizer_dir = Path(config.tokenizer or config.model)
         self.tokenizer = (
             TextTokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
@@ -94,12 +131,15 @@ class Engine:
     # ---- setup ---------------------------------------------------------------------------
     @property
     def hybrid(self) -> bool:
-        return isinstance(self.allocator, SWATokenAllocator) and self.window is not None
+        return is_hybrid(self.allocator, self.window)
 
     def _make_tree(self) -> SWARadixCache:
-        mc = self.runner.model_config
         window = self.window if self.hybrid and self.window else 1
-        cls = PureSWARadixCache if self.hybrid and not mc.full_layer_ids else SWARadixCache
+        cls = (
+            PureSWARadixCache
+            if self.hybrid and not self.model_config.full_layer_ids
+            else SWARadixCache
+        )
         return cls(self.allocator, window, self.page_size)  # type: ignore[arg-type]
 
     def _chunk_size(self) -> int | None:
@@ -108,8 +148,8 @@ class Engine:
         if not self.hybrid or self.window is None:
             return chunk
         p = self.page_size
-        swa_total = self.runner.memory.plan.swa_tokens
-        per_request = -(-(max(self.window, p) + p + 1) // p) * p  # a decoding request's floor
+        swa_total = self.plan.swa_tokens
+        per_request = min_swa_pool_tokens(self.window, p)
         if swa_total < per_request:
             raise ValueError(
                 f"the SWA pool ({swa_total} tokens) cannot hold one request's window: need at least "
@@ -129,6 +169,18 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises `RequestError` if it can never be served."""
+        req = self._new_request(prompt, sampling_params, request_id)
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def _new_request(
+        self,
+        prompt: list[int] | str,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """A validated `Request`, not queued yet (raises `RequestError`)."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(
@@ -139,16 +191,13 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._check_fits(prompt_ids, params)
-        req = Request(
+        return Request(
             request_id,
             prompt_ids,
             params,
             arrival=next(self._arrivals),
             generator=make_generator(params, self.runner.device),
         )
-        self._requests[request_id] = req
-        self.scheduler.add(req)
-        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release all it holds; False if it is unknown or already done."""
@@ -171,7 +220,7 @@ class Engine:
             ids = list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        vocab = self.runner.model_config.vocab_size
+        vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
         return ids
@@ -182,15 +231,15 @@ class Engine:
             raise RequestError(
                 f"the prompt has {n} tokens; the model's limit is {self.max_model_len} in all"
             )
-        full_total = self.runner.memory.plan.full_tokens
-        need = -(-(n + params.max_new_tokens) // self.page_size) * self.page_size
+        full_total = self.plan.full_tokens
+        need = page_ceil(n + params.max_new_tokens, self.page_size)
         if need > full_total:
             raise RequestError(
                 f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV "
                 f"tokens; the full pool holds {full_total}"
             )
         if self.hybrid and self.scheduler.limits.chunked_prefill_size is None:
-            swa_total = self.runner.memory.plan.swa_tokens
+            swa_total = self.plan.swa_tokens
             assert self.window is not None
             if n + self.window + 2 * self.page_size > swa_total:
                 raise RequestError(
@@ -200,29 +249,80 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step: schedule → run → postprocess. Returns the requests that advanced."""
+        """Run one step: schedule → run → postprocess. Returns the requests that advanced.
+
+        If the forward or the sampling raises, the requests of that batch end with finish
+        reason `error` (and the message), everything they hold is released, and the engine goes
+        on serving the others."""
+        timer = self.stats.timer()
         batch = self.scheduler.schedule()
+        timer.lap("schedule")
         if batch is None:
             self._on_idle()
             return []
-        logits = self.runner.forward(batch)
-        next_tokens = self._sample(batch, logits)
+        model_input = self._model_input(batch)
+        timer.lap("input")
+        try:
+            logits = self.runner.forward(model_input)
+            timer.lap("model")
+            next_tokens = self._sample(batch, logits)
+            timer.lap("sample")
+        except Exception as exc:  # a failed step must not take the engine down
+            return self._fail(batch, exc)
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
-        return self._outputs(batch, finished)
+        outputs = self._outputs(batch, finished)
+        timer.lap("postprocess")
+        return outputs
+
+    def _model_input(self, batch: ScheduledBatch) -> ModelInput:
+        tokens: list[int] = []
+        for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
+            tokens += req.token_slice(start, start + n)
+        return build_model_input(
+            token_ids=tokens,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            req_rows=[r.row for r in batch.reqs],
+            samples=batch.samples,
+            out_full_loc=batch.out_full_loc,
+            writes=self.kv.take_writes(),
+            translate=self.kv.translate if self.hybrid else None,
+            sliding_window_size=self.window,
+        )
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
+        """`logits` has one row per sampling request, in batch order."""
         rows = [i for i, s in enumerate(batch.samples) if s]
         out: list[int | None] = [None] * len(batch.reqs)
         if rows:
             reqs = [batch.reqs[i] for i in rows]
             tokens = self.sampler.sample(
-                logits[rows], [r.params for r in reqs], [r.generator for r in reqs]
+                logits, [r.params for r in reqs], [r.generator for r in reqs]
             )
             for i, token in zip(rows, tokens.tolist(), strict=True):
                 out[i] = token
             self.stats.generated_tokens += len(rows)
         return out
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        message = f"{type(exc).__name__}: {exc}"
+        logger.exception("a step of %d requests failed; they end with 'error'", len(batch.reqs))
+        self.stats.failed_steps += 1
+        in_batch = {id(r) for r in batch.reqs}
+        self.kv.requeue_writes({r.row for r in self.scheduler.running if id(r) not in in_batch})
+        self.scheduler.fail(batch, message)
+        outputs = []
+        for req in batch.reqs:
+            outputs.append(
+                RequestOutput(
+                    req.request_id, [], True, FinishReason.ERROR.value, req.cached_tokens, message
+                )
+            )
+            req.new_token_ids = []
+            self._requests.pop(req.request_id, None)
+        self._collect_events()
+        return outputs
 
     def _outputs(self, batch: ScheduledBatch, finished: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -235,6 +335,7 @@ class Engine:
                     req.new_token_ids,
                     req.finished,
                     req.finish_reason.value if req.finish_reason else None,
+                    req.cached_tokens,
                 )
             )
             req.new_token_ids = []
@@ -287,7 +388,7 @@ class Engine:
 
     # ---- reports -------------------------------------------------------------------------
     def headroom(self) -> Headroom:
-        plan = self.runner.memory.plan
+        plan = self.plan
         tree = self.tree
         full_free = self.allocator.full_available_size()
         swa_free = self.allocator.swa_available_size()
@@ -338,6 +439,7 @@ class Engine:
             owned.append(self.tree.cached_indices())
             self.tree.check()
         self.allocator.check(owned=torch.cat(owned))
+        self.kv.check(self.scheduler.running)
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (no request may be running)."""

@@ -1,5 +1,11 @@
-"""ModelRunner: device and dtype, the KV memory, the attention backend and the model; turns a
-scheduled batch into logits. It never decides policy."""
+"""ModelRunner: one rank's device-side state — the model's weights, this rank's KV buffers, the
+device slot tables and the attention backend — driven by `ModelInput` alone. It never decides
+policy and never sees a request, the allocator or the tree.
+
+Per step: copy the input to the device (pinned, non-blocking on CUDA), apply the slot-table
+writes (re-addressed ranges, then the new tokens' slots), run the model, return the logits of
+the sampling rows. Nothing is read back from the device here.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,12 @@ import torch
 from swaserve.worker.attention.base import ForwardBatch
 from swaserve.worker.attention.registry import select_backend
 from swaserve.worker.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from swaserve.worker.kv.memory import KVMemory, build_kv_memory
-from swaserve.worker.models.config import ModelConfig, load_model_config
+from swaserve.worker.kv.memory import build_kv_pool
+from swaserve.worker.kv.pool_plan import PoolPlan
+from swaserve.worker.kv.slot_table import DeviceSlotTable
+from swaserve.worker.model_input import ModelInput
+from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.loader import load_model
-from swaserve.worker.scheduler import ScheduledBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,53 +58,83 @@ def checkpoint_numel(model_dir: str | Path) -> int:
     return total
 
 
-class ModelRunner:
-    """Loads the model on its device with its KV memory, and runs forward passes."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_config: ModelConfig = load_model_config(config.model)
-        spec = self.model_config.kv_spec()
-        kv_config = config.kv_memory_config(kv_cache_bytes=self._default_kv_bytes(config))
-        self.memory: KVMemory = build_kv_memory(
-            spec, kv_config, dtype=self.dtype, device=self.device
+def default_kv_cache_bytes(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> int | None:
+    """The KV budget when the config gives none: a fixed size on CPU, `mem_fraction_static` of
+    the memory left after the weights on CUDA. None when the config sets one."""
+    if config.kv_cache_bytes is not None or config.max_total_tokens is not None:
+        return None
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    weights = checkpoint_numel(config.model) * torch.empty((), dtype=dtype).element_size()
+    budget = int((free_bytes - weights) * config.mem_fraction_static)
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {free_bytes} B free, weights ≈ {weights} B"
         )
-        backend_cls = select_backend(self.device, config.attention_backend, dtype=self.dtype)
-        self.backend = backend_cls(self.memory, self.model_config.sliding_window_size)  # type: ignore[call-arg]
-        self.model = load_model(config.model, self.backend, dtype=self.dtype, device=self.device)
+    return budget
 
-    def _default_kv_bytes(self, config: EngineConfig) -> int | None:
-        if config.kv_cache_bytes is not None or config.max_total_tokens is not None:
-            return None
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        weights = checkpoint_numel(config.model) * torch.empty((), dtype=self.dtype).element_size()
-        budget = int((free_bytes - weights) * config.mem_fraction_static)
-        if budget <= 0:
-            raise ValueError(
-                f"no GPU memory left for the KV cache: {free_bytes} B free, weights ≈ {weights} B"
-            )
-        return budget
+
+class ModelRunner:
+    """Loads the model on its device with this rank's KV buffers and slot tables, and runs
+    forward passes from `ModelInput`s."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        plan: PoolPlan,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        slot_table_shape: tuple[int, int],
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.model_config = model_config
+        self.plan = plan
+        self.kv_pool = build_kv_pool(model_config.kv_spec(), plan, dtype=dtype, device=device)
+        rows, max_len = slot_table_shape
+        self.slot_table = DeviceSlotTable(
+            rows, max_len, with_swa=not plan.single_pool, device=device
+        )
+        backend_cls = select_backend(device, config.attention_backend, dtype=dtype)
+        self.backend = backend_cls(self.kv_pool, model_config.sliding_window_size)  # type: ignore[call-arg]
+        self.model = load_model(config.model, self.backend, dtype=dtype, device=device)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:  # [B, vocab] float32
-        """Logits of the last computed token of every request in the batch."""
-        device = self.device
-        input_ids, positions, slots = [], [], []
-        for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
-            input_ids.extend(req.token_slice(start, start + n))
-            positions.append(torch.arange(start, start + n))
-            slots.append(req.slots[: start + n].to(device))
-        prefix = torch.tensor(batch.prefix_lens)  # [B] int64
-        fwd = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),  # [T] int64
-            positions=torch.cat(positions).to(device),  # [T] int64
-            prefix_lens=prefix,
-            seq_lens=prefix + torch.tensor(batch.extend_lens),
-            req_token_slots=slots,
-            out_full_loc=batch.out_full_loc.to(device),
-            logits_positions="last",
+    def forward(self, inp: ModelInput) -> torch.Tensor:  # [N, vocab] float32 (device)
+        """Logits of `inp.logits_indices` (the rows that sample), after writing the slot tables."""
+        dev = self._to_device
+        writes = inp.writes
+        self.slot_table.write(
+            dev(writes.rows),
+            dev(writes.positions),
+            dev(writes.full),
+            None if writes.swa is None else dev(writes.swa),
         )
-        return self.model(fwd).float()
+        positions = dev(inp.positions)
+        out_full = dev(inp.out_full_loc)
+        out_swa = None if inp.out_swa_loc is None else dev(inp.out_swa_loc)
+        extend = inp.seq_lens - inp.prefix_lens  # [B] int64 (CPU)
+        token_rows = torch.repeat_interleave(inp.req_rows, extend, output_size=inp.num_tokens)
+        self.slot_table.write(dev(token_rows), positions, out_full, out_swa)
+        batch = ForwardBatch(
+            input_ids=dev(inp.input_ids),
+            positions=positions,
+            prefix_lens=inp.prefix_lens,
+            seq_lens=inp.seq_lens,
+            req_rows=inp.req_rows,
+            slot_table=self.slot_table,
+            out_full_loc=out_full,
+            out_swa_loc=out_swa,
+            logits_rows=dev(inp.logits_indices),
+        )
+        return self.model(batch).float()

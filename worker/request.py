@@ -23,6 +23,10 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # a stop token (or EOS) was sampled
     LENGTH = "length"  # max_new_tokens (or the model's context) reached
     ABORT = "abort"
+    ERROR = "error"  # the step that ran it failed; `Request.error` says why
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)  # [0] int64: the row of a request without KV
 
 
 @dataclass(eq=False, slots=True)
@@ -52,36 +56,19 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
     num_retractions: int = 0
     new_token_ids: list[int] = field(default_factory=list)  # produced since the last step() report
-    _slot_buf: torch.Tensor = field(
-        default_factory=lambda: torch.empty(0, dtype=torch.int64)
-    )  # [capacity] int64
-    _num_slots: int = 0
+    error: str | None = None  # why it ended with FinishReason.ERROR
+    row: int = -1  # slot-table row while the request holds KV (KVCacheManager), else -1
+    row_slots: torch.Tensor = field(default_factory=lambda: _NO_SLOTS)  # [L] int64 view of the row
+    num_slots: int = 0  # positions of row_slots that hold slots
 
     @property
     def slots(self) -> torch.Tensor:
-        """Full slot id of each position that has one ([n] int64 view; valid until the next
-        `slots` assignment or `extend_slots`)."""
-        return self._slot_buf[: self._num_slots]
+        """Full slot id of each position that has one ([n] int64 view of the request's
+        slot-table row; valid while the request holds the row)."""
+        return self.row_slots[: self.num_slots]
 
-    @slots.setter
-    def slots(self, value: torch.Tensor) -> None:
-        self._slot_buf = value.to(torch.int64)
-        self._num_slots = value.numel()
-
-    def extend_slots(self, start: int, new: torch.Tensor) -> None:
-        """Set the slots of positions `[start, start + len(new))`, dropping any after `start`.
-        The buffer grows by doubling, so a decode step copies one slot, not the whole row. A
-        tensor assigned through `slots` (possibly the tree's) is never written: it is exactly
-        full, so the first extension moves to a buffer of our own."""
-        end = start + new.numel()
-        if end > self._slot_buf.numel():
-            grown = torch.empty(
-                max(end, 2 * self._slot_buf.numel(), 16), dtype=torch.int64
-            )  # [capacity] int64
-            grown[:start] = self._slot_buf[:start]
-            self._slot_buf = grown
-        self._slot_buf[start:end] = new
-        self._num_slots = end
+    def attach_row(self, row: int, row_slots: torch.Tensor) -> None:
+        self.row, self.row_slots, self.num_slots = row, row_slots, 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -118,11 +105,11 @@ class Request:
 
     @property
     def last_loc(self) -> int:
-        return int(self.slots[self.num_computed - 1]) if self.num_computed else -1
+        return int(self.row_slots[self.num_computed - 1]) if self.num_computed else -1
 
     def reset_kv(self) -> None:
-        """Forget all KV state (after its slots were released)."""
-        self.slots = torch.empty(0, dtype=torch.int64)
+        """Forget all KV state (after its slots and row were released)."""
+        self.row, self.row_slots, self.num_slots = -1, _NO_SLOTS, 0
         self.num_computed = 0
         self.lock = None
         self.swa = SWAFreeState()

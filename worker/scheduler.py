@@ -13,7 +13,8 @@ jumps back up after a retraction, as in SGLang. When decode cannot get slots eve
 evicting the prefix cache, the newest request is retracted: its KV is released and it waits
 again, to be re-prefilled (reusing whatever the cache still holds).
 
-The scheduler decides and allocates; it never reads or writes KV contents.
+The scheduler decides; it asks the `KVCacheManager` for room and never edits a request's slots,
+the tree or KV contents.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
-from swaserve.worker.kv.radix_cache import SWARadixCache
-from swaserve.worker.kv.radix_node import PrefixLock
-from swaserve.worker.kv.swa_freeing import SWAFreeState, free_swa_out_of_window_slots
+from swaserve.proto.kv_rules import swa_tokens_for_extend
+from swaserve.worker.kv_manager import KVCacheManager
 from swaserve.worker.request import FinishReason, Request, RequestStatus
 from swaserve.worker.stats import EngineStats
 
@@ -85,19 +84,16 @@ class Scheduler:
     def __init__(
         self,
         limits: SchedulerLimits,
-        allocator: SWATokenAllocator | TokenAllocator,
-        tree: SWARadixCache | None,
+        kv: KVCacheManager,
         stats: EngineStats,
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.limits = limits
-        self.allocator = allocator
-        self.tree = tree
+        self.kv = kv
+        self.tree = kv.tree
         self.stats = stats
         self.eos_token_ids = eos_token_ids
-        self.hybrid = (
-            isinstance(allocator, SWATokenAllocator) and limits.sliding_window_size is not None
-        )
+        self.hybrid = kv.hybrid
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = limits.init_new_token_ratio
@@ -108,8 +104,7 @@ class Scheduler:
 
     def owned_slots(self) -> torch.Tensor:
         """Full slots held by requests themselves (not the tree): for `allocator.check`."""
-        parts = [r.slots[r.swa.cache_protected_len : r.num_computed] for r in self.running]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return self.kv.owned_slots(self.running)
 
     def queued_prefill_tokens(self) -> int:
         return sum(r.pending_tokens for r in self.waiting)
@@ -121,7 +116,7 @@ class Scheduler:
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is; everything it held goes back."""
         if req in self.running:
-            self._release(req)
+            self.kv.release(req)
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -167,27 +162,46 @@ class Scheduler:
     def process_results(
         self, batch: ScheduledBatch, next_tokens: list[int | None]
     ) -> list[Request]:
-        """Advance each request of a finished step; returns the requests that finished."""
+        """Advance each request of a finished step; returns the requests that finished.
+
+        A prompt enters the prefix cache as soon as its prefill ends (locked while the request
+        runs), so requests that arrive while it decodes reuse it."""
         finished = []
         for req, n, token in zip(batch.reqs, batch.extend_lens, next_tokens, strict=True):
+            prefilling = n > 1 or not req.output_ids
             req.num_computed += n
             if token is None:
                 if n > 0 and req.num_computed < req.seq_len:
                     self.stats.prefill_chunks += 1
-                    self._cache_unfinished(req)
+                    self.kv.cache_unfinished(req)
                 continue
+            if prefilling:
+                self.kv.cache_unfinished(req)
             req.output_ids.append(token)
             req.new_token_ids.append(token)
             if n > 1:  # a prefill just ended: drop what its chunk left out of the window
-                self._free_swa_of(req, 0)
+                self.kv.free_out_of_window(req, 0)
             reason = self._finish_reason(req, token)
             if reason is not None:
                 req.finish_reason = reason
                 req.status = RequestStatus.FINISHED
-                self._cache_finished(req)
+                self.kv.cache_finished(req)
                 self.running.remove(req)
                 finished.append(req)
         return finished
+
+    def fail(self, batch: ScheduledBatch, message: str) -> None:
+        """End every request of a batch whose step raised: finish reason `error`, everything
+        it holds released (nothing of the failed step is cached)."""
+        for req in batch.reqs:
+            if req.finished:
+                continue
+            self.kv.release(req)
+            if req in self.running:
+                self.running.remove(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ERROR
+            req.error = message
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (only when no request is running)."""
@@ -203,20 +217,13 @@ class Scheduler:
             decodes = [r for r in self.running if r.is_decoding][: self.limits.max_running_requests]
             if not decodes:
                 return None
-            p = self.limits.page_size
-            new_pages = sum(1 for r in decodes if r.num_computed % p == 0)
-            if self._make_room(new_pages * p, new_pages * p if self.hybrid else 0):
-                seq = torch.tensor([r.num_computed + 1 for r in decodes])
-                last = torch.tensor([r.last_loc for r in decodes])
-                out = self.allocator.alloc_decode(seq, last)
-                if out is not None:
-                    for i, r in enumerate(decodes):
-                        r.extend_slots(r.num_computed, out[i : i + 1])
-                    return decodes, out
+            out = self.kv.allocate_decodes(decodes)
+            if out is not None:
+                return decodes, out
             self._retract(max(self.running, key=lambda r: r.arrival))
 
     def _retract(self, req: Request) -> None:
-        self._release(req)
+        self.kv.release(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
@@ -239,18 +246,7 @@ class Scheduler:
         return max(n, 0)
 
     def _allocate_extend(self, req: Request, n: int) -> torch.Tensor | None:
-        p = self.limits.page_size
-        pages = -(-(req.num_computed + n) // p) - -(-req.num_computed // p)
-        if not self._make_room(pages * p, pages * p if self.hybrid else 0):
-            return None
-        out = self.allocator.alloc_extend(
-            torch.tensor([req.num_computed]),
-            torch.tensor([req.num_computed + n]),
-            torch.tensor([req.last_loc]),
-        )
-        if out is not None:
-            req.extend_slots(req.num_computed, out)
-        return out
+        return self.kv.allocate_extend(req, n)
 
     def _admit(
         self,
@@ -267,29 +263,30 @@ class Scheduler:
         for req in self._waiting_in_order():
             if len(self.running) >= self.limits.max_running_requests or budget <= 0:
                 break
-            prefix, lock = self._match_and_lock(req)
-            req.slots, req.num_computed = prefix, prefix.numel()
-            req.swa = SWAFreeState(cache_protected_len=prefix.numel())
-            req.lock = lock
+            hit = self.kv.match_prefix(req)
+            if hit is None:
+                break
+            # The lock just moved the matched prefix from evictable to protected.
+            rem_total -= hit.full_newly_protected
+            rem_swa -= hit.swa_newly_protected
             n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
             full_need = req.pending_tokens + self._full_reserve(req)
-            swa_need = n + w + p if self.hybrid else 0
+            swa_need = swa_tokens_for_extend(n, w, p) if self.hybrid else 0
             if (
                 n == 0
                 or full_need > rem_total
                 or swa_need > rem_swa
                 or (out := self._allocate_extend(req, n)) is None
             ):
-                self._release(req)
-                req.reset_kv()
+                self.kv.release(req)
                 break
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_retractions == 0:
-                req.cached_tokens = prefix.numel()
+                req.cached_tokens = hit.num_tokens
                 self.stats.prompt_tokens += len(req.prompt_ids)
-                self.stats.cached_tokens += prefix.numel()
+                self.stats.cached_tokens += hit.num_tokens
             reqs.append(req)
             extends.append(n)
             locs.append(out)
@@ -308,16 +305,8 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: (-hit[id(r)], r.arrival))
         return sorted(self.waiting, key=lambda r: r.arrival)
 
-    def _match_and_lock(self, req: Request) -> tuple[torch.Tensor, PrefixLock | None]:
-        if self.tree is None:
-            return torch.empty(0, dtype=torch.int64), None
-        match = self.tree.match_prefix(req.token_ids[:-1])  # keep one token to compute
-        return match.indices, PrefixLock(match.last_node, self.tree.inc_lock_ref(match.last_node))
-
     def _remaining_budgets(self) -> tuple[int, int]:
-        alloc = self.allocator
-        full = alloc.full_available_size() + (self.tree.full_evictable_size() if self.tree else 0)
-        swa = alloc.swa_available_size() + (self.tree.swa_evictable_size() if self.tree else 0)
+        full, swa = self.kv.available_tokens()
         full_reserved, swa_reserved = self.reserved_tokens()
         return full - full_reserved, swa - swa_reserved
 
@@ -332,76 +321,14 @@ class Scheduler:
         return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
     # ---- memory --------------------------------------------------------------------------
-    def _make_room(self, full_tokens: int, swa_tokens: int) -> bool:
-        """Evict from the prefix cache until both pools have the tokens free; False if they can't."""
-        alloc = self.allocator
-        full_short = full_tokens - alloc.full_available_size()
-        swa_short = swa_tokens - alloc.swa_available_size()
-        if (full_short > 0 or swa_short > 0) and self.tree is not None:
-            self.tree.evict(max(0, full_short), max(0, swa_short))
-        return (
-            alloc.full_available_size() >= full_tokens and alloc.swa_available_size() >= swa_tokens
-        )
-
     def _free_out_of_window_swa(self) -> None:
         """Before a step: decodes give back out-of-window SWA once the interval piled up,
         prefill chunks give back everything out of the window."""
+        if not self.hybrid:
+            return
+        interval = self.limits.swa_eviction_interval
         for req in self.running:
-            self._free_swa_of(req, self.limits.swa_eviction_interval if req.is_decoding else 0)
-
-    def _free_swa_of(self, req: Request, interval: int) -> None:
-        """Free `req`'s out-of-window SWA slots (when at least `interval` are due) and release
-        the tree's SWA lock once the window has moved past the cached prefix."""
-        w = self.limits.sliding_window_size
-        if not self.hybrid or w is None or req.num_computed == 0:
-            return
-        assert isinstance(self.allocator, SWATokenAllocator)
-        self.stats.swa_freed_tokens += free_swa_out_of_window_slots(
-            self.allocator,
-            req.swa,
-            req.slots,
-            req.num_computed,
-            sliding_window_size=w,
-            radix_cache=self.tree is not None,
-            min_free_tokens=interval,
-        )
-        lock = req.lock
-        window_left_cache = req.num_computed - w >= req.swa.cache_protected_len
-        if (
-            self.tree is not None
-            and lock is not None
-            and not lock.swa_released
-            and window_left_cache
-        ):
-            self.tree.release_request_swa(lock)
-
-    def _cache_unfinished(self, req: Request) -> None:
-        if self.tree is None or req.lock is None:
-            return
-        done = req.num_computed
-        slots, req.lock = self.tree.cache_unfinished_request(
-            req.token_ids[:done], req.slots[:done], req.lock, req.swa
-        )
-        req.slots = slots
-
-    def _cache_finished(self, req: Request) -> None:
-        done = req.num_computed
-        if self.tree is not None and req.lock is not None:
-            self.tree.cache_finished_request(
-                req.token_ids[:done], req.slots[:done], req.lock, req.swa
-            )
-        else:
-            self.allocator.free(req.slots[:done])
-        req.reset_kv()
-
-    def _release(self, req: Request) -> None:
-        """Give back a request's own slots and its cache lock without caching anything."""
-        own = req.slots[req.swa.cache_protected_len : req.num_computed]
-        if own.numel():
-            self.allocator.free(own)
-        if self.tree is not None and req.lock is not None:
-            self.tree.dec_lock_ref(req.lock.node, req.lock.handle, skip_swa=req.lock.swa_released)
-        req.reset_kv()
+            self.kv.free_out_of_window(req, interval if req.is_decoding else 0)
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
+
+STEP_PHASES = ("schedule", "input", "model", "sample", "postprocess")
 
 
 @dataclass(slots=True)
@@ -17,6 +20,27 @@ class EngineStats:
     tombstoned_pages: int = 0  # pages of the prefix cache whose SWA KV was evicted
     finished_requests: int = 0
     aborted_requests: int = 0
+    failed_steps: int = 0  # steps whose forward or sampling raised (their requests got "error")
+    step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+    """Wall time spent in each phase of `Engine.step` (see `StepTimer`)."""
 
-    def as_dict(self) -> dict[str, int]:
+    def timer(self) -> StepTimer:
+        return StepTimer(self.step_time_s)
+
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+class StepTimer:
+    """Adds the time since the previous lap to a phase's total (one perf_counter per lap)."""
+
+    __slots__ = ("_last", "_totals")
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self._totals = totals
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._totals[phase] += now - self._last
+        self._last = now

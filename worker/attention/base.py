@@ -1,11 +1,12 @@
 """The attention-backend interface between the model code and the KV memory.
 
-Per model step the runner builds one `ForwardBatch` (which tokens are new, where their KV goes,
-which slots each request already holds). The backend's `init_forward_metadata(batch)` turns the
-full slot ids into what each layer kind reads — translating full → SWA ids once for all SWA
-layers and cutting SWA reads to the window — and stores it on `batch.attn_metadata`. Each
-attention layer then calls `backend.forward(q, k, v, layer, batch)`, which writes the new K/V
-into the pool and returns the attention output. Nothing is global: the batch is passed down.
+Per model step the runner builds one `ForwardBatch` on the model's device from the step's
+`ModelInput` (which tokens are new, where their KV goes, which slot-table row each request reads).
+The backend's `init_forward_metadata(batch)` turns the rows into what each layer kind reads —
+full ids for full layers, SWA ids (translated once per batch on rank 0) cut to the window for SWA
+layers — and stores it on `batch.attn_metadata`. Each attention layer then calls
+`backend.forward(q, k, v, layer, batch)`, which writes the new K/V into the pool and returns the
+attention output. Nothing is global: the batch is passed down.
 
 Shapes: T = new tokens in the batch, B = requests, H = query heads (this TP shard), Hkv = KV
 heads, Dk / Dv = K / V head dims.
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from swaserve.worker.kv.slot_table import DeviceSlotTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,35 +43,48 @@ class AttentionLayer:
         return self.sliding_window_size is not None
 
 
+class SlotTranslator(Protocol):
+    def translate(self, full_idx: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     """One model step over B requests; prefill chunks and decodes may be mixed in any order.
 
     Request i contributes tokens at positions `[prefix_lens[i], seq_lens[i])`; its KV for
     positions `[0, prefix_lens[i])` is already in the pool (a cached prefix or earlier chunks).
-    `req_token_slots[i]` holds the full slot id of every position `[0, seq_lens[i])`, new
-    tokens included; SWA KV of positions before `prefix_lens[i] - W` may be gone (0 in the
-    mapping) and is never read.
+    Row `req_rows[i]` of `slot_table` holds the slot of every position `[0, seq_lens[i])`, new
+    tokens included; SWA ids of positions before `prefix_lens[i] - W` may be stale and are never
+    read. Host tensors (`prefix_lens`, `seq_lens`, `req_rows`) are what the metadata build plans
+    with, so it never reads a device value back.
     """
 
-    input_ids: torch.Tensor  # [T] int64, new tokens of all requests, request by request
-    positions: torch.Tensor  # [T] int64, absolute positions of those tokens
+    input_ids: torch.Tensor  # [T] int64 (device), new tokens of all requests, request by request
+    positions: torch.Tensor  # [T] int64 (device), absolute positions of those tokens
     prefix_lens: torch.Tensor  # [B] int64 (CPU)
     seq_lens: torch.Tensor  # [B] int64 (CPU)
-    req_token_slots: list[torch.Tensor]  # B × [seq_lens[i]] int64 full slot ids
-    out_full_loc: torch.Tensor  # [T] int64, full slot ids of the new tokens
+    req_rows: torch.Tensor  # [B] int64 (CPU), each request's row of `slot_table`
+    slot_table: DeviceSlotTable
+    out_full_loc: torch.Tensor  # [T] int64 (device), full slot ids of the new tokens
+    out_swa_loc: torch.Tensor | None = None  # [T] int64 (device), their SWA ids (two pools)
     logits_positions: str = "last"  # "last": one row per request; "all": one row per new token
+    logits_rows: torch.Tensor | None = (
+        None  # [N] int64 (device): explicit rows; overrides the above
+    )
     attn_metadata: Any = field(default=None)  # set by AttentionBackend.init_forward_metadata
 
     def __post_init__(self) -> None:
         batch = self.prefix_lens.numel()
-        if self.seq_lens.numel() != batch or len(self.req_token_slots) != batch:
-            raise ValueError(
-                "prefix_lens, seq_lens and req_token_slots must have one entry per request"
-            )
+        if self.seq_lens.numel() != batch or self.req_rows.numel() != batch:
+            raise ValueError("prefix_lens, seq_lens and req_rows must have one entry per request")
         extend = self.seq_lens - self.prefix_lens
         if batch and int(extend.min()) < 1:
             raise ValueError("every request in a batch must add at least one token")
+        if batch and int(self.seq_lens.max()) > self.slot_table.max_len:
+            raise ValueError(
+                f"a request has {int(self.seq_lens.max())} positions; the slot table holds "
+                f"{self.slot_table.max_len}"
+            )
         total = int(extend.sum())
         if (
             self.input_ids.numel() != total
@@ -83,20 +99,77 @@ class ForwardBatch:
                 f"logits_positions must be 'last' or 'all', got {self.logits_positions!r}"
             )
 
+    @classmethod
+    def from_slots(
+        cls,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_token_slots: list[torch.Tensor],
+        out_full_loc: torch.Tensor,
+        allocator: SlotTranslator | None = None,
+        logits_positions: str = "last",
+    ) -> ForwardBatch:
+        """A batch over a fresh slot table made from each request's full slot list (B × [>=
+        seq_lens[i]] int64): for tests and benchmarks that drive a model without an engine.
+        `allocator` translates full → SWA ids (two pools); None for one pool."""
+        device = out_full_loc.device
+        seq = [int(s) for s in seq_lens]
+        if len(req_token_slots) != len(seq):
+            raise ValueError("req_token_slots must have one entry per request")
+        for i, (s, slots) in enumerate(zip(seq, req_token_slots, strict=True)):
+            if slots.numel() < s:
+                raise ValueError(
+                    f"request {i}: req_token_slots holds {slots.numel()} slots, fewer than "
+                    f"seq_len={s}"
+                )
+        table = DeviceSlotTable(
+            max(1, len(seq)), max([1, *seq]), with_swa=allocator is not None, device=device
+        )
+        for row, (s, slots) in enumerate(zip(seq, req_token_slots, strict=True)):
+            full = slots[:s].to(torch.int64).cpu()  # [s] int64
+            table.full[row, :s] = full.to(device=device, dtype=table.dtype)
+            if table.swa is not None and allocator is not None:
+                swa = allocator.translate(full)  # [s] int64
+                table.swa[row, :s] = swa.to(device=device, dtype=table.dtype)
+        out_swa = (
+            allocator.translate(out_full_loc.cpu()).to(device) if allocator is not None else None
+        )
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            prefix_lens=torch.as_tensor(prefix_lens, dtype=torch.int64).cpu(),
+            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int64).cpu(),
+            req_rows=torch.arange(len(seq), dtype=torch.int64),
+            slot_table=table,
+            out_full_loc=out_full_loc,
+            out_swa_loc=out_swa,
+            logits_positions=logits_positions,
+        )
+
     @property
     def batch_size(self) -> int:
         return self.prefix_lens.numel()
 
     @property
     def extend_lens(self) -> torch.Tensor:
-        return self.seq_lens - self.prefix_lens  # [B] int64
+        return self.seq_lens - self.prefix_lens  # [B] int64 (CPU)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
+    def request_slots(self, i: int) -> torch.Tensor:
+        """Full slot ids of request i's positions `[0, seq_lens[i])` ([seq_i] int64, device)."""
+        row, seq = int(self.req_rows[i]), int(self.seq_lens[i])
+        return self.slot_table.full[row, :seq].to(torch.int64)
+
     def logits_indices(self) -> torch.Tensor:
-        """Rows of the [T, hidden] output that produce logits."""
+        """Rows of the [T, hidden] output that produce logits (device)."""
+        if self.logits_rows is not None:
+            return self.logits_rows
         if self.logits_positions == "all":
             return torch.arange(self.num_tokens, device=self.input_ids.device)
         return (torch.cumsum(self.extend_lens, 0) - 1).to(self.input_ids.device)  # [B] int64

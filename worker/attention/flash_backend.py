@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.metadata import AttentionMetadata, build_attention_metadata
 from swaserve.worker.attention.torch_backend import check_shapes
-from swaserve.worker.kv.kv_pool import SWAKVPool
-from swaserve.worker.kv.memory import KVMemory
+from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -137,6 +136,7 @@ class PagedKVArgs:
 class FlashKVArgs:
     """Key-side kernel arguments of one layer kind: gathered rows, and pages when usable."""
 
+    slots: torch.Tensor  # [sum kv_lens] int64 gathered rows (KVReads.flat_slots)
     cu_seqlens_k: torch.Tensor  # [B+1] int32 offsets of the gathered rows (KVReads.kv_indptr)
     max_seqlen_k: int
     paged: PagedKVArgs | None
@@ -160,30 +160,32 @@ class FlashAttentionBackend(AttentionBackend):
 
     def __init__(
         self,
-        memory: KVMemory,
+        kv_pool: SWAKVPool | KVPool,
         sliding_window_size: int | None = None,
         *,
         kernel: VarlenKernel | None = None,  # None: vllm-flash-attn, imported on first use
     ) -> None:
-        dtype = _kv_dtype(memory)
+        dtype = _kv_dtype(kv_pool)
         if kernel is None and dtype not in FLASH_DTYPES:
             raise ValueError(
                 f"flash-attn needs float16 or bfloat16 KV, the pool holds {dtype}; "
                 "use the 'torch' backend"
             )
-        self.memory = memory
+        self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
         self._kernel = kernel
-        self.page_size = memory.kv_pool.page_size
+        self.page_size = kv_pool.page_size
         self.paged = self.page_size % self.PAGED_PAGE_SIZE_MULTIPLE == 0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        base = build_attention_metadata(batch, self.memory, self.sliding_window_size)
+        base = build_attention_metadata(
+            batch, self.sliding_window_size, two_pools=isinstance(self.kv_pool, SWAKVPool)
+        )
         device = base.out_full_loc.device
         ext = [s - p for p, s in zip(base.prefix_lens, base.seq_lens, strict=True)]
         batch.attn_metadata = FlashMetadata(
             base=base,
-            cu_seqlens_q=torch.tensor(base.extend_starts, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(base.extend_starts, dtype=torch.int32).to(device),
             max_seqlen_q=max(ext, default=0),
             full=self._kv_args(base, swa=False),
             swa=None if base.swa is None else self._kv_args(base, swa=True),
@@ -192,15 +194,19 @@ class FlashAttentionBackend(AttentionBackend):
     def _kv_args(self, base: AttentionMetadata, *, swa: bool) -> FlashKVArgs:
         reads = base.swa if swa else base.full
         assert reads is not None
-        device = reads.kv_slots.device
-        cu_seqlens_k = torch.tensor(reads.kv_indptr, dtype=torch.int32, device=device)  # [B+1]
+        device = reads.table.device
+        cu_seqlens_k = torch.tensor(reads.kv_indptr, dtype=torch.int32).to(device)  # [B+1]
         paged = None
         if self.paged:
             table, seqused = reads.page_table(self.page_size)
             cu_paged = F.pad(torch.cumsum(seqused, 0, dtype=torch.int32), (1, 0))  # [B+1] int32
-            max_paged = int(seqused.max()) if seqused.numel() else 0
+            p = self.page_size
+            max_paged = max(
+                (s % p + n for s, n in zip(reads.kv_start_pos, reads.kv_lens, strict=True)),
+                default=0,
+            )
             paged = PagedKVArgs(table, seqused, cu_paged, max_paged)
-        return FlashKVArgs(cu_seqlens_k, max(reads.kv_lens, default=0), paged)
+        return FlashKVArgs(reads.flat_slots(), cu_seqlens_k, max(reads.kv_lens, default=0), paged)
 
     def forward(
         self,
@@ -218,11 +224,11 @@ class FlashAttentionBackend(AttentionBackend):
                 "init_forward_metadata(batch) once per step before the layers run"
             )
         check_shapes(q, k, v, layer, sinks)
-        reads = meta.base.reads(layer)
+        meta.base.reads(layer)  # raises if the layer does not match the batch
         kv = meta.swa if layer.is_swa else meta.full
         assert kv is not None  # reads() raised otherwise
-        meta.base.write_kv(self.memory.kv_pool, layer.layer_id, k, v)
-        k_buf, v_buf = self.memory.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+        meta.base.write_kv(self.kv_pool, layer.layer_id, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
         if self._kernel is None:
             self._kernel = load_flash_kernel()
         window = (-1, -1) if layer.sliding_window_size is None else (layer.sliding_window_size, 0)
@@ -240,7 +246,7 @@ class FlashAttentionBackend(AttentionBackend):
                 paged.block_table,
             )
         else:
-            keys, values = k_buf[reads.kv_slots], v_buf[reads.kv_slots]  # [N, Hkv, Dk|Dv]
+            keys, values = k_buf[kv.slots], v_buf[kv.slots]  # [N, Hkv, Dk|Dv]
             q, keys, values = _same_head_dim(q, keys, values)
             cu_k, max_k, seqused, table = kv.cu_seqlens_k, kv.max_seqlen_k, None, None
         out, lse = self._kernel(
@@ -272,6 +278,5 @@ def _same_head_dim(
     return q, k, v
 
 
-def _kv_dtype(memory: KVMemory) -> torch.dtype:
-    pool = memory.kv_pool
+def _kv_dtype(pool: SWAKVPool | KVPool) -> torch.dtype:
     return pool.full_pool.dtype if isinstance(pool, SWAKVPool) else pool.dtype

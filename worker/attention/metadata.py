@@ -1,14 +1,15 @@
-"""Per-batch attention metadata: what each layer kind reads, translated once per batch.
+"""Per-batch attention metadata: what each layer kind reads, built once per batch.
 
-For request i, with new tokens at positions `[prefix_i, seq_i)`:
+For request i, with new tokens at positions `[prefix_i, seq_i)` and slot-table row `row_i`:
 
-    # full layers read positions [0, seq_i)            full slot ids (full pool)
+    # full layers read positions [0, seq_i)            full ids:  slot_table.full[row_i]
     # SWA layers read positions  [kv_start_i, seq_i)   kv_start_i = max(0, prefix_i - W)
-    #   two pools:   SWA slot ids = translate(full slot ids), once per batch, window only
-    #   single pool: full slot ids of the same range (the window mask still applies)
+    #   two pools:   SWA ids:  slot_table.swa[row_i] (translated by rank 0), window only
+    #   single pool: full ids of the same range (the window mask still applies)
 
 Key j of a request's read range sits at position `kv_start_i + j`; new token r of the request at
-position `prefix_i + r`. Everything here is built once per step and shared by all layers of a kind.
+position `prefix_i + r`. Everything is planned from host ints (the batch's CPU lengths) and
+gathered on the device, so building it never reads a device value back.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
-from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
-from swaserve.worker.kv.memory import KVMemory
 
 
 class MissingSWAKV(RuntimeError):
@@ -39,15 +38,23 @@ class KVReads:
     swa_pool: bool
     kv_start_pos: list[int]  # [B] position of each request's first key read
     kv_lens: list[int]  # [B] keys read: seq_i - kv_start_i
-    kv_indptr: list[int]  # [B+1] request i's rows are kv_slots[kv_indptr[i]:kv_indptr[i+1]]
-    kv_slots: torch.Tensor  # [sum kv_lens] int64 pool rows
+    kv_indptr: list[
+        int
+    ]  # [B+1] request i's keys are rows kv_indptr[i]:kv_indptr[i+1] of flat_slots()
+    table: torch.Tensor  # [R, L] slot table these reads index (device)
+    rows: list[int]  # [B] each request's table row
     decode_slots: (
         torch.Tensor
     )  # [Bd, Lmax] int64 rows of one-token requests, padded (_decode_table)
     decode_bias: torch.Tensor  # [Bd, Lmax] float32: 0 on a key, -inf on padding
 
     def request_slots(self, i: int) -> torch.Tensor:
-        return self.kv_slots[self.kv_indptr[i] : self.kv_indptr[i + 1]]  # [kv_lens[i]] int64
+        start = self.kv_start_pos[i]
+        return self.table[self.rows[i], start : start + self.kv_lens[i]].to(torch.int64)
+
+    def flat_slots(self) -> torch.Tensor:  # [sum kv_lens] int64 (device)
+        """Every request's read rows, concatenated in batch order (gathered on the device)."""
+        return _gather_ranges(self.table, self.rows, self.kv_start_pos, self.kv_lens)
 
     def page_table(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block table and key counts for paged kernels (flash-attn's `block_table`).
@@ -55,31 +62,33 @@ class KVReads:
         Request i's table starts at the page holding its first key, so it covers positions
         `[floor_P(kv_start_i), seq_i)`. The extra leading keys (SWA reads only; full reads start
         at 0) are live — SWA KV is freed in whole pages — and lie before every query's window,
-        so the kernel's bottom-right-aligned window mask hides them. Returns `block_table` [B, max_pages] int32
-        (padded with page 0) and `seqused_k` [B] int32 = seq_i - floor_P(kv_start_i).
+        so the kernel's bottom-right-aligned window mask hides them. Returns `block_table`
+        [B, max_pages] int32 (padded with page 0) and `seqused_k` [B] int32 = seq_i -
+        floor_P(kv_start_i).
         """
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        device = self.kv_slots.device
-        starts = torch.tensor(self.kv_start_pos, dtype=torch.int64)  # [B] int64
-        lens = torch.tensor(self.kv_lens, dtype=torch.int64)  # [B] int64
-        indptr = torch.tensor(self.kv_indptr[:-1], dtype=torch.int64)  # [B] int64
-        lead = starts % page_size  # keys of the first page before kv_start
-        seqused = lead + lens  # [B] int64
-        num_pages = -(-seqused // page_size)  # [B] int64
-        max_pages = int(num_pages.max()) if num_pages.numel() else 0
-        page = torch.arange(max_pages, dtype=torch.int64)  # [max_pages] int64
-        # Key offset (in the read range) of the first key of page k: page k starts at position
-        # floor_P(kv_start) + k P, i.e. offset k P - lead; page 0 is found through its first key.
-        offset = (page[None, :] * page_size - lead[:, None]).clamp(min=0)  # [B, max_pages]
-        valid = page[None, :] < num_pages[:, None]  # [B, max_pages] bool
-        rows = torch.where(valid, indptr[:, None] + offset, 0).to(device)  # [B, max_pages] int64
-        if self.kv_slots.numel():
-            table = torch.div(self.kv_slots[rows], page_size, rounding_mode="floor")
-            table = torch.where(valid.to(device), table, 0)
+        device = self.table.device
+        first = [s // page_size * page_size for s in self.kv_start_pos]  # [B] page-floored start
+        seqused = [
+            s - f + n for s, f, n in zip(self.kv_start_pos, first, self.kv_lens, strict=True)
+        ]
+        num_pages = [-(-u // page_size) for u in seqused]
+        max_pages = max(num_pages, default=0)
+        b = len(first)
+        page = torch.arange(max_pages, device=device)  # [max_pages] int64
+        first_t = torch.tensor(first, dtype=torch.int64).to(device)  # [B] int64
+        pages_t = torch.tensor(num_pages, dtype=torch.int64).to(device)  # [B] int64
+        rows_t = torch.tensor(self.rows, dtype=torch.int64).to(device)  # [B] int64
+        valid = page[None, :] < pages_t[:, None]  # [B, max_pages] bool
+        pos = torch.where(valid, first_t[:, None] + page[None, :] * page_size, 0)  # [B, max_pages]
+        if b and max_pages:
+            slots = self.table[rows_t[:, None].expand(b, max_pages), pos].to(torch.int64)
+            table = torch.where(valid, torch.div(slots, page_size, rounding_mode="floor"), 0)
         else:
-            table = torch.zeros(rows.shape, dtype=torch.int64, device=device)
-        return table.to(torch.int32), seqused.to(device=device, dtype=torch.int32)
+            table = torch.zeros(b, max_pages, dtype=torch.int64, device=device)
+        seqused_t = torch.tensor(seqused, dtype=torch.int32).to(device)  # [B] int32
+        return table.to(torch.int32), seqused_t
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,51 +132,56 @@ class AttentionMetadata:
         """Store the new tokens' K/V of one layer: full slots for full layers and for every layer
         of a single pool, the batch's translated SWA slots for SWA layers of two pools."""
         if isinstance(kv_pool, SWAKVPool):
+            if self.out_swa_loc is None:
+                raise ValueError("a two-pool KV memory needs the batch's SWA slots (out_swa_loc)")
             kv_pool.set_kv_buffer(layer_id, self.out_full_loc, self.out_swa_loc, k, v)
         else:
             kv_pool.set_kv_buffer(layer_id, self.out_full_loc, k, v)
 
 
 def build_attention_metadata(
-    batch: ForwardBatch, memory: KVMemory, sliding_window_size: int | None
+    batch: ForwardBatch,
+    sliding_window_size: int | None,
+    *,
+    two_pools: bool,
+    check_swa_reads: bool | None = None,
 ) -> AttentionMetadata:
-    """Turn the batch's full slot ids into each layer kind's reads (see the module docstring).
+    """Turn the batch's slot-table rows into each layer kind's reads (see the module docstring).
 
-    `sliding_window_size` is the model's W (None for a model without SWA layers). Raises
-    `MissingSWAKV` when a position an SWA window needs has no SWA slot, and `ValueError` for a
-    batch that does not fit the memory (slot lists shorter than seq_lens, W missing).
+    `sliding_window_size` is the model's W (None for a model without SWA layers); `two_pools`
+    says whether SWA layers read the SWA table. `check_swa_reads` (default: on CPU, where it costs
+    no device sync) raises `MissingSWAKV` when a position an SWA window needs has no SWA slot.
     """
     if sliding_window_size is not None and sliding_window_size < 0:
         raise ValueError(f"sliding_window_size must be >= 0, got {sliding_window_size}")
-    if memory.hybrid and sliding_window_size is None:
+    if two_pools and sliding_window_size is None:
         raise ValueError("a two-pool KV memory serves SWA layers: pass sliding_window_size")
-    prefix = [int(x) for x in batch.prefix_lens.tolist()]
-    seq = [int(x) for x in batch.seq_lens.tolist()]
-    slots = batch.req_token_slots
-    for i, (s, req) in enumerate(zip(seq, slots, strict=True)):
-        if req.numel() < s:
-            raise ValueError(
-                f"request {i}: req_token_slots holds {req.numel()} slots, fewer than seq_len={s}"
-            )
+    table = batch.slot_table
+    if two_pools and table.swa is None:
+        raise ValueError("a two-pool KV memory needs a slot table with SWA ids")
+    prefix = batch.prefix_lens.tolist()
+    seq = batch.seq_lens.tolist()
+    rows = batch.req_rows.tolist()
     extend_starts = [0]
     for p, s in zip(prefix, seq, strict=True):
         extend_starts.append(extend_starts[-1] + s - p)
     decode_ids = [i for i in range(len(seq)) if seq[i] - prefix[i] == 1]
     prefill_ids = [i for i in range(len(seq)) if seq[i] - prefix[i] > 1]
     device = batch.out_full_loc.device
-    decode_rows = torch.tensor(
-        [extend_starts[i] for i in decode_ids], dtype=torch.int64, device=device
+    decode_rows = torch.tensor([extend_starts[i] for i in decode_ids], dtype=torch.int64).to(
+        device
     )  # [Bd] int64
 
-    full = _reads(slots, [0] * len(seq), seq, decode_ids, None, None, device)
+    full = _reads(table.full, rows, [0] * len(seq), seq, decode_ids, None, False)
     swa = None
-    out_swa_loc = None
     if sliding_window_size is not None:
         starts = [max(0, p - sliding_window_size) for p in prefix]
-        allocator = memory.allocator if isinstance(memory.allocator, SWATokenAllocator) else None
-        swa = _reads(slots, starts, seq, decode_ids, sliding_window_size, allocator, device)
-        if allocator is not None:
-            out_swa_loc = allocator.translate(batch.out_full_loc).to(device)  # [T] int64
+        swa_table = table.swa if two_pools and table.swa is not None else table.full
+        swa = _reads(swa_table, rows, starts, seq, decode_ids, sliding_window_size, two_pools)
+        if check_swa_reads is None:
+            check_swa_reads = device.type == "cpu"
+        if two_pools and check_swa_reads:
+            _check_swa_present(swa, table.full)
     return AttentionMetadata(
         prefix_lens=prefix,
         seq_lens=seq,
@@ -176,81 +190,94 @@ def build_attention_metadata(
         prefill_ids=prefill_ids,
         decode_rows=decode_rows,
         out_full_loc=batch.out_full_loc,
-        out_swa_loc=out_swa_loc,
+        out_swa_loc=batch.out_swa_loc if two_pools else None,
         full=full,
         swa=swa,
     )
 
 
 def _reads(
-    slots: list[torch.Tensor],
+    table: torch.Tensor,
+    rows: list[int],
     starts: list[int],
     seq: list[int],
     decode_ids: list[int],
     window: int | None,
-    allocator: SWATokenAllocator | None,
-    device: torch.device,
+    swa_pool: bool,
 ) -> KVReads:
-    """Rows of positions `[starts[i], seq[i))` of each request; translated to SWA slots (and
-    checked for freed SWA KV) when `allocator` is given."""
     lens = [s - a for a, s in zip(starts, seq, strict=True)]
     indptr = [0]
     for n in lens:
         indptr.append(indptr[-1] + n)
-    parts = [req[a:s] for req, a, s in zip(slots, starts, seq, strict=True)]
-    kv_slots = (
-        torch.cat(parts).to(device=device, dtype=torch.int64)
-        if parts
-        else torch.empty(0, dtype=torch.int64, device=device)
-    )  # [sum lens] int64
-    if allocator is not None:
-        full_slots = kv_slots
-        kv_slots = allocator.translate(full_slots).to(device)  # [sum lens] int64
-        _check_swa_present(kv_slots, full_slots, starts, indptr, window)
-    decode_slots, decode_bias = _decode_table(kv_slots, indptr, lens, decode_ids)
-    return KVReads(
-        window, allocator is not None, starts, lens, indptr, kv_slots, decode_slots, decode_bias
-    )
+    decode_slots, decode_bias = _decode_table(table, rows, starts, lens, decode_ids)
+    return KVReads(window, swa_pool, starts, lens, indptr, table, rows, decode_slots, decode_bias)
 
 
-def _check_swa_present(
-    swa_slots: torch.Tensor,
-    full_slots: torch.Tensor,
-    starts: list[int],
-    indptr: list[int],
-    window: int | None,
-) -> None:
+def _gather_ranges(
+    table: torch.Tensor, rows: list[int], starts: list[int], lens: list[int]
+) -> torch.Tensor:  # [sum lens] int64 (device)
+    """`cat(table[rows[i], starts[i]:starts[i] + lens[i]])`, as one gather on the device."""
+    device = table.device
+    total = sum(lens)
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int64).to(device)  # [B] int64
+    rows_t = torch.tensor(rows, dtype=torch.int64).to(device)  # [B] int64
+    base = torch.tensor(
+        [s - o for s, o in zip(starts, _offsets(lens), strict=True)], dtype=torch.int64
+    ).to(device)  # [B] int64: position of key j of request i is base_i + flat index j
+    req = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
+    pos = base[req] + torch.arange(total, device=device)  # [total] int64
+    return table[rows_t[req], pos].to(torch.int64)
+
+
+def _offsets(lens: list[int]) -> list[int]:
+    out, acc = [], 0
+    for n in lens:
+        out.append(acc)
+        acc += n
+    return out
+
+
+def _check_swa_present(reads: KVReads, full_table: torch.Tensor) -> None:
+    swa_slots = reads.flat_slots()
     missing = swa_slots <= 0
     if not bool(missing.any()):
         return
     j = int(torch.nonzero(missing)[0])
+    indptr, starts = reads.kv_indptr, reads.kv_start_pos
     i = next(r for r in range(len(starts)) if j < indptr[r + 1])
     pos = starts[i] + j - indptr[i]
     end = starts[i] + indptr[i + 1] - indptr[i]
+    full_slot = int(full_table[reads.rows[i], pos])
     raise MissingSWAKV(
-        f"request {i}: the SWA window [{starts[i]}, {end}) (W={window}) needs position {pos} "
-        f"(full slot {int(full_slots[j])}), whose SWA KV was already freed (full_to_swa = 0)"
+        f"request {i}: the SWA window [{starts[i]}, {end}) (W={reads.sliding_window_size}) needs "
+        f"position {pos} (full slot {full_slot}), whose SWA KV was already freed (full_to_swa = 0)"
     )
 
 
 def _decode_table(
-    kv_slots: torch.Tensor, indptr: list[int], lens: list[int], decode_ids: list[int]
+    table: torch.Tensor, rows: list[int], starts: list[int], lens: list[int], decode_ids: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the one-token requests as a padded [Bd, Lmax] table.
+    """Rows of the one-token requests as a padded [Bd, Lmax] table, gathered on the device.
 
     Padding repeats the request's newest row (the token just written, always live), so a padded
     read never touches a freed or garbage row; its score is masked by the -inf bias.
     """
-    device = kv_slots.device
+    device = table.device
     if not decode_ids:
         return (
             torch.zeros(0, 0, dtype=torch.int64, device=device),  # [0, 0] int64
             torch.zeros(0, 0, dtype=torch.float32, device=device),  # [0, 0] float32
         )
-    n = torch.tensor([lens[i] for i in decode_ids], dtype=torch.int64)  # [Bd] int64
-    first = torch.tensor([indptr[i] for i in decode_ids], dtype=torch.int64)  # [Bd] int64
-    col = torch.arange(int(n.max()), dtype=torch.int64)  # [Lmax] int64
-    rows = first[:, None] + torch.minimum(col[None, :], n[:, None] - 1)  # [Bd, Lmax] int64
-    bias = torch.zeros(rows.shape, dtype=torch.float32)  # [Bd, Lmax] float32
+    width = max(lens[i] for i in decode_ids)
+    meta = torch.tensor([[rows[i], starts[i], lens[i]] for i in decode_ids], dtype=torch.int64).to(
+        device
+    )  # [Bd, 3] int64: row, first position, keys
+    row, first, n = meta[:, 0], meta[:, 1], meta[:, 2]
+    col = torch.arange(width, dtype=torch.int64, device=device)  # [Lmax] int64
+    pos = first[:, None] + torch.minimum(col[None, :], n[:, None] - 1)  # [Bd, Lmax] int64
+    slots = table[row[:, None].expand_as(pos), pos].to(torch.int64)  # [Bd, Lmax] int64
+    bias = torch.zeros(pos.shape, dtype=torch.float32, device=device)  # [Bd, Lmax] float32
     bias.masked_fill_(col[None, :] >= n[:, None], float("-inf"))
-    return kv_slots[rows.to(device)], bias.to(device)
+    return slots, bias

@@ -17,7 +17,7 @@ from swaserve.worker.attention.metadata import (
     build_attention_metadata,
 )
 from swaserve.worker.attention.sdpa import attention
-from swaserve.worker.kv.memory import KVMemory
+from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 QUERY_TILE_TOKENS = 128
 """Prefill queries per attention call: a tile reads only the keys it can see (up to its last
@@ -31,18 +31,20 @@ kernel, the score matrix): long contexts get smaller query tiles, big decode bat
 class TorchAttentionBackend(AttentionBackend):
     """Attention in plain torch over the worker's KV memory (one pool or two).
 
-    `sliding_window_size` is the model's W (None when it has no SWA layers); every SWA layer
-    must use it.
+    `kv_pool` is this rank's KV buffers (one pool or two); `sliding_window_size` is the model's W
+    (None when it has no SWA layers); every SWA layer must use it.
     """
 
     name = "torch"
 
-    def __init__(self, memory: KVMemory, sliding_window_size: int | None = None) -> None:
-        self.memory = memory
+    def __init__(self, kv_pool: SWAKVPool | KVPool, sliding_window_size: int | None = None) -> None:
+        self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        batch.attn_metadata = build_attention_metadata(batch, self.memory, self.sliding_window_size)
+        batch.attn_metadata = build_attention_metadata(
+            batch, self.sliding_window_size, two_pools=isinstance(self.kv_pool, SWAKVPool)
+        )
 
     def forward(
         self,
@@ -56,8 +58,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta = metadata_of(batch)
         check_shapes(q, k, v, layer, sinks)
         reads = meta.reads(layer)
-        meta.write_kv(self.memory.kv_pool, layer.layer_id, k, v)
-        k_buf, v_buf = self.memory.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+        meta.write_kv(self.kv_pool, layer.layer_id, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
         if len(meta.decode_ids) == q.shape[0]:  # decodes only: rows are already in order
             return self._decode(q, k_buf, v_buf, reads, layer, sinks)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, H, Dv]

@@ -75,8 +75,8 @@ class KVMemoryConfig:
 
 @dataclass(slots=True)
 class KVMemory:
-    """A worker's KV memory. `allocator` is an `SWATokenAllocator` for two pools or a
-    `TokenAllocator` for one; `kv_pool` likewise an `SWAKVPool` or a `KVPool`."""
+    """A worker's KV memory: the plan, rank 0's host allocator (`SWATokenAllocator` for two
+    pools, `TokenAllocator` for one) and one rank's KV buffers (`SWAKVPool` or `KVPool`)."""
 
     plan: PoolPlan
     allocator: SWATokenAllocator | TokenAllocator
@@ -188,6 +188,40 @@ def _plan_from_tokens(shape: LayerShape, config: KVMemoryConfig, single: bool) -
     )
 
 
+def build_kv_allocator(plan: PoolPlan) -> SWATokenAllocator | TokenAllocator:
+    """Rank 0's allocator for `plan`, on the host (allocation, `full_to_swa`, the tree's slots
+    are host state whatever the model's device)."""
+    if plan.single_pool:
+        return TokenAllocator(plan.full_tokens, plan.page_size)
+    return SWATokenAllocator(plan.full_tokens, plan.swa_tokens, plan.page_size)
+
+
+def build_kv_pool(
+    spec: KVModelSpec,
+    plan: PoolPlan,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> SWAKVPool | KVPool:
+    """Every rank's KV buffers for `plan` on `device` (the same slot ids on every rank)."""
+    p = plan.page_size
+    if plan.single_pool:
+        return KVPool(
+            plan.full_tokens, spec.layouts_by_layer(), dtype=dtype, page_size=p, device=device
+        )
+    return SWAKVPool(
+        full_size=plan.full_tokens,
+        swa_size=plan.swa_tokens,
+        full_layer_ids=spec.full_layer_ids,
+        swa_layer_ids=spec.swa_layer_ids,
+        full_layout=spec.full_layout,
+        swa_layout=spec.swa_layout,
+        dtype=dtype,
+        page_size=p,
+        device=device,
+    )
+
+
 def build_kv_memory(
     spec: KVModelSpec,
     config: KVMemoryConfig,
@@ -195,25 +229,10 @@ def build_kv_memory(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> KVMemory:
-    """Plan the pools, then allocate the allocator and the KV buffers on `device`."""
+    """Plan the pools, then build the host allocator and the KV buffers on `device`."""
     plan = plan_kv_memory(spec, config, dtype)
-    p = plan.page_size
-    if plan.single_pool:
-        allocator: SWATokenAllocator | TokenAllocator = TokenAllocator(plan.full_tokens, p, device)
-        kv_pool: SWAKVPool | KVPool = KVPool(
-            plan.full_tokens, spec.layouts_by_layer(), dtype=dtype, page_size=p, device=device
-        )
-    else:
-        allocator = SWATokenAllocator(plan.full_tokens, plan.swa_tokens, p, device)
-        kv_pool = SWAKVPool(
-            full_size=plan.full_tokens,
-            swa_size=plan.swa_tokens,
-            full_layer_ids=spec.full_layer_ids,
-            swa_layer_ids=spec.swa_layer_ids,
-            full_layout=spec.full_layout,
-            swa_layout=spec.swa_layout,
-            dtype=dtype,
-            page_size=p,
-            device=device,
-        )
-    return KVMemory(plan=plan, allocator=allocator, kv_pool=kv_pool)
+    return KVMemory(
+        plan=plan,
+        allocator=build_kv_allocator(plan),
+        kv_pool=build_kv_pool(spec, plan, dtype=dtype, device=device),
+    )

@@ -154,7 +154,7 @@ class PagedLM:
         assert isinstance(self.memory.kv_pool, SWAKVPool)
         self.allocator: SWATokenAllocator = self.memory.allocator
         self.kv_pool: SWAKVPool = self.memory.kv_pool
-        self.model = load_model(model_dir, TorchAttentionBackend(self.memory, self.window))
+        self.model = load_model(model_dir, TorchAttentionBackend(self.memory.kv_pool, self.window))
         self.seqs: dict[str, Sequence] = {}
 
     def add(
@@ -200,7 +200,7 @@ class PagedLM:
             s.slots = torch.cat((s.slots, new_slots[r]))
         prefix_lens = torch.tensor([s.cached for s in seqs])  # [B] int64
         seq_lens = prefix_lens + torch.tensor([extends[r] for r in rids])  # [B] int64
-        batch = ForwardBatch(
+        batch = ForwardBatch.from_slots(
             input_ids=torch.tensor(
                 [
                     t
@@ -218,6 +218,7 @@ class PagedLM:
             seq_lens=seq_lens,
             req_token_slots=[s.slots for s in seqs],
             out_full_loc=torch.cat([new_slots[r] for r in rids]),  # [T] int64
+            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
             logits_positions=logits_positions,
         )
         logits = self.model(batch)  # [N, vocab]

@@ -162,13 +162,14 @@ class Scenario:
         positions = torch.cat(
             [torch.arange(int(p), int(s)) for p, s in zip(prefix_lens, seq_lens, strict=True)]
         )
-        return ForwardBatch(
+        return ForwardBatch.from_slots(
             input_ids=torch.zeros_like(positions),
             positions=positions,
             prefix_lens=prefix_lens,
             seq_lens=seq_lens,
             req_token_slots=[self.requests[r].slots for r in rids],
             out_full_loc=torch.cat([new_slots[r] for r in rids]),
+            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
         )
 
     def run(self, batch: ForwardBatch, rids: list[int]) -> dict[int, dict[int, torch.Tensor]]:

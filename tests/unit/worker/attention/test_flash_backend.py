@@ -84,7 +84,7 @@ def build(
     layers = make_layers(shape, window, "FSS")
     memory = make_memory(layers, window, page_size=page_size, single_pool=single_pool)
     kernel = FakeVarlen()
-    backend = FlashAttentionBackend(memory, window, kernel=kernel)
+    backend = FlashAttentionBackend(memory.kv_pool, window, kernel=kernel)
     sc = Scenario(backend, memory, layers, sinks=True)
     for rid in range(4):
         sc.add_request(rid, 32)
@@ -192,7 +192,7 @@ def test_float32_kv_is_refused_without_an_injected_kernel() -> None:
     layers = make_layers(Shape(), 2, "FS")
     memory = make_memory(layers, 2, page_size=1, single_pool=False)
     with pytest.raises(ValueError, match=r"float16 or bfloat16 KV, the pool holds torch\.float32"):
-        FlashAttentionBackend(memory, 2)
+        FlashAttentionBackend(memory.kv_pool, 2)
 
 
 @pytest.mark.skipif(

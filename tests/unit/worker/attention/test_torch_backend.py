@@ -66,7 +66,9 @@ def build(
 ) -> Scenario:
     layers = make_layers(shape, window, kinds)
     memory = make_memory(layers, window, page_size=page_size, single_pool=single_pool, dtype=dtype)
-    sc = Scenario(TorchAttentionBackend(memory, window), memory, layers, sinks=sinks, dtype=dtype)
+    sc = Scenario(
+        TorchAttentionBackend(memory.kv_pool, window), memory, layers, sinks=sinks, dtype=dtype
+    )
     for rid in range(4):
         sc.add_request(rid, 32)
     return sc
@@ -95,7 +97,7 @@ def test_full_attention_only_model() -> None:
     layers = make_layers(SHAPES["gqa"], None, "FF")
     memory = make_memory(layers, None, page_size=4, single_pool=False)
     assert not memory.hybrid  # no SWA layers: one pool
-    sc = Scenario(TorchAttentionBackend(memory, None), memory, layers, sinks=True)
+    sc = Scenario(TorchAttentionBackend(memory.kv_pool, None), memory, layers, sinks=True)
     for rid in range(4):
         sc.add_request(rid, 32)
     run_and_compare(sc, STEPS, poison=True)

@@ -50,7 +50,7 @@ class RefBackend(AttentionBackend):
         group = layer.num_heads // layer.num_kv_heads
         for i, start in enumerate(batch.attn_metadata):
             pre, seq = int(batch.prefix_lens[i]), int(batch.seq_lens[i])
-            slots = batch.req_token_slots[i]
+            slots = batch.request_slots(i)
             keys = self.k[layer.layer_id][slots].repeat_interleave(group, 1)  # [S, H, Dk]
             values = self.v[layer.layer_id][slots].repeat_interleave(group, 1)  # [S, H, Dv]
             qi = q[start : start + seq - pre]  # [n, H, Dk]
@@ -79,7 +79,7 @@ def prefill_batch(prompts: list[torch.Tensor], logits_positions: str = "all") ->
     for n in lens:
         slots.append(torch.arange(start, start + n))  # [n] int64
         start += n
-    return ForwardBatch(
+    return ForwardBatch.from_slots(
         input_ids=torch.cat(prompts),  # [T] int64
         positions=torch.cat([torch.arange(n) for n in lens]),  # [T] int64
         prefix_lens=torch.zeros(len(lens), dtype=torch.int64),  # [B] int64

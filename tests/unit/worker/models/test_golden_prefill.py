@@ -133,7 +133,7 @@ def test_decode_after_cached_prefix_matches_prefill_logits(tiny) -> None:
     slots = torch.arange(1, n + 1)  # [n] int64, full slot of each position
     steps = [model(prefill_batch([ids[:half]], logits_positions="last"))]
     for pos in range(half, n):
-        batch = ForwardBatch(
+        batch = ForwardBatch.from_slots(
             input_ids=ids[pos : pos + 1],
             positions=torch.tensor([pos]),
             prefix_lens=torch.tensor([pos]),

@@ -1,0 +1,270 @@
+"""KVCacheManager: the typed boundary between the scheduler (policy) and rank 0's KV bookkeeping
+(memory): the allocator and its `full_to_swa` mapping, the radix prefix cache, and the host
+request → slot table.
+
+The scheduler asks for room and gets a typed answer (`PrefixHit`, a slot tensor, or None); it
+never edits a request's slots or the tree itself. Every slot a request holds lives in its row of
+the host `RequestSlotTable`:
+
+    # [0, swa.cache_protected_len)          owned by the prefix cache (locked by req.lock)
+    # [cache_protected_len, num_computed)   owned by the request
+
+Ranges whose slots change outside a step's new tokens (a matched prefix at admission, slots the
+tree deduplicated on insert) are queued as `SlotWrites` for the device tables; `take_writes()`
+hands them to the next `ModelInput`, translated to SWA ids there and then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.proto.kv_rules import cdiv, page_floor
+from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
+from swaserve.worker.kv.radix_cache import SWARadixCache
+from swaserve.worker.kv.radix_node import PrefixLock
+from swaserve.worker.kv.slot_table import RequestSlotTable
+from swaserve.worker.kv.swa_freeing import SWAFreeState, free_swa_out_of_window_slots
+from swaserve.worker.model_input import SlotWrites
+from swaserve.worker.request import Request
+from swaserve.worker.stats import EngineStats
+
+
+def is_hybrid(
+    allocator: SWATokenAllocator | TokenAllocator, sliding_window_size: int | None
+) -> bool:
+    """The one definition of "hybrid": two pools (an SWA allocator) for a model with SWA layers."""
+    return isinstance(allocator, SWATokenAllocator) and sliding_window_size is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Admission's match: `num_tokens` reused; the tokens the lock moved from evictable to
+    protected in each pool (admission takes them off its budgets in the same pass)."""
+
+    num_tokens: int
+    full_newly_protected: int
+    swa_newly_protected: int
+
+
+class KVCacheManager:
+    """Rank 0's KV bookkeeping for running requests (host only; nothing here touches a device)."""
+
+    def __init__(
+        self,
+        allocator: SWATokenAllocator | TokenAllocator,
+        tree: SWARadixCache | None,
+        slot_table: RequestSlotTable,
+        *,
+        page_size: int,
+        sliding_window_size: int | None,
+        stats: EngineStats,
+    ) -> None:
+        self.allocator = allocator
+        self.tree = tree
+        self.slot_table = slot_table
+        self.page_size = page_size
+        self.sliding_window_size = sliding_window_size
+        self.stats = stats
+        self.hybrid = is_hybrid(allocator, sliding_window_size)
+        self._writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, full slots)
+        self._taken: list[tuple[int, int, torch.Tensor]] = []  # the last take_writes()
+
+    # ---- queries -------------------------------------------------------------------------
+    def available_tokens(self) -> tuple[int, int]:
+        """(full, SWA) tokens free or evictable from the prefix cache."""
+        alloc, tree = self.allocator, self.tree
+        full = alloc.full_available_size() + (tree.full_evictable_size() if tree else 0)
+        swa = alloc.swa_available_size() + (tree.swa_evictable_size() if tree else 0)
+        return full, swa
+
+    def owned_slots(self, reqs: list[Request]) -> torch.Tensor:
+        """Full slots held by the requests themselves (not the tree): for `allocator.check`."""
+        parts = [r.slots[r.swa.cache_protected_len :] for r in reqs]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def has_free_row(self) -> bool:
+        return self.slot_table.num_free_rows() > 0
+
+    # ---- admission -----------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> PrefixHit | None:
+        """Give a waiting request a slot-table row and its cached prefix, locked (all but the
+        last prompt token: one token is always computed). None when no row is free."""
+        row = self.slot_table.acquire()
+        if row is None:
+            return None
+        req.attach_row(row, self.slot_table.slots[row])
+        tree = self.tree
+        if tree is None:
+            req.swa = SWAFreeState()
+            return PrefixHit(0, 0, 0)
+        match = tree.match_prefix(req.token_ids[:-1])
+        full_before, swa_before = tree.full_evictable_size(), tree.swa_evictable_size()
+        req.lock = PrefixLock(match.last_node, tree.inc_lock_ref(match.last_node))
+        n = match.indices.numel()
+        self._set_slots(req, 0, match.indices, record=True)
+        req.num_computed = n
+        req.swa = SWAFreeState(cache_protected_len=n)
+        return PrefixHit(
+            n, full_before - tree.full_evictable_size(), swa_before - tree.swa_evictable_size()
+        )
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_extend(self, req: Request, num_tokens: int) -> torch.Tensor | None:
+        """Slots for positions `[num_computed, num_computed + num_tokens)` of `req` (evicting
+        from the prefix cache if needed); None (nothing changed) when the pools are short."""
+        p = self.page_size
+        start = req.num_computed
+        pages = cdiv(start + num_tokens, p) - cdiv(start, p)
+        if not self._make_room(pages * p):
+            return None
+        out = self.allocator.alloc_extend(
+            torch.tensor([start]), torch.tensor([start + num_tokens]), torch.tensor([req.last_loc])
+        )
+        if out is not None:
+            self._set_slots(req, start, out, record=False)
+        return out
+
+    def allocate_decodes(self, reqs: list[Request]) -> torch.Tensor | None:
+        """One slot per decoding request, at position `num_computed` ([B] int64), or None."""
+        p = self.page_size
+        seq = [r.num_computed for r in reqs]
+        new_pages = sum(1 for s in seq if s % p == 0)
+        if not self._make_room(new_pages * p):
+            return None
+        rows = torch.tensor([r.row for r in reqs])  # [B] int64
+        pos = torch.tensor(seq)  # [B] int64
+        table = self.slot_table.slots
+        out = self.allocator.alloc_decode(pos + 1, table[rows, pos - 1])
+        if out is None:
+            return None
+        table[rows, pos] = out
+        for r, s in zip(reqs, seq, strict=True):
+            r.num_slots = s + 1
+        return out
+
+    def _make_room(self, num_tokens: int) -> bool:
+        """Evict from the prefix cache until both pools (the SWA one only when hybrid) have
+        `num_tokens` free; False if they cannot."""
+        alloc = self.allocator
+        swa_tokens = num_tokens if self.hybrid else 0
+        full_short = num_tokens - alloc.full_available_size()
+        swa_short = swa_tokens - alloc.swa_available_size()
+        if (full_short > 0 or swa_short > 0) and self.tree is not None:
+            self.tree.evict(max(0, full_short), max(0, swa_short))
+        return (
+            alloc.full_available_size() >= num_tokens and alloc.swa_available_size() >= swa_tokens
+        )
+
+    # ---- out-of-window SWA ---------------------------------------------------------------
+    def free_out_of_window(self, req: Request, interval: int) -> None:
+        """Free `req`'s out-of-window SWA slots (when at least `interval` are due) and release
+        the tree's SWA lock once the window has moved past the cached prefix."""
+        w = self.sliding_window_size
+        if not self.hybrid or w is None or req.num_computed == 0:
+            return
+        assert isinstance(self.allocator, SWATokenAllocator)
+        self.stats.swa_freed_tokens += free_swa_out_of_window_slots(
+            self.allocator,
+            req.swa,
+            req.slots,
+            req.num_computed,
+            sliding_window_size=w,
+            radix_cache=self.tree is not None,
+            min_free_tokens=interval,
+        )
+        lock = req.lock
+        if (
+            self.tree is not None
+            and lock is not None
+            and not lock.swa_released
+            and req.num_computed - w >= req.swa.cache_protected_len
+        ):
+            self.tree.release_request_swa(lock)
+
+    # ---- caching and release -------------------------------------------------------------
+    def cache_unfinished(self, req: Request) -> None:
+        """Insert the computed tokens of a running request into the tree (after a prefill
+        chunk, and when its prefill ends) and move its lock to the new end; slots the tree
+        deduplicated are re-addressed in the request's row."""
+        done = req.num_computed
+        before = req.swa.cache_protected_len
+        if self.tree is None or req.lock is None or page_floor(done, self.page_size) <= before:
+            return  # nothing new fills a page
+        slots, req.lock = self.tree.cache_unfinished_request(
+            req.token_ids[:done], req.slots[:done], req.lock, req.swa
+        )
+        old, new = req.slots[before:done], slots[before:done]
+        changed = torch.nonzero(old != new).flatten()  # [k] int64: positions the tree re-addressed
+        req.row_slots[before:done] = new
+        if changed.numel():
+            a, b = before + int(changed[0]), before + int(changed[-1]) + 1
+            self._writes.append((req.row, a, new[a - before : b - before].clone()))
+
+    def cache_finished(self, req: Request) -> None:
+        """Hand a finished request's KV to the tree (or free it without one); frees its row."""
+        done = req.num_computed
+        if self.tree is not None and req.lock is not None:
+            self.tree.cache_finished_request(
+                req.token_ids[:done], req.slots[:done], req.lock, req.swa
+            )
+        else:
+            self.allocator.free(req.slots[:done])
+        self._detach(req)
+
+    def release(self, req: Request) -> None:
+        """Give back a request's own slots (also those allocated for a step that did not
+        complete), its cache lock and its row, without caching anything."""
+        own = req.slots[req.swa.cache_protected_len :]
+        if own.numel():
+            self.allocator.free(own)
+        if self.tree is not None and req.lock is not None:
+            self.tree.dec_lock_ref(req.lock.node, req.lock.handle, skip_swa=req.lock.swa_released)
+        self._detach(req)
+
+    def _detach(self, req: Request) -> None:
+        if req.row >= 0:
+            row = req.row
+            self._writes = [w for w in self._writes if w[0] != row]
+            self.slot_table.release(row)
+        req.reset_kv()
+
+    # ---- device-table writes -------------------------------------------------------------
+    def _set_slots(self, req: Request, start: int, slots: torch.Tensor, *, record: bool) -> None:
+        end = start + slots.numel()
+        req.row_slots[start:end] = slots
+        req.num_slots = end
+        if record and slots.numel():
+            self._writes.append((req.row, start, slots.to(torch.int64).clone()))
+
+    def take_writes(self) -> SlotWrites:
+        """The queued slot-table writes (translated to SWA ids now), emptying the queue."""
+        if not self._writes:
+            self._taken = []
+            return SlotWrites.empty(self.hybrid)
+        writes, self._writes = self._writes, []
+        self._taken = writes
+        rows = torch.cat(
+            [torch.full((s.numel(),), row, dtype=torch.int64) for row, _, s in writes]
+        )  # [N] int64
+        positions = torch.cat(
+            [torch.arange(start, start + s.numel()) for _, start, s in writes]
+        )  # [N] int64
+        full = torch.cat([s for _, _, s in writes])  # [N] int64
+        return SlotWrites(rows, positions, full, self.translate(full) if self.hybrid else None)
+
+    def requeue_writes(self, keep_rows: set[int]) -> None:
+        """Put back the last taken writes of `keep_rows` (a step failed, so they may not have
+        reached the device; writing them twice is harmless)."""
+        kept = [w for w in self._taken if w[0] in keep_rows]
+        self._writes = kept + self._writes
+        self._taken = []
+
+    def translate(self, full_idx: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.allocator, SWATokenAllocator)
+        return self.allocator.translate(full_idx)
+
+    def check(self, running: list[Request]) -> None:
+        """Raise if a slot-table row is lost, doubly used, or held by a request not running."""
+        self.slot_table.check([r.row for r in running if r.row >= 0])

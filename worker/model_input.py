@@ -1,0 +1,129 @@
+"""`ModelInput`: everything one forward needs, as plain CPU tensors and ints.
+
+Rank 0 builds it from the scheduled batch (`build_model_input`); the model runner of every TP
+rank consumes only this (no `Request`, no allocator, no tree), so it can be pickled or broadcast
+as it is. Per request i of the batch, new tokens sit at positions `[prefix_lens[i], seq_lens[i])`:
+
+    # full layers read positions  [0, seq_i)                       device table row req_rows[i]
+    # SWA layers read positions   [max(0, prefix_i - W), seq_i)    the same row of the SWA table
+    # the step writes             [prefix_i, seq_i)                out_full_loc / out_swa_loc
+
+Before the forward, the device slot tables get `writes` (positions rank 0 re-addressed: a matched
+prefix at admission, slots the radix tree deduplicated) and then the new tokens' slots. SWA ids
+are translated from full ids here, once per batch, on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SlotWrites:
+    """Slot-table entries to set before a step: `table[rows[j], positions[j]] = full[j]`."""
+
+    rows: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    full: torch.Tensor  # [N] int64 full slot ids
+    swa: torch.Tensor | None  # [N] int64 SWA slot ids (two pools), else None
+
+    @staticmethod
+    def empty(two_pools: bool) -> SlotWrites:
+        none = torch.empty(0, dtype=torch.int64)  # [0] int64
+        return SlotWrites(none, none, none, none if two_pools else None)
+
+    @property
+    def num_writes(self) -> int:
+        return self.rows.numel()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One step of the model (see the module docstring). All tensors are CPU int64."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_rows: torch.Tensor  # [B] int64 slot-table row of each request
+    prefix_lens: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+    out_full_loc: torch.Tensor  # [T] int64 full slots of the new tokens
+    out_swa_loc: torch.Tensor | None  # [T] int64 their SWA slots (two pools), else None
+    writes: SlotWrites
+    logits_indices: torch.Tensor  # [N] int64 token rows whose logits are wanted (sampling rows)
+    sliding_window_size: int | None  # W of the SWA layers; None: the model has none
+
+    def __post_init__(self) -> None:
+        b, t = self.req_rows.numel(), self.input_ids.numel()
+        if self.prefix_lens.numel() != b or self.seq_lens.numel() != b:
+            raise ValueError("req_rows, prefix_lens and seq_lens need one entry per request")
+        if self.positions.numel() != t or self.out_full_loc.numel() != t:
+            raise ValueError("input_ids, positions and out_full_loc need one entry per new token")
+        if self.out_swa_loc is not None and self.out_swa_loc.numel() != t:
+            raise ValueError("out_swa_loc needs one entry per new token")
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_rows.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def host_to_device_bytes(self) -> int:
+        """Bytes this step copies to the device: O(new tokens + batch + re-addressed slots)."""
+        tensors = [
+            self.input_ids,
+            self.positions,
+            self.req_rows,
+            self.prefix_lens,
+            self.seq_lens,
+            self.out_full_loc,
+            self.out_swa_loc,
+            self.writes.rows,
+            self.writes.positions,
+            self.writes.full,
+            self.writes.swa,
+            self.logits_indices,
+        ]
+        return sum(x.numel() * x.element_size() for x in tensors if x is not None)
+
+
+def build_model_input(
+    *,
+    token_ids: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    req_rows: list[int],
+    samples: list[bool],
+    out_full_loc: torch.Tensor,
+    writes: SlotWrites,
+    translate: Callable[[torch.Tensor], torch.Tensor] | None,
+    sliding_window_size: int | None,
+) -> ModelInput:
+    """Rank 0: one step's `ModelInput` from the scheduled batch, in a handful of batched ops.
+
+    `token_ids` are the new tokens of all requests in batch order; `translate` maps full → SWA
+    ids (two pools) or is None (one pool); `samples[i]`: request i samples a token this step.
+    """
+    prefix = torch.tensor(prefix_lens, dtype=torch.int64)  # [B] int64
+    extend = torch.tensor(extend_lens, dtype=torch.int64)  # [B] int64
+    num_tokens = len(token_ids)
+    ends = torch.cumsum(extend, 0)  # [B] int64
+    positions = torch.repeat_interleave(
+        prefix - (ends - extend), extend, output_size=num_tokens
+    ) + torch.arange(num_tokens)  # [T] int64
+    return ModelInput(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64),  # [T] int64
+        positions=positions,
+        req_rows=torch.tensor(req_rows, dtype=torch.int64),  # [B] int64
+        prefix_lens=prefix,
+        seq_lens=prefix + extend,
+        out_full_loc=out_full_loc,
+        out_swa_loc=None if translate is None else translate(out_full_loc),
+        writes=writes,
+        logits_indices=(ends - 1)[torch.tensor(samples, dtype=torch.bool)],  # [N] int64
+        sliding_window_size=sliding_window_size,
+    )
