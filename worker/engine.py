@@ -39,7 +39,7 @@ class RequestError(ValueError):
     """A request the engine can never serve (bad prompt, too long for the pools, bad id)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
     """What one `step()` produced for one request."""
 

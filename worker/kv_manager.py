@@ -164,7 +164,18 @@ class KVCacheManager:
         w = self.sliding_window_size
         if not self.hybrid or w is None or req.num_computed == 0:
             return
-        assert isinstance(self.allocator, SWATokenAllocator)
+        state, lock = req.swa, req.lock
+        self._free_swa(req, interval)
+        # The free boundary never passes num_computed - W, and the SWA lock goes once the
+        # window leaves the cached prefix: nothing is due before the smaller of the two.
+        due = max(state.swa_evicted_seqlen, state.cache_protected_len) + max(interval, 1) + w
+        if self.tree is not None and lock is not None and not lock.swa_released:
+            due = min(due, state.cache_protected_len + w)
+        state.next_check_len = due
+
+    def _free_swa(self, req: Request, interval: int) -> None:
+        w = self.sliding_window_size
+        assert isinstance(self.allocator, SWATokenAllocator) and w is not None
         self.stats.swa_freed_tokens += free_swa_out_of_window_slots(
             self.allocator,
             req.swa,
@@ -195,6 +206,7 @@ class KVCacheManager:
         slots, req.lock = self.tree.cache_unfinished_request(
             req.token_ids[:done], req.slots[:done], req.lock, req.swa
         )
+        req.swa.next_check_len = 0  # a new cached prefix and a new SWA lock
         old, new = req.slots[before:done], slots[before:done]
         changed = torch.nonzero(old != new).flatten()  # [k] int64: positions the tree re-addressed
         req.row_slots[before:done] = new

@@ -92,7 +92,8 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """KV is computed up to the last sampled token: one token per step from here."""
-        return bool(self.output_ids) and self.num_computed == self.seq_len - 1
+        out = self.output_ids
+        return bool(out) and self.num_computed == len(self.prompt_ids) + len(out) - 1
 
     @property
     def pending_tokens(self) -> int:

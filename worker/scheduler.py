@@ -130,7 +130,11 @@ class Scheduler:
         extends: list[int] = []
         locs: list[torch.Tensor] = []
 
-        decodes = self._allocate_decodes()
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            (decoding if r.is_decoding else prefilling).append(r)
+        decodes = self._allocate_decodes(decoding)
         if decodes is not None:
             batch_reqs, out = decodes
             reqs += batch_reqs
@@ -139,7 +143,9 @@ class Scheduler:
 
         num_decodes = len(reqs)
         budget = self.limits.chunked_prefill_size or self.limits.max_prefill_tokens
-        for req in [r for r in self.running if not r.is_decoding]:
+        for req in prefilling:
+            if req not in self.running:  # retracted to make room for the decodes
+                continue
             n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
             if n == 0 or (out := self._allocate_extend(req, n)) is None:
                 continue
@@ -211,16 +217,19 @@ class Scheduler:
             self.tree.reset()
 
     # ---- decode --------------------------------------------------------------------------
-    def _allocate_decodes(self) -> tuple[list[Request], torch.Tensor] | None:
+    def _allocate_decodes(
+        self, decoding: list[Request]
+    ) -> tuple[list[Request], torch.Tensor] | None:
         """One new slot per decoding request, retracting the newest until they fit."""
-        while True:
-            decodes = [r for r in self.running if r.is_decoding][: self.limits.max_running_requests]
-            if not decodes:
-                return None
+        decodes = decoding[: self.limits.max_running_requests]
+        while decodes:
             out = self.kv.allocate_decodes(decodes)
             if out is not None:
                 return decodes, out
-            self._retract(max(self.running, key=lambda r: r.arrival))
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._retract(victim)
+            decodes = [r for r in decodes if r is not victim]
+        return None
 
     def _retract(self, req: Request) -> None:
         self.kv.release(req)
@@ -257,6 +266,8 @@ class Scheduler:
         locs: list[torch.Tensor],
     ) -> None:
         """Move waiting requests to running while both pools and the step budget allow."""
+        if not self.waiting:
+            return
         rem_total, rem_swa = self._remaining_budgets()
         w = self.limits.sliding_window_size or 0
         p = self.limits.page_size
@@ -328,7 +339,8 @@ class Scheduler:
             return
         interval = self.limits.swa_eviction_interval
         for req in self.running:
-            self.kv.free_out_of_window(req, interval if req.is_decoding else 0)
+            if req.num_computed >= req.swa.next_check_len:
+                self.kv.free_out_of_window(req, interval if req.is_decoding else 0)
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params

@@ -159,25 +159,23 @@ def build_attention_metadata(
     table = batch.slot_table
     if two_pools and table.swa is None:
         raise ValueError("a two-pool KV memory needs a slot table with SWA ids")
-    prefix = batch.prefix_lens.tolist()
-    seq = batch.seq_lens.tolist()
-    rows = batch.req_rows.tolist()
-    extend_starts = [0]
-    for p, s in zip(prefix, seq, strict=True):
-        extend_starts.append(extend_starts[-1] + s - p)
-    decode_ids = [i for i in range(len(seq)) if seq[i] - prefix[i] == 1]
-    prefill_ids = [i for i in range(len(seq)) if seq[i] - prefix[i] > 1]
+    prefix_t, seq_t, rows_t = batch.prefix_lens, batch.seq_lens, batch.req_rows  # [B] int64 CPU
+    extend_t = seq_t - prefix_t  # [B] int64
+    is_decode = extend_t == 1  # [B] bool
+    decode_t = torch.nonzero(is_decode).flatten()  # [Bd] int64
+    prefix, seq = prefix_t.tolist(), seq_t.tolist()
+    extend_starts = [0, *torch.cumsum(extend_t, 0).tolist()]
+    decode_ids = decode_t.tolist()
+    prefill_ids = torch.nonzero(~is_decode).flatten().tolist()
     device = batch.out_full_loc.device
-    decode_rows = torch.tensor([extend_starts[i] for i in decode_ids], dtype=torch.int64).to(
-        device
-    )  # [Bd] int64
+    decode_rows = (torch.cumsum(extend_t, 0) - 1)[decode_t].to(device)  # [Bd] int64
 
-    full = _reads(table.full, rows, [0] * len(seq), seq, decode_ids, None, False)
+    full = _reads(table.full, rows_t, torch.zeros_like(seq_t), seq_t, decode_t, None, False)
     swa = None
     if sliding_window_size is not None:
-        starts = [max(0, p - sliding_window_size) for p in prefix]
+        starts_t = (prefix_t - sliding_window_size).clamp(min=0)  # [B] int64
         swa_table = table.swa if two_pools and table.swa is not None else table.full
-        swa = _reads(swa_table, rows, starts, seq, decode_ids, sliding_window_size, two_pools)
+        swa = _reads(swa_table, rows_t, starts_t, seq_t, decode_t, sliding_window_size, two_pools)
         if check_swa_reads is None:
             check_swa_reads = device.type == "cpu"
         if two_pools and check_swa_reads:
@@ -198,19 +196,28 @@ def build_attention_metadata(
 
 def _reads(
     table: torch.Tensor,
-    rows: list[int],
-    starts: list[int],
-    seq: list[int],
-    decode_ids: list[int],
+    rows: torch.Tensor,  # [B] int64 CPU
+    starts: torch.Tensor,  # [B] int64 CPU
+    seq: torch.Tensor,  # [B] int64 CPU
+    decode_ids: torch.Tensor,  # [Bd] int64 CPU
     window: int | None,
     swa_pool: bool,
 ) -> KVReads:
-    lens = [s - a for a, s in zip(starts, seq, strict=True)]
-    indptr = [0]
-    for n in lens:
-        indptr.append(indptr[-1] + n)
-    decode_slots, decode_bias = _decode_table(table, rows, starts, lens, decode_ids)
-    return KVReads(window, swa_pool, starts, lens, indptr, table, rows, decode_slots, decode_bias)
+    lens = seq - starts  # [B] int64
+    decode_slots, decode_bias = _decode_table(
+        table, rows[decode_ids], starts[decode_ids], lens[decode_ids]
+    )
+    return KVReads(
+        window,
+        swa_pool,
+        starts.tolist(),
+        lens.tolist(),
+        [0, *torch.cumsum(lens, 0).tolist()],
+        table,
+        rows.tolist(),
+        decode_slots,
+        decode_bias,
+    )
 
 
 def _gather_ranges(
@@ -221,22 +228,12 @@ def _gather_ranges(
     total = sum(lens)
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
-    lens_t = torch.tensor(lens, dtype=torch.int64).to(device)  # [B] int64
-    rows_t = torch.tensor(rows, dtype=torch.int64).to(device)  # [B] int64
-    base = torch.tensor(
-        [s - o for s, o in zip(starts, _offsets(lens), strict=True)], dtype=torch.int64
-    ).to(device)  # [B] int64: position of key j of request i is base_i + flat index j
-    req = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
-    pos = base[req] + torch.arange(total, device=device)  # [total] int64
-    return table[rows_t[req], pos].to(torch.int64)
-
-
-def _offsets(lens: list[int]) -> list[int]:
-    out, acc = [], 0
-    for n in lens:
-        out.append(acc)
-        acc += n
-    return out
+    meta = torch.tensor([rows, starts, lens], dtype=torch.int64)  # [3, B] int64
+    rows_t, starts_t, lens_t = meta[0], meta[1], meta[2]
+    base = starts_t - (torch.cumsum(lens_t, 0) - lens_t)  # [B] key j of req i: base_i + flat j
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens_t, output_size=total)  # [total]
+    pos = (base[req] + torch.arange(total)).to(device)  # [total] int64
+    return table[rows_t[req].to(device), pos].to(torch.int64)
 
 
 def _check_swa_present(reads: KVReads, full_table: torch.Tensor) -> None:
@@ -257,7 +254,10 @@ def _check_swa_present(reads: KVReads, full_table: torch.Tensor) -> None:
 
 
 def _decode_table(
-    table: torch.Tensor, rows: list[int], starts: list[int], lens: list[int], decode_ids: list[int]
+    table: torch.Tensor,
+    rows: torch.Tensor,  # [Bd] int64 CPU
+    starts: torch.Tensor,  # [Bd] int64 CPU
+    lens: torch.Tensor,  # [Bd] int64 CPU
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the one-token requests as a padded [Bd, Lmax] table, gathered on the device.
 
@@ -265,16 +265,14 @@ def _decode_table(
     read never touches a freed or garbage row; its score is masked by the -inf bias.
     """
     device = table.device
-    if not decode_ids:
+    if rows.numel() == 0:
         return (
             torch.zeros(0, 0, dtype=torch.int64, device=device),  # [0, 0] int64
             torch.zeros(0, 0, dtype=torch.float32, device=device),  # [0, 0] float32
         )
-    width = max(lens[i] for i in decode_ids)
-    meta = torch.tensor([[rows[i], starts[i], lens[i]] for i in decode_ids], dtype=torch.int64).to(
-        device
-    )  # [Bd, 3] int64: row, first position, keys
-    row, first, n = meta[:, 0], meta[:, 1], meta[:, 2]
+    width = int(lens.max())  # host: the lengths are CPU tensors
+    # Build the [Bd, Lmax] indices on the device from [Bd] copies (O(batch) traffic).
+    row, first, n = (x.to(device) for x in (rows, starts, lens))
     col = torch.arange(width, dtype=torch.int64, device=device)  # [Lmax] int64
     pos = first[:, None] + torch.minimum(col[None, :], n[:, None] - 1)  # [Bd, Lmax] int64
     slots = table[row[:, None].expand_as(pos), pos].to(torch.int64)  # [Bd, Lmax] int64

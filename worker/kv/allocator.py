@@ -365,6 +365,8 @@ class SWATokenAllocator:
     def _translate_last_loc(self, last: torch.Tensor, filled_lens: torch.Tensor) -> torch.Tensor:
         last = last.to(self.device)
         swa_last = self.full_to_swa[last]
+        if self.page_size == 1:  # every token starts its own page: nothing continues
+            return swa_last
         continues = (filled_lens.to(self.device) % self.page_size != 0) & (last >= 0)
         if bool((continues & (swa_last <= 0)).any()):
             raise ValueError(
@@ -488,6 +490,8 @@ def _decode_args(
         raise ValueError(f"alloc_decode: {seq.numel()} seq_lens but {last.numel()} last_loc")
     if seq.numel() and int(seq.min()) < 1:
         raise ValueError("alloc_decode: seq_lens count the new token and must be >= 1")
+    if page_size == 1:  # every token starts its own page
+        return seq, last.to(seq.device)
     continues = (seq - 1) % page_size != 0
     if bool((continues & (last < 0)).any()):
         raise ValueError("alloc_decode: a request continuing a page has no last_loc")

@@ -24,10 +24,13 @@ from swaserve.worker.kv.allocator import SWATokenAllocator
 
 @dataclass(slots=True)
 class SWAFreeState:
-    """Per-request SWA bookkeeping: `[cache_protected_len, swa_evicted_seqlen)` is freed."""
+    """Per-request SWA bookkeeping: `[cache_protected_len, swa_evicted_seqlen)` is freed.
+    `next_check_len`: the scheduler skips the request until it has computed this many tokens
+    (nothing can be due before; 0 = check now)."""
 
     swa_evicted_seqlen: int = 0
     cache_protected_len: int = 0
+    next_check_len: int = 0
 
 
 def swa_free_boundary(
