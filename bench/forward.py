@@ -147,7 +147,7 @@ class SwaserveRunner:
             seq_lens=seq,
             req_token_slots=[r.slots[:length] for r in self.requests],
             out_full_loc=out,
-            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
+            allocator=self.memory.allocator if self.memory.two_pools else None,  # type: ignore[arg-type]
             logits_positions="last",
         )
         next_ids = self.model(batch).argmax(-1)  # [B] int64
@@ -170,7 +170,7 @@ class SwaserveRunner:
             seq_lens=cached + 1,
             req_token_slots=[r.slots[: r.cached + 1] for r in reqs],
             out_full_loc=out,
-            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
+            allocator=self.memory.allocator if self.memory.two_pools else None,  # type: ignore[arg-type]
         )
         next_ids = self.model(batch).argmax(-1)  # [B] int64
         for r in reqs:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swaserve.proto.kv_events import KVEventMirror
+from swaserve.proto.kv_rules import cdiv
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Overloaded, RouteDecision, Router, RouterConfig
 from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
@@ -291,7 +292,7 @@ class SimWorker:
 
     def _extend(self, req: SimRequest, computed: int, n: int) -> bool:
         p = self.spec.page_size
-        pages = -(-(computed + n) // p) - -(-computed // p)
+        pages = cdiv(computed + n, p) - cdiv(computed, p)
         full_short = pages * p - self.alloc.full_available_size()
         swa_short = pages * p - self.alloc.swa_available_size()
         if full_short > 0 or swa_short > 0:

@@ -11,7 +11,12 @@ from pathlib import Path
 import torch
 
 from swaserve.proto.kv_events import KVEvent, KVTombstoned
-from swaserve.proto.kv_rules import min_swa_pool_tokens, page_ceil
+from swaserve.proto.kv_rules import (
+    min_swa_pool_tokens,
+    page_ceil,
+    page_floor,
+    swa_tokens_for_extend,
+)
 from swaserve.proto.messages import Headroom
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
@@ -158,8 +163,14 @@ class Engine:
             )
         if chunk is None:
             return None
-        room = (swa_total - self.window - 2 * p) // p * p
-        return max(p, min(chunk, room))
+        return max(p, min(chunk, page_floor(self._max_swa_extend(), p)))
+
+    def _max_swa_extend(self) -> int:
+        """The most tokens one extend (a chunk, or an unchunked prompt) may add: its SWA need
+        (`swa_tokens_for_extend`) plus a page for the decode after it must fit the SWA pool."""
+        assert self.window is not None
+        p = self.page_size
+        return self.plan.swa_tokens - swa_tokens_for_extend(0, self.window, p) - p
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -238,14 +249,14 @@ class Engine:
                 f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV "
                 f"tokens; the full pool holds {full_total}"
             )
-        if self.hybrid and self.scheduler.limits.chunked_prefill_size is None:
-            swa_total = self.plan.swa_tokens
+        unchunked = self.scheduler.limits.chunked_prefill_size is None
+        if self.hybrid and unchunked and n > self._max_swa_extend():
             assert self.window is not None
-            if n + self.window + 2 * self.page_size > swa_total:
-                raise RequestError(
-                    f"a prompt of {n} tokens needs {n + self.window + 2 * self.page_size} SWA tokens "
-                    f"without chunked prefill; the SWA pool holds {swa_total}: enable chunked_prefill_size"
-                )
+            need = swa_tokens_for_extend(n, self.window, self.page_size) + self.page_size
+            raise RequestError(
+                f"a prompt of {n} tokens needs {need} SWA tokens without chunked prefill; "
+                f"the SWA pool holds {self.plan.swa_tokens}: enable chunked_prefill_size"
+            )
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -24,16 +24,45 @@ def run_bench(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) ->
 
 @pytest.mark.slow
 def test_throughput_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--requests", "4", "--max-prompt", "40", "--max-output", "17", "--hidden", "32", "--layers", "2"]
-    data = run_bench("throughput", [*argv, "--window", "8", "--hf-batch", "2", "--kv-mib", "4"], capsys)
+    argv = [
+        "--requests",
+        "4",
+        "--max-prompt",
+        "40",
+        "--max-output",
+        "17",
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+    ]
+    data = run_bench(
+        "throughput", [*argv, "--window", "8", "--hf-batch", "2", "--kv-mib", "4"], capsys
+    )
     assert data["requests"] == 4
     assert data["output_tokens"] > 0
-    assert {"output_ratio", "total_ratio", "swaserve_output_tok_s", "transformers_output_tok_s"} <= set(data)
+    assert {
+        "output_ratio",
+        "total_ratio",
+        "swaserve_output_tok_s",
+        "transformers_output_tok_s",
+    } <= set(data)
 
 
 @pytest.mark.slow
 def test_capacity_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--kv-mib", "1", "--prompt-len", "64", "--new-tokens", "24", "--window", "8", "--interval", "8"]
+    argv = [
+        "--kv-mib",
+        "1",
+        "--prompt-len",
+        "64",
+        "--new-tokens",
+        "24",
+        "--window",
+        "8",
+        "--interval",
+        "8",
+    ]
     data = run_bench("capacity", [*argv, "--chunk", "64"], capsys)
     assert data["hybrid_peak_running"] > data["single_pool_peak_running"] > 0
     assert 0 < data["hybrid_of_bound"] <= 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
@@ -73,7 +74,7 @@ class KVReads:
         seqused = [
             s - f + n for s, f, n in zip(self.kv_start_pos, first, self.kv_lens, strict=True)
         ]
-        num_pages = [-(-u // page_size) for u in seqused]
+        num_pages = [cdiv(u, page_size) for u in seqused]
         max_pages = max(num_pages, default=0)
         b = len(first)
         page = torch.arange(max_pages, device=device)  # [max_pages] int64

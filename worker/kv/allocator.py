@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from swaserve.proto.kv_rules import cdiv, page_ceil
 from swaserve.worker.kv.errors import AllocatorCorrupted, InvalidFree
 
 NO_LAST_LOC = -1
@@ -69,9 +70,6 @@ class TokenAllocator:
 
     def free_page_count(self) -> int:
         return int(self._free_pages.numel()) + self._num_released
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return num_tokens <= self.available_size()
 
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
         """Bool mask: is the page of each slot free? Indices must be in range."""
@@ -448,10 +446,10 @@ def _extend_args(
 def _extend_plan(prefix: list[int], seq: list[int], page_size: int) -> list[_ExtendPart]:
     plan = []
     for p, s in zip(prefix, seq, strict=True):
-        page_end = -(-p // page_size) * page_size  # end of the partly filled page
+        page_end = page_ceil(p, page_size)  # end of the partly filled page
         in_page = min(s, page_end) - p
         new_tokens = s - p - in_page
-        plan.append(_ExtendPart(in_page, new_tokens, -(-new_tokens // page_size)))
+        plan.append(_ExtendPart(in_page, new_tokens, cdiv(new_tokens, page_size)))
     return plan
 
 

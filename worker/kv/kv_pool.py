@@ -84,9 +84,6 @@ class KVPool:
     def get_key_buffer(self, layer: int) -> torch.Tensor:
         return self.k_buffer[layer]
 
-    def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v_buffer[layer]
-
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer], self.v_buffer[layer]
 

@@ -83,7 +83,9 @@ class KVMemory:
     kv_pool: SWAKVPool | KVPool
 
     @property
-    def hybrid(self) -> bool:
+    def two_pools(self) -> bool:
+        """A full and an SWA pool (else one pool). Whether a model runs hybrid is
+        `kv_manager.is_hybrid`: two pools *and* SWA layers."""
         return isinstance(self.allocator, SWATokenAllocator)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swaserve.proto.kv_rules import page_ceil, page_floor
+
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 DEFAULT_SWA_EVICTION_INTERVAL = 128
 AUTO_RATIO_SWA_MARGIN = 1.25
@@ -120,11 +122,7 @@ def _check_budget(kv_cache_bytes: int, page_size: int) -> None:
 
 
 def _floor_page(num_tokens: float, page_size: int) -> int:
-    return int(num_tokens) // page_size * page_size
-
-
-def _ceil_page(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size) * page_size
+    return page_floor(int(num_tokens), page_size)
 
 
 def plan_pools(
@@ -210,8 +208,8 @@ def plan_pools_chunk_capped(
         return _full_only(num_full_layers * full_token_bytes, kv_cache_bytes, page_size)
 
     w, p = sliding_window_size, page_size
-    per_request = _ceil_page(w + swa_eviction_interval + p, p)
-    swa_tokens = _ceil_page(max_running_requests * per_request + chunked_prefill_size + p, p)
+    per_request = page_ceil(w + swa_eviction_interval + p, p)
+    swa_tokens = page_ceil(max_running_requests * per_request + chunked_prefill_size + p, p)
     full_cell = full_token_bytes * num_full_layers
     swa_cell = swa_token_bytes * num_swa_layers
     rest = kv_cache_bytes - swa_tokens * swa_cell
@@ -337,10 +335,10 @@ def requests_that_fit(
     Each takes `ceil_P(seq_len)` full tokens and (hybrid) `ceil_P(W + I + P)` SWA tokens.
     """
     p = plan.page_size
-    by_full = plan.full_tokens // _ceil_page(seq_len, p)
+    by_full = plan.full_tokens // page_ceil(seq_len, p)
     if plan.single_pool:
         return by_full
-    per_request_swa = _ceil_page(min(seq_len, sliding_window_size + swa_eviction_interval + p), p)
+    per_request_swa = page_ceil(min(seq_len, sliding_window_size + swa_eviction_interval + p), p)
     return min(by_full, plan.swa_tokens // per_request_swa)
 
 
@@ -355,7 +353,7 @@ def request_bound(
     """Upper bound on concurrent requests: full KV for all tokens in full layers plus
     `W + I + P` tokens in SWA layers, nothing else."""
     p = page_size
-    full = _ceil_page(seq_len, p) * shape.full_token_bytes * shape.num_full_layers
-    swa_tokens = _ceil_page(min(seq_len, shape.sliding_window_size + swa_eviction_interval + p), p)
+    full = page_ceil(seq_len, p) * shape.full_token_bytes * shape.num_full_layers
+    swa_tokens = page_ceil(min(seq_len, shape.sliding_window_size + swa_eviction_interval + p), p)
     swa = swa_tokens * shape.swa_token_bytes * shape.num_swa_layers
     return kv_cache_bytes // (full + swa)

@@ -62,7 +62,9 @@ class GptOssExperts(nn.Module):
     ) -> torch.Tensor:  # [T, D]
         """Σ over each token's k experts of weight · expert(x): gathered weights for few pairs
         (no host sync), grouped by expert for many (one host read, see `sort_by_expert`)."""
-        if gathers_expert_weights(top_k_index.numel(), self.num_experts, self.expert_elements):
+        if gathers_expert_weights(
+            top_k_index.numel(), self.num_experts, self.expert_elements, x.device
+        ):
             return self.forward_gathered(x, top_k_index, top_k_weights)
         return self.forward_grouped(x, top_k_index, top_k_weights)
 

@@ -218,7 +218,7 @@ class PagedLM:
             seq_lens=seq_lens,
             req_token_slots=[s.slots for s in seqs],
             out_full_loc=torch.cat([new_slots[r] for r in rids]),  # [T] int64
-            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
+            allocator=self.memory.allocator if self.memory.two_pools else None,  # type: ignore[arg-type]
             logits_positions=logits_positions,
         )
         logits = self.model(batch)  # [N, vocab]

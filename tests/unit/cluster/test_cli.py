@@ -13,8 +13,26 @@ def test_generate_prints_one_json_line_per_prompt(
     tiny_model_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=4, hidden_size=32)
-    argv = ["generate", "--model", str(model), "--prompt", "ab", "--prompt", "cd", "--max-new-tokens", "5"]
-    argv += ["--max-total-tokens", "256", "--page-size", "4", "--enable-prefix-cache", "false", "--json"]
+    argv = [
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        "ab",
+        "--prompt",
+        "cd",
+        "--max-new-tokens",
+        "5",
+    ]
+    argv += [
+        "--max-total-tokens",
+        "256",
+        "--page-size",
+        "4",
+        "--enable-prefix-cache",
+        "false",
+        "--json",
+    ]
     assert main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [line["prompt"] for line in lines] == ["ab", "cd"]

@@ -169,7 +169,7 @@ class Scenario:
             seq_lens=seq_lens,
             req_token_slots=[self.requests[r].slots for r in rids],
             out_full_loc=torch.cat([new_slots[r] for r in rids]),
-            allocator=self.memory.allocator if self.memory.hybrid else None,  # type: ignore[arg-type]
+            allocator=self.memory.allocator if self.memory.two_pools else None,  # type: ignore[arg-type]
         )
 
     def run(self, batch: ForwardBatch, rids: list[int]) -> dict[int, dict[int, torch.Tensor]]:

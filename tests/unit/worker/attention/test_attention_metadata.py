@@ -37,7 +37,7 @@ def mixed_batch(sc: Scenario) -> ForwardBatch:
 def test_two_pools_translate_the_window_once_and_full_layers_read_everything() -> None:
     sc = scenario(single_pool=False)
     assert sc.free_out_of_window(2) == 4  # R0's positions [0, 4) → SWA slots 1..4 freed
-    meta = build_attention_metadata(mixed_batch(sc), 2, two_pools=sc.memory.hybrid)
+    meta = build_attention_metadata(mixed_batch(sc), 2, two_pools=sc.memory.two_pools)
 
     assert (meta.prefix_lens, meta.seq_lens) == ([0, 6, 2], [3, 7, 3])
     assert meta.extend_starts == [0, 3, 4, 5]
@@ -70,7 +70,7 @@ def test_two_pools_translate_the_window_once_and_full_layers_read_everything() -
 
 def test_single_pool_swa_layers_read_full_slots_of_the_window() -> None:
     sc = scenario(single_pool=True)
-    meta = build_attention_metadata(mixed_batch(sc), 2, two_pools=sc.memory.hybrid)
+    meta = build_attention_metadata(mixed_batch(sc), 2, two_pools=sc.memory.two_pools)
     assert meta.out_swa_loc is None
     assert meta.full.flat_slots().tolist() == [9, 10, 11, 1, 2, 3, 4, 5, 6, 12, 7, 8, 13]
     swa = meta.swa
@@ -82,7 +82,7 @@ def test_single_pool_swa_layers_read_full_slots_of_the_window() -> None:
 
 def test_window_larger_than_the_sequence_reads_from_position_zero() -> None:
     sc = scenario(single_pool=False, window=10, full_tokens=48)
-    meta = build_attention_metadata(mixed_batch(sc), 10, two_pools=sc.memory.hybrid)
+    meta = build_attention_metadata(mixed_batch(sc), 10, two_pools=sc.memory.two_pools)
     assert meta.swa is not None
     assert meta.swa.kv_start_pos == [0, 0, 0]
     assert meta.swa.kv_lens == meta.full.kv_lens == [3, 7, 3]
@@ -96,14 +96,14 @@ def test_a_freed_slot_inside_the_window_raises() -> None:
     alloc.free_swa(sc.requests[0].slots[4:5])  # type: ignore[union-attr]
     batch = mixed_batch(sc)
     with pytest.raises(MissingSWAKV, match=r"request 1: .*\[4, 7\).*position 4 \(full slot 5\)"):
-        build_attention_metadata(batch, 2, two_pools=sc.memory.hybrid)
+        build_attention_metadata(batch, 2, two_pools=sc.memory.two_pools)
 
 
 def test_freed_slots_before_the_window_are_fine() -> None:
     sc = scenario(single_pool=False)
     alloc = sc.memory.allocator
     alloc.free_swa(sc.requests[0].slots[:4])  # type: ignore[union-attr]
-    meta = build_attention_metadata(mixed_batch(sc), 2, two_pools=sc.memory.hybrid)
+    meta = build_attention_metadata(mixed_batch(sc), 2, two_pools=sc.memory.two_pools)
     assert meta.swa is not None and meta.swa.kv_start_pos[1] == 4
 
 
@@ -112,9 +112,9 @@ def test_bad_input_is_rejected() -> None:
     sc.free_out_of_window(2)
     batch = mixed_batch(sc)
     with pytest.raises(ValueError, match="pass sliding_window_size"):
-        build_attention_metadata(batch, None, two_pools=sc.memory.hybrid)
+        build_attention_metadata(batch, None, two_pools=sc.memory.two_pools)
     with pytest.raises(ValueError, match="sliding_window_size must be >= 0"):
-        build_attention_metadata(batch, -1, two_pools=sc.memory.hybrid)
+        build_attention_metadata(batch, -1, two_pools=sc.memory.two_pools)
     slots = [batch.request_slots(i) for i in range(batch.batch_size)]
     with pytest.raises(ValueError, match="request 0: req_token_slots holds 2 slots, fewer than"):
         ForwardBatch.from_slots(
@@ -125,7 +125,7 @@ def test_bad_input_is_rejected() -> None:
             req_token_slots=[slots[0][:2], *slots[1:]],
             out_full_loc=batch.out_full_loc,
         )
-    meta = build_attention_metadata(batch, 2, two_pools=sc.memory.hybrid)
+    meta = build_attention_metadata(batch, 2, two_pools=sc.memory.two_pools)
     other_window = make_layers(Shape(), 3, "FS")[1]
     with pytest.raises(
         ValueError, match="sliding_window_size=3, but the backend was built for W=2"
@@ -150,7 +150,7 @@ def page_scenario(single_pool: bool) -> tuple[Scenario, KVMemory]:
 @pytest.mark.parametrize("single_pool", [False, True])
 def test_page_table_rebuilds_every_read_slot(single_pool: bool) -> None:
     sc, memory = page_scenario(single_pool)
-    meta = build_attention_metadata(sc.batch({0: 1, 1: 6}), 5, two_pools=memory.hybrid)
+    meta = build_attention_metadata(sc.batch({0: 1, 1: 6}), 5, two_pools=memory.two_pools)
     for reads in (meta.full, meta.swa):
         assert reads is not None
         table, seqused = reads.page_table(4)
@@ -166,7 +166,7 @@ def test_page_table_rebuilds_every_read_slot(single_pool: bool) -> None:
 
 def test_page_table_exact_for_two_pools() -> None:
     sc, memory = page_scenario(single_pool=False)
-    meta = build_attention_metadata(sc.batch({0: 1, 1: 6}), 5, two_pools=memory.hybrid)
+    meta = build_attention_metadata(sc.batch({0: 1, 1: 6}), 5, two_pools=memory.two_pools)
     # Full pool: R0 holds pages 1, 2, 3 (positions 0..11); R1 takes pages 4, 5.
     table, seqused = meta.full.page_table(4)
     assert table.tolist() == [[1, 2, 3], [4, 5, 0]] and seqused.tolist() == [12, 6]

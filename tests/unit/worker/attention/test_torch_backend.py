@@ -96,7 +96,7 @@ def test_matmul_path_in_float64_is_exact(sinks: bool) -> None:
 def test_full_attention_only_model() -> None:
     layers = make_layers(SHAPES["gqa"], None, "FF")
     memory = make_memory(layers, None, page_size=4, single_pool=False)
-    assert not memory.hybrid  # no SWA layers: one pool
+    assert not memory.two_pools  # no SWA layers: one pool
     sc = Scenario(TorchAttentionBackend(memory.kv_pool, None), memory, layers, sinks=True)
     for rid in range(4):
         sc.add_request(rid, 32)

@@ -19,7 +19,8 @@ S = 4 * 12 * 4
 
 def test_two_pools_at_fixed_ratio() -> None:
     mem = build_kv_memory(
-        SPEC, KVMemoryConfig(kv_cache_bytes=1000 * (2 * F) + 500 * (4 * S), swa_full_tokens_ratio=0.5)
+        SPEC,
+        KVMemoryConfig(kv_cache_bytes=1000 * (2 * F) + 500 * (4 * S), swa_full_tokens_ratio=0.5),
     )
     assert isinstance(mem.allocator, SWATokenAllocator) and isinstance(mem.kv_pool, SWAKVPool)
     assert (mem.plan.full_tokens, mem.plan.swa_tokens) == (1000, 500)

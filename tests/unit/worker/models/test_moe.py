@@ -124,6 +124,15 @@ def test_forward_gathers_while_pairs_fit_experts_and_budget(
         with torch.no_grad():
             experts(torch.randn(num_tokens, HIDDEN), index, weights)
 
+    run(2)  # on CPU: grouped even for few pairs (a host read is free there)
+    assert taken == ["forward_grouped"]
+    taken.clear()
+    # The rule for a device where the gather saves a sync (CUDA), applied to these CPU tensors.
+    module = "gpt_oss" if arch == "gpt-oss" else "mimo_v2_flash"
+    monkeypatch.setattr(
+        f"swaserve.worker.models.{module}.gathers_expert_weights",
+        lambda n, e, el, device=None: gathers_expert_weights(n, e, el),
+    )
     run(2)  # 6 pairs ≤ 8 experts
     run(3)  # 9 pairs > 8 experts
     monkeypatch.setattr(
@@ -139,6 +148,7 @@ def test_gather_rule_on_real_expert_sizes() -> None:
     assert not gathers_expert_weights(2 * 4, 128, per_expert)  # over the budget
     assert gathers_expert_weights(8, 8, 3 * 32 * 32)
     assert not gathers_expert_weights(9, 8, 3 * 32 * 32)  # more pairs than experts
+    assert not gathers_expert_weights(8, 8, 3 * 32 * 32, torch.device("cpu"))  # no sync to save
 
 
 def test_sort_by_expert_pads_each_group_to_the_largest() -> None:
