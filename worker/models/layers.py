@@ -140,12 +140,17 @@ def gathers_expert_weights(
     """True when `num_pairs` (token, expert) pairs are few enough to copy each pair's expert
     weights and run one batched matmul per projection: no host sync, no sort. That takes no more
     pairs than experts (the grouped path reads each expert's weights once, so beyond that it
-    moves less memory) and at most `GATHER_BUDGET_ELEMENTS` copied weight elements. Never on
-    CPU: there the grouped path's host read costs nothing and the weight copy is the larger cost
-    (2.2× slower at T = 1 with 512-wide experts)."""
-    if device is not None and device.type == "cpu":
+    moves less memory) and at most `GATHER_BUDGET_ELEMENTS` copied weight elements.
+
+    On CPU a host read costs nothing and copying weights is the larger cost (2.2× slower than
+    the grouped path at T = 1 with 4 experts 512 wide), so there the gather is taken only when
+    the grouped path would compute more than twice the experts the pairs need (`2 · pairs <
+    experts`, e.g. one decode token over 128 experts)."""
+    if num_pairs * expert_elements > GATHER_BUDGET_ELEMENTS:
         return False
-    return num_pairs <= num_experts and num_pairs * expert_elements <= GATHER_BUDGET_ELEMENTS
+    if device is not None and device.type == "cpu":
+        return 2 * num_pairs < num_experts
+    return num_pairs <= num_experts
 
 
 @dataclass(slots=True)

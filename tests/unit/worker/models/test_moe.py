@@ -124,7 +124,7 @@ def test_forward_gathers_while_pairs_fit_experts_and_budget(
         with torch.no_grad():
             experts(torch.randn(num_tokens, HIDDEN), index, weights)
 
-    run(2)  # on CPU: grouped even for few pairs (a host read is free there)
+    run(2)  # on CPU: 6 pairs over 8 experts go grouped (a host read is free there)
     assert taken == ["forward_grouped"]
     taken.clear()
     # The rule for a device where the gather saves a sync (CUDA), applied to these CPU tensors.
@@ -148,7 +148,10 @@ def test_gather_rule_on_real_expert_sizes() -> None:
     assert not gathers_expert_weights(2 * 4, 128, per_expert)  # over the budget
     assert gathers_expert_weights(8, 8, 3 * 32 * 32)
     assert not gathers_expert_weights(9, 8, 3 * 32 * 32)  # more pairs than experts
-    assert not gathers_expert_weights(8, 8, 3 * 32 * 32, torch.device("cpu"))  # no sync to save
+    cpu = torch.device("cpu")
+    assert not gathers_expert_weights(4, 8, 3 * 32 * 32, cpu)  # grouped computes only 2x the need
+    assert gathers_expert_weights(3, 8, 3 * 32 * 32, cpu)  # grouped would compute 8 of 3
+    assert gathers_expert_weights(1 * 4, 128, per_expert, cpu)
 
 
 def test_sort_by_expert_pads_each_group_to_the_largest() -> None:
