@@ -3,6 +3,10 @@ two attention kinds, final norm, LM head — and the `forward(batch)` the model 
 
 Subclasses say how to build one layer's MLP and norms. Build on the meta device, then
 `materialize(device)` and load weights (see `loader.py`); `materialize` re-ties a tied LM head.
+
+Under tensor parallelism (`tp`) every rank builds the same stack over its shard: vocab-parallel
+embedding and LM head (see `tp_layers.py`), sharded attention and MLPs; `forward` returns the full
+logits on every rank.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import Attention, DecoderLayer, RMSNorm
 from swaserve.worker.models.rotary import RotaryEmbedding
+from swaserve.worker.models.tp_layers import ParallelLMHead, VocabParallelEmbedding
+from swaserve.worker.parallel import TPGroup
 
 
 class DecoderModel(nn.Module):
     """HF's `model.` prefix: embed_tokens, layers, norm."""
 
-    def __init__(self, embed_tokens: nn.Embedding, layers: list[DecoderLayer], norm: RMSNorm):
+    def __init__(
+        self, embed_tokens: VocabParallelEmbedding, layers: list[DecoderLayer], norm: RMSNorm
+    ):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
@@ -38,25 +46,31 @@ class HybridCausalLM(nn.Module):
     norm_weight_after_cast: ClassVar[bool] = False
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype = torch.float32,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
         self.dtype = dtype
+        self.tp = tp = tp or TPGroup.single()
         d = config.hidden_size
         layers = [
             DecoderLayer(
-                Attention(config, i, backend, dtype=dtype),
+                Attention(config, i, backend, dtype=dtype, tp=tp),
                 self.make_mlp(i),
                 self.make_norm(d),
                 self.make_norm(d),
             )
             for i in range(config.num_layers)
         ]
-        embed = nn.Embedding(config.vocab_size, d, dtype=dtype)
+        embed = VocabParallelEmbedding(config.vocab_size, d, dtype=dtype, tp=tp)
         self.model = DecoderModel(embed, layers, self.make_norm(d))
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = ParallelLMHead(d, config.vocab_size, dtype=dtype, tp=tp)
         self.tie_weights()
         self.rotary = {
             kind: RotaryEmbedding(config.attention_kind(config.layer_types.index(kind)).rope)
@@ -64,6 +78,7 @@ class HybridCausalLM(nn.Module):
         }
 
     def make_mlp(self, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP on this rank's shard (`self.tp`); it returns the full sum."""
         raise NotImplementedError
 
     def make_norm(self, hidden_size: int) -> RMSNorm:

@@ -2,7 +2,7 @@
 by `model.safetensors.index.json`. Headers are read and checked up front (names, dtypes, shapes,
 and that each file holds every byte its header promises), so that the loader can check the
 whole checkpoint before it reads any data; tensors are then read one at a time (memory-mapped),
-whole or one leading index at a time.
+whole, one leading index at a time, or as a slice (a TP rank reads only its shard).
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class Checkpoint:
             self._stack.close()
         self._stack, self._handles = None, {}
 
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` (or its row `index` along dim 0), as stored. Within `with checkpoint:`."""
+    def read(self, name: str, index: int | tuple[int | slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `name`, as stored: whole, or `tensor[index]` read as a safetensors slice (an
+        int: one row along dim 0; a tuple of ints and slices). Within `with checkpoint:`."""
         info = self.tensors[name]
         handle = self._handle(info.path)
         try:

@@ -25,6 +25,12 @@ from swaserve.worker.models.errors import (
     UnknownArchitectureError,
 )
 from swaserve.worker.models.quantization import QuantizationConfig
+from swaserve.worker.parallel import (
+    ShardingError,
+    num_heads_per_rank,
+    num_kv_heads_per_rank,
+    shard_range,
+)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -138,24 +144,42 @@ class ModelConfig:
     def attention_kind(self, layer_id: int) -> AttentionKindConfig:
         return self.swa_attention if self.is_swa_layer(layer_id) else self.full_attention
 
-    def attention_layer(self, layer_id: int) -> AttentionLayer:
-        """What the attention backend needs to know about layer `layer_id` (no TP sharding)."""
+    def attention_layer(self, layer_id: int, tp_size: int = 1) -> AttentionLayer:
+        """What the attention backend needs to know about layer `layer_id` on one rank of a TP
+        group of `tp_size`: that rank's query and KV heads (raises `ShardingError` when they do
+        not split)."""
         kind = self.attention_kind(layer_id)
         return AttentionLayer(
             layer_id=layer_id,
-            num_heads=self.num_heads,
-            num_kv_heads=kind.num_kv_heads,
+            num_heads=num_heads_per_rank(self.num_heads, tp_size),
+            num_kv_heads=num_kv_heads_per_rank(kind.num_kv_heads, tp_size),
             head_dim=kind.head_dim,
             v_head_dim=kind.v_head_dim,
             scaling=kind.head_dim**-0.5,
             sliding_window_size=self.sliding_window_size if self.is_swa_layer(layer_id) else None,
         )
 
-    def kv_spec(self) -> KVModelSpec:
-        """The layer kinds and KV shapes the KV memory is sized and laid out from."""
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise `ShardingError` unless every sharded dimension splits over `tp_size`: query
+        heads, each layer kind's KV heads, the dense and the expert intermediate sizes."""
+        if tp_size < 1:
+            raise ShardingError(f"tp_size must be >= 1, got {tp_size}")
+        num_heads_per_rank(self.num_heads, tp_size)
+        for kind in {self.attention_kind(i) for i in range(self.num_layers)}:
+            num_kv_heads_per_rank(kind.num_kv_heads, tp_size)
+        if "dense" in self.mlp_layer_types:
+            shard_range(self.intermediate_size, 0, tp_size, "intermediate_size")
+        if "sparse" in self.mlp_layer_types:
+            shard_range(self.moe.intermediate_size, 0, tp_size, "moe intermediate_size")
+
+    def kv_spec(self, tp_size: int = 1) -> KVModelSpec:
+        """The layer kinds and the KV shapes of one rank of a TP group of `tp_size` (its KV
+        heads: an even share, or one replicated head when tp exceeds them), from which that
+        rank's KV pools are sized and laid out. Raises `ShardingError` when they do not split."""
 
         def layout(kind: AttentionKindConfig) -> KVLayout:
-            return KVLayout(kind.num_kv_heads, kind.head_dim, kind.v_head_dim)
+            heads = num_kv_heads_per_rank(kind.num_kv_heads, tp_size)
+            return KVLayout(heads, kind.head_dim, kind.v_head_dim)
 
         return KVModelSpec(
             full_layer_ids=self.full_layer_ids,

@@ -1,6 +1,12 @@
 """GPT-OSS (transformers' `GptOssForCausalLM`): alternating sliding / full attention layers, all
 with sinks and q/k/v/o biases, one YaRN RoPE, and a MoE MLP in every layer — softmax over the
-top-k router logits, clamped SwiGLU experts with biases."""
+top-k router logits, clamped SwiGLU experts with biases.
+
+Tensor parallelism: the router is replicated; every expert is split over its intermediate
+dimension. gate_up_proj interleaves gate and up columns (2j, 2j + 1 belong to intermediate unit
+j), so rank r's units [i0, i1) are the contiguous columns [2·i0, 2·i1), gate and up together,
+with their biases; down_proj rows [i0, i1). The partial outputs are all-reduced; the down bias is
+added on rank 0 only."""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from torch import nn
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import RMSNorm, gathers_expert_weights, sort_by_expert
+from swaserve.worker.models.param_shard import ParamShard
+from swaserve.worker.parallel import TPGroup, shard_range
 
 
 class GptOssTopKRouter(nn.Module):
@@ -34,18 +42,32 @@ class GptOssTopKRouter(nn.Module):
 
 class GptOssExperts(nn.Module):
     """Experts as packed tensors in HF's transposed layout: gate_up_proj [E, D, 2I] with gate and
-    up interleaved (even / odd columns), down_proj [E, I, D], each with a bias."""
+    up interleaved (even / odd columns), down_proj [E, I, D], each with a bias. On a TP rank,
+    I is its share I_r of the intermediate units and the output is partial (see the module
+    docstring); `adds_down_bias` is true on one rank only."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         moe = config.moe
-        e, d, i = moe.num_experts, config.hidden_size, moe.intermediate_size
+        e, d, i_all = moe.num_experts, config.hidden_size, moe.intermediate_size
+        i0, i1 = shard_range(i_all, tp.rank, tp.world_size, "moe intermediate_size")
+        i = i1 - i0
         self.num_experts = e
         self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * i, dtype=dtype))  # [E, D, 2I]
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype))  # [E, 2I]
-        self.down_proj = nn.Parameter(torch.empty(e, i, d, dtype=dtype))  # [E, I, D]
+        self.adds_down_bias = tp.is_first
+        self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * i, dtype=dtype))  # [E, D, 2I_r]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype))  # [E, 2I_r]
+        self.down_proj = nn.Parameter(torch.empty(e, i, d, dtype=dtype))  # [E, I_r, D]
         self.down_proj_bias = nn.Parameter(torch.empty(e, d, dtype=dtype))  # [E, D]
+        gate_up_columns = ((2 * i0, 2 * i1),)
+        self.param_shards = {
+            "gate_up_proj": ParamShard((e, d, 2 * i_all), 2, gate_up_columns, 2 * i),
+            "gate_up_proj_bias": ParamShard((e, 2 * i_all), 1, gate_up_columns, 2 * i),
+            "down_proj": ParamShard((e, i_all, d), 1, ((i0, i1),), i),
+        }
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
 
     def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -81,7 +103,9 @@ class GptOssExperts(nn.Module):
         gate_up = torch.bmm(xs, self.gate_up_proj[flat])  # [N, 1, 2I]
         gate_up = gate_up + self.gate_up_proj_bias[flat].unsqueeze(1)
         y = torch.bmm(self.clamped_swiglu(gate_up), self.down_proj[flat])  # [N, 1, D]
-        y = y.view(t, k, -1) + self.down_proj_bias[top_k_index]  # [T, k, D]
+        y = y.view(t, k, -1)  # [T, k, D]
+        if self.adds_down_bias:
+            y = y + self.down_proj_bias[top_k_index]
         return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
     def forward_grouped(
@@ -95,28 +119,34 @@ class GptOssExperts(nn.Module):
         xs = x[groups.token_rows]  # [E, C, D]
         gate_up = torch.bmm(xs, self.gate_up_proj) + self.gate_up_proj_bias.unsqueeze(1)
         y = torch.bmm(self.clamped_swiglu(gate_up), self.down_proj)  # [E, C, D]
-        y = y + self.down_proj_bias.unsqueeze(1)
+        if self.adds_down_bias:
+            y = y + self.down_proj_bias.unsqueeze(1)
         y = y[groups.expert, groups.position]  # [N, D], real pairs only, sorted by expert
         weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1]
         return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+    """Replicated router, sharded experts, their partial outputs summed over the TP group."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp or TPGroup.single()
         self.router = GptOssTopKRouter(config, dtype=dtype)
-        self.experts = GptOssExperts(config, dtype=dtype)
+        self.experts = GptOssExperts(config, dtype=dtype, tp=self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, index = self.router(x)
-        return self.experts(x, index, weights)
+        return self.tp.all_reduce(self.experts(x, index, weights))
 
 
 class GptOssForCausalLM(HybridCausalLM):
     norm_weight_after_cast: ClassVar[bool] = False
 
     def make_mlp(self, layer_id: int) -> nn.Module:
-        return GptOssMLP(self.config, dtype=self.dtype)
+        return GptOssMLP(self.config, dtype=self.dtype, tp=self.tp)
 
     def make_norm(self, hidden_size: int) -> RMSNorm:
         # HF keeps GPT-OSS norms in float32 (`_keep_in_fp32_modules`) whatever the model dtype.

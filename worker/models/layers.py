@@ -4,6 +4,10 @@ the dense SwiGLU MLP, the decoder layer, and the expert grouping that both MoE b
 
 Parameter names are transformers' (q_proj, k_proj, v_proj, o_proj, sinks, gate_proj, ...), so
 that HF checkpoints load by name. Activations are token-major: [T, ...] over the whole batch.
+
+Tensor parallelism (`tp`, see `tp_layers.py`): attention holds its rank's query heads and KV
+heads (replicated when tp exceeds them), sinks with their heads, q/k/v column-parallel and o_proj
+row-parallel; the dense MLP is column-parallel gate/up and row-parallel down. None: TP = 1.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ from torch import nn
 
 from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
 from swaserve.worker.models.config import ModelConfig
+from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.rotary import apply_rotary
+from swaserve.worker.models.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    even_segments,
+)
+from swaserve.worker.parallel import TPGroup, kv_head_range
 
 
 class RMSNorm(nn.Module):
@@ -50,22 +61,37 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         *,
         dtype: torch.dtype,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         kind = config.attention_kind(layer_id)
-        self.layer = config.attention_layer(layer_id)
+        self.layer = config.attention_layer(layer_id, tp.world_size)
         self.backend = backend
-        d, h, hkv = config.hidden_size, config.num_heads, kind.num_kv_heads
-        self.num_heads, self.num_kv_heads = h, hkv
-        self.head_dim, self.v_head_dim = kind.head_dim, kind.v_head_dim
+        d, h_all, hkv_all = config.hidden_size, config.num_heads, kind.num_kv_heads
+        dk, dv = kind.head_dim, kind.v_head_dim
+        self.num_heads, self.num_kv_heads = self.layer.num_heads, self.layer.num_kv_heads
+        self.head_dim, self.v_head_dim = dk, dv
+        heads = (tp.rank * self.num_heads, (tp.rank + 1) * self.num_heads)
+        kv_heads = kv_head_range(hkv_all, tp.rank, tp.world_size)
         bias = config.attention_bias
-        self.q_proj = nn.Linear(d, h * kind.head_dim, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(d, hkv * kind.head_dim, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(d, hkv * kind.v_head_dim, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(h * kind.v_head_dim, d, bias=config.o_proj_bias, dtype=dtype)
+        self.q_proj = ColumnParallelLinear(
+            d, h_all * dk, _scaled(heads, dk), bias=bias, dtype=dtype
+        )
+        self.k_proj = ColumnParallelLinear(
+            d, hkv_all * dk, _scaled(kv_heads, dk), bias=bias, dtype=dtype
+        )
+        self.v_proj = ColumnParallelLinear(
+            d, hkv_all * dv, _scaled(kv_heads, dv), bias=bias, dtype=dtype
+        )
+        self.o_proj = RowParallelLinear(
+            h_all * dv, d, _scaled(heads, dv), bias=config.o_proj_bias, dtype=dtype, tp=tp
+        )
         self.sinks: nn.Parameter | None
+        self.param_shards: dict[str, ParamShard] = {}
         if kind.has_sinks:
-            self.sinks = nn.Parameter(torch.empty(h, dtype=dtype))  # [H]
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype))  # [H_r]
+            self.param_shards["sinks"] = ParamShard((h_all,), 0, (heads,), self.num_heads)
         else:
             self.register_parameter("sinks", None)
         self.value_scale = config.attention_value_scale
@@ -89,14 +115,29 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
 
 
+def _scaled(heads: tuple[int, int], head_dim: int) -> tuple[tuple[int, int]]:
+    """The rows (or columns) [start, end) of heads [h0, h1) in a projection of `head_dim`."""
+    return ((heads[0] * head_dim, heads[1] * head_dim),)
+
+
 class DenseMLP(nn.Module):
     """SwiGLU MLP without biases (MiMo-V2-Flash's "dense" layers)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        tp = tp or TPGroup.single()
+        rows = even_segments(intermediate_size, tp, "intermediate_size")
+        d, i = hidden_size, intermediate_size
+        self.gate_proj = ColumnParallelLinear(d, i, rows, bias=False, dtype=dtype)
+        self.up_proj = ColumnParallelLinear(d, i, rows, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(i, d, rows, bias=False, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

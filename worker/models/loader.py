@@ -12,6 +12,10 @@ that names the tensor: a parameter without a tensor (`MissingTensorError`), a te
 shape (`TensorShapeError`), a quantized tensor that does not fit (`QuantizedTensorError`),
 tensors nothing takes (`UnexpectedTensorError`; tensors a declared `SkipRule` covers are skipped
 and logged once), a truncated file (`CheckpointFileError`).
+
+Tensor parallelism: a model built with a `TPGroup` holds each rank's shard. Its layers declare
+their parameters' `ParamShard`s; the loader plans and checks every parameter at its *full* shape
+(so every layout above shards alike) and each rank then reads only its pieces of each tensor.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from swaserve.worker.models.config import ModelConfig, load_model_config
 from swaserve.worker.models.errors import MissingTensorError, UnexpectedTensorError
+from swaserve.worker.models.param_shard import Index, ParamShard, Region, indexed_shape
 from swaserve.worker.models.quantization import FP8, MXFP4, QuantizationConfig
 from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import Placement, SkipRule, weight_map
 from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, Source, resolve_source
+from swaserve.worker.parallel import TPGroup
 
 __all__ = [
     "INDEX_FILE",
@@ -60,6 +66,16 @@ class LoadReport:
     quantization: str = "none"  # the checkpoint's quant_method
 
 
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """One read of the plan: `target[index] = source[region]` (region None: the whole)."""
+
+    target: torch.Tensor
+    index: Index
+    source: Source
+    region: Region | None
+
+
 def load_model(
     model_dir: str | Path,
     backend: AttentionBackend,
@@ -67,11 +83,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    tp: TPGroup | None = None,
 ) -> HybridCausalLM:
     """Parse config.json, build the model on `device` in `dtype`, load its weights (eval mode).
-    `progress`: show a progress bar (None: only on a terminal)."""
+    `progress`: show a progress bar (None: only on a terminal). `tp`: this rank's TP group; the
+    model holds and loads only its shard (None or a single group: the whole model)."""
     config = load_model_config(model_dir)
-    model = build_model(config, backend, dtype=dtype, device=device)
+    model = build_model(config, backend, dtype=dtype, device=device, tp=tp)
     load_weights(model, model_dir, progress=progress)
     return model
 
@@ -82,12 +100,16 @@ def build_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tp: TPGroup | None = None,
 ) -> HybridCausalLM:
-    """The registered class for `config.architecture`, built on meta, then given uninitialized
-    storage on `device`: load weights before running it."""
+    """The registered class for `config.architecture`, built on meta for `tp`'s rank (raises
+    `ShardingError` when the config does not split over it), then given uninitialized storage
+    on `device`: load weights before running it."""
     cls = get_model_class(config.architecture)
+    if tp is not None:
+        config.check_tp_size(tp.world_size)
     with torch.device("meta"):
-        model = cls(config, backend, dtype=dtype)
+        model = cls(config, backend, dtype=dtype, tp=tp)
     return model.materialize(device).eval()
 
 
@@ -104,7 +126,7 @@ def load_weights(
     quantized layouts of the whole checkpoint before reading any data."""
     start = time.perf_counter()
     checkpoint = Checkpoint(model_dir)
-    plan, report = _plan(model, checkpoint)
+    plan, padded, report = _plan(model, checkpoint)
     report.num_files = len(checkpoint.files)
     with (
         checkpoint,
@@ -118,9 +140,14 @@ def load_weights(
             disable=None if progress is None else not progress,
         ) as bar,
     ):
-        for target, placement, source in plan:
-            source.read_into(target[placement.index], checkpoint)
-            bar.update(source.num_bytes)
+        for target in padded:
+            target.zero_()  # rows past the vocabulary on a vocab-parallel rank
+        counted: set[int] = set()
+        for read in plan:
+            read.source.read_into(read.target[read.index], checkpoint, read.region)
+            if id(read.source) not in counted:
+                counted.add(id(read.source))
+                bar.update(read.source.num_bytes)
     report.seconds = time.perf_counter() - start
     logger.info(
         "loaded %d tensors (%.1f MiB, quantization %s) from %d file(s) in %s in %.2f s",
@@ -136,18 +163,23 @@ def load_weights(
 
 def _plan(
     model: HybridCausalLM, checkpoint: Checkpoint
-) -> tuple[list[tuple[torch.Tensor, Placement, Source]], LoadReport]:
-    """(target, placement, source) for every piece of every parameter, checked; or raise."""
+) -> tuple[list[_Read], list[torch.Tensor], LoadReport]:
+    """(the reads that fill every parameter — this rank's pieces of it —, the parameters to
+    zero-fill first since part of them is padding, what will be read), checked; or raise."""
     config = model.config
     layouts = weight_map(config.architecture)
     quantization = config.quantization
     targets, aliases = _load_targets(model)
+    shards = _param_shards(model)
     canonical_alias = {canonical: alias for alias, canonical in aliases.items()}
-    plan: list[tuple[torch.Tensor, Placement, Source]] = []
+    plan: list[_Read] = []
+    checks: list[tuple[Source, tuple[int, ...]]] = []
+    chosen_sources: list[Source] = []
     missing: list[str] = []
     tried: list[str] = []
     for name, target in targets.items():
-        shape = tuple(target.shape)
+        shard = shards.get(id(target))
+        shape = shard.full_shape if shard is not None else tuple(target.shape)
         candidates = layouts.layouts(name, shape)
         if name in canonical_alias:
             candidates += layouts.layouts(canonical_alias[name], shape)
@@ -156,14 +188,23 @@ def _plan(
             missing.append(name)
             tried += absent
             continue
-        plan += [(target, placement, source) for placement, source in chosen]
+        for placement, source in chosen:
+            chosen_sources.append(source)
+            checks.append((source, indexed_shape(shape, placement.index)))
+            if shard is None:
+                plan.append(_Read(target, placement.index, source, None))
+            else:
+                plan += [
+                    _Read(target, index, source, region)
+                    for index, region in shard.pieces(placement.index)
+                ]
     if missing:
         also = f"; the original layout also lacks {_names(tried)}" if tried else ""
         raise MissingTensorError(
             f"checkpoint in {checkpoint.root} has no tensor for {_names(missing)} "
             f"({len(missing)} missing){also}{_quantized_hint(missing, checkpoint, quantization)}"
         )
-    used = {n for _, _, source in plan for n in source.names}
+    used = {n for source in chosen_sources for n in source.names}
     report = LoadReport(quantization=quantization.method if quantization else "none")
     skip_rules = _skip_rules(model)
     unexpected: list[str] = []
@@ -180,8 +221,8 @@ def _plan(
             f"checkpoint in {checkpoint.root} has tensors the {config.architecture} model does "
             f"not take: {_names(unexpected)} ({len(unexpected)} unexpected)"
         )
-    for target, placement, source in plan:
-        source.check(tuple(target[placement.index].shape))
+    for source, expected in checks:
+        source.check(expected)
     if report.skipped:
         reasons = sorted({r.reason for r in skip_rules if any(map(r.matches, report.skipped))})
         logger.info(
@@ -190,9 +231,10 @@ def _plan(
             "; ".join(reasons),
             _names(report.skipped),
         )
-    report.num_tensors = sum(len(source.names) for _, _, source in plan)
-    report.num_bytes = sum(source.num_bytes for _, _, source in plan)
-    return plan, report
+    report.num_tensors = sum(len(source.names) for source in chosen_sources)
+    report.num_bytes = sum(source.num_bytes for source in chosen_sources)
+    padded = [t for t in targets.values() if id(t) in shards and shards[id(t)].is_padded]
+    return plan, padded, report
 
 
 def _first_complete(
@@ -258,6 +300,20 @@ def _load_targets(model: HybridCausalLM) -> tuple[dict[str, torch.Tensor], dict[
         first_name[key] = name
         targets[name] = tensor
     return targets, aliases
+
+
+def _param_shards(model: HybridCausalLM) -> dict[int, ParamShard]:
+    """id(parameter) → the shard this rank holds of it, for every sharded parameter (layers
+    declare theirs in `param_shards`; a shard that is the whole parameter is left out)."""
+    shards: dict[int, ParamShard] = {}
+    for module in model.modules():
+        for key, shard in getattr(module, "param_shards", {}).items():
+            param = getattr(module, key)
+            if not shard.is_whole:
+                if tuple(param.shape) != shard.local_shape:
+                    raise ValueError(f"{type(module).__name__}.{key}: shape does not fit {shard}")
+                shards[id(param)] = shard
+    return shards
 
 
 def _names(names: list[str]) -> str:

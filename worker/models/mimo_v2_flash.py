@@ -1,7 +1,12 @@
 """MiMo-V2-Flash (transformers' `MiMoV2FlashForCausalLM`): full attention at layer 0 and every
 6th layer, SWA elsewhere with twice the KV heads and sinks; K head dim ≠ V head dim; V scaled by
 `attention_value_scale`; per-kind partial RoPE; "dense" SwiGLU MLP layers and "sparse" MoE layers
-with a DeepSeek-V3 sigmoid router (grouped top-k, score-correction bias)."""
+with a DeepSeek-V3 sigmoid router (grouped top-k, score-correction bias).
+
+Tensor parallelism: the router is replicated; every expert is split over its intermediate
+dimension: rank r's units [i0, i1) are gate_up_proj rows [i0, i1) (gate) and [I + i0, I + i1)
+(up), and down_proj columns [i0, i1); the partial outputs are all-reduced. Dense layers are
+column-parallel gate/up and row-parallel down (`DenseMLP`)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ from torch import nn
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import DenseMLP, gathers_expert_weights, sort_by_expert
+from swaserve.worker.models.param_shard import ParamShard
+from swaserve.worker.models.tp_layers import fused_segments
+from swaserve.worker.parallel import TPGroup
 
 
 class MiMoV2FlashTopkRouter(nn.Module):
@@ -57,14 +65,24 @@ class MiMoV2FlashTopkRouter(nn.Module):
 
 class MiMoV2FlashExperts(nn.Module):
     """Experts as packed tensors in HF's layout: gate_up_proj [E, 2I, D] (gate rows, then up
-    rows), down_proj [E, D, I]; no biases."""
+    rows), down_proj [E, D, I]; no biases. On a TP rank, I is its share I_r and the output
+    is partial (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        e, d, i = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+        tp = tp or TPGroup.single()
+        e, d, i_all = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+        gate_rows, up_rows = fused_segments([i_all, i_all], tp, "moe intermediate_size")
+        i = gate_rows[1] - gate_rows[0]
         self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype))  # [E, 2I, D]
-        self.down_proj = nn.Parameter(torch.empty(e, d, i, dtype=dtype))  # [E, D, I]
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype))  # [E, 2I_r, D]
+        self.down_proj = nn.Parameter(torch.empty(e, d, i, dtype=dtype))  # [E, D, I_r]
+        self.param_shards = {
+            "gate_up_proj": ParamShard((e, 2 * i_all, d), 1, (gate_rows, up_rows), 2 * i),
+            "down_proj": ParamShard((e, d, i_all), 2, (gate_rows,), i),
+        }
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
 
     def forward(
@@ -114,14 +132,19 @@ class MiMoV2FlashExperts(nn.Module):
 
 
 class MiMoV2FlashMoE(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+    """Replicated router, sharded experts, their partial outputs summed over the TP group."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.experts = MiMoV2FlashExperts(config, dtype=dtype)
+        self.tp = tp or TPGroup.single()
+        self.experts = MiMoV2FlashExperts(config, dtype=dtype, tp=self.tp)
         self.gate = MiMoV2FlashTopkRouter(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, index = self.gate(x)
-        return self.experts(x, index, weights)
+        return self.tp.all_reduce(self.experts(x, index, weights))
 
 
 class MiMoV2FlashForCausalLM(HybridCausalLM):
@@ -132,6 +155,9 @@ class MiMoV2FlashForCausalLM(HybridCausalLM):
     def make_mlp(self, layer_id: int) -> nn.Module:
         if self.config.mlp_layer_types[layer_id] == "dense":
             return DenseMLP(
-                self.config.hidden_size, self.config.intermediate_size, dtype=self.dtype
+                self.config.hidden_size,
+                self.config.intermediate_size,
+                dtype=self.dtype,
+                tp=self.tp,
             )
-        return MiMoV2FlashMoE(self.config, dtype=self.dtype)
+        return MiMoV2FlashMoE(self.config, dtype=self.dtype, tp=self.tp)

@@ -3,6 +3,11 @@ block-scaled pair, or an MXFP4 blocks/scales pair. Each source checks its header
 the parameter before any data is read (`check`), then fills the parameter (`read_into`),
 one leading index (one expert) at a time for 3-D and larger tensors, so that peak host memory
 stays near one expert's tensor however large the checkpoint.
+
+A TP rank passes `region` (one slice per dimension, in the parameter's dequantized coordinates;
+see `param_shard.py`) and reads only that part: plain tensors as a safetensors slice, FP8 and
+MXFP4 as the slice of the blocks that cover the region (dequantization is elementwise, so the
+values are those of the whole tensor's dequantization).
 """
 
 from __future__ import annotations
@@ -11,10 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.models.checkpoint import Checkpoint, TensorInfo
 from swaserve.worker.models.errors import QuantizedTensorError, TensorShapeError
 from swaserve.worker.models.fp8 import dequantize_fp8, fp8_scale_shape
-from swaserve.worker.models.mxfp4 import BYTES_PER_BLOCK, dequantize_mxfp4, mxfp4_shapes
+from swaserve.worker.models.mxfp4 import (
+    BYTES_PER_BLOCK,
+    VALUES_PER_BLOCK,
+    dequantize_mxfp4,
+    mxfp4_shapes,
+)
+from swaserve.worker.models.param_shard import Region
 from swaserve.worker.models.quantization import (
     DEFAULT_FP8_BLOCK_SIZE,
     FP8,
@@ -36,9 +48,11 @@ def _check_shape(info: TensorInfo, expected: tuple[int, ...]) -> None:
         raise TensorShapeError(f"{_where(info)}: expected shape {expected}, got {info.shape}")
 
 
-def _rows(shape: torch.Size | tuple[int, ...]) -> range | None:
-    """Leading indices to stream over (None: read whole)."""
-    return range(shape[0]) if len(shape) >= 3 else None
+def _rows(shape: torch.Size | tuple[int, ...], region: Region | None = None) -> range | None:
+    """Leading indices of the tensor to stream over (None: read whole)."""
+    if len(shape) < 3:
+        return None
+    return range(shape[0]) if region is None else range(region[0].start, region[0].stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +75,16 @@ class PlainSource:
             )
         _check_shape(self.info, expected)
 
-    def read_into(self, out: torch.Tensor, checkpoint: Checkpoint) -> None:
-        rows = _rows(out.shape)
+    def read_into(
+        self, out: torch.Tensor, checkpoint: Checkpoint, region: Region | None = None
+    ) -> None:
+        name = self.info.name
+        rows = _rows(out.shape, region)
         if rows is None:
-            out.copy_(checkpoint.read(self.info.name))
+            out.copy_(checkpoint.read(name, region))
             return
-        for e in rows:
-            out[e].copy_(checkpoint.read(self.info.name, e))
+        for i, e in enumerate(rows):
+            out[i].copy_(checkpoint.read(name, e if region is None else (e, *region[1:])))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,17 +119,43 @@ class Fp8Source:
                 f"got {self.scale_inv.dtype}"
             )
 
-    def read_into(self, out: torch.Tensor, checkpoint: Checkpoint) -> None:
-        w, s = self.weight.name, self.scale_inv.name
-        rows = _rows(out.shape)
+    def read_into(
+        self, out: torch.Tensor, checkpoint: Checkpoint, region: Region | None = None
+    ) -> None:
+        rows = _rows(out.shape, region)
         if rows is None:
-            out.copy_(
-                dequantize_fp8(checkpoint.read(w), checkpoint.read(s), self.block_size, out.dtype)
-            )
+            out.copy_(self._read(checkpoint, (), region, out.dtype))
             return
-        for e in rows:
-            weight, scale = checkpoint.read(w, e), checkpoint.read(s, e)
-            out[e].copy_(dequantize_fp8(weight, scale, self.block_size, out.dtype))
+        for i, e in enumerate(rows):
+            part = None if region is None else region[1:]
+            out[i].copy_(self._read(checkpoint, (e,), part, out.dtype))
+
+    def _read(
+        self,
+        checkpoint: Checkpoint,
+        lead: tuple[int, ...],
+        region: Region | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # [R, C] in dtype (or the region's rows and columns)
+        """weight[lead][region] dequantized, reading only the blocks that cover the region:
+
+        # rows  [r0 // bn · bn, r1)  read (block-aligned start), scales [r0 // bn, ceil(r1 / bn))
+        # rows  [r0, r1)            kept
+        """
+        w, s = self.weight.name, self.scale_inv.name
+        if region is None:
+            index = lead or None
+            return dequantize_fp8(
+                checkpoint.read(w, index), checkpoint.read(s, index), self.block_size, dtype
+            )
+        (bn, bk), (rows, cols) = self.block_size, region
+        br, bc = rows.start // bn, cols.start // bk
+        weight = checkpoint.read(w, (*lead, slice(br * bn, rows.stop), slice(bc * bk, cols.stop)))
+        scale = checkpoint.read(
+            s, (*lead, slice(br, cdiv(rows.stop, bn)), slice(bc, cdiv(cols.stop, bk)))
+        )
+        value = dequantize_fp8(weight, scale, self.block_size, dtype)
+        return value[rows.start - br * bn :, cols.start - bc * bk :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,11 +205,28 @@ class Mxfp4Source:
                 f"got {self.scales.shape}"
             )
 
-    def read_into(self, out: torch.Tensor, checkpoint: Checkpoint) -> None:
-        for e in range(out.shape[0]):
-            blocks = checkpoint.read(self.blocks.name, e)  # [N, G, 16] uint8
-            scales = checkpoint.read(self.scales.name, e)  # [N, G] uint8
-            out[e].copy_(dequantize_mxfp4(blocks, scales, out.dtype))
+    def read_into(
+        self, out: torch.Tensor, checkpoint: Checkpoint, region: Region | None = None
+    ) -> None:
+        """One expert at a time; with a region [experts, K, N], only its N rows of blocks and
+        the groups of 32 that cover its K range:
+
+        # K  [k0 // 32 · 32, ceil(k1 / 32) · 32)  dequantized, [k0, k1) kept
+        """
+        rows = range(out.shape[0]) if region is None else range(region[0].start, region[0].stop)
+        for i, e in enumerate(rows):
+            if region is None:
+                blocks = checkpoint.read(self.blocks.name, e)  # [N, G, 16] uint8
+                scales = checkpoint.read(self.scales.name, e)  # [N, G] uint8
+                out[i].copy_(dequantize_mxfp4(blocks, scales, out.dtype))
+                continue
+            k, n = region[1], region[2]
+            g0, g1 = k.start // VALUES_PER_BLOCK, cdiv(k.stop, VALUES_PER_BLOCK)
+            blocks = checkpoint.read(self.blocks.name, (e, n, slice(g0, g1)))  # [n, g, 16] uint8
+            scales = checkpoint.read(self.scales.name, (e, n, slice(g0, g1)))  # [n, g] uint8
+            value = dequantize_mxfp4(blocks, scales, out.dtype)  # [g · 32, n]
+            first = g0 * VALUES_PER_BLOCK
+            out[i].copy_(value[k.start - first : k.stop - first])
 
 
 Source = PlainSource | Fp8Source | Mxfp4Source
