@@ -243,3 +243,27 @@ def test_configs_that_do_not_split_raise_sharding_error(
     ):
         mimo.check_tp_size(4)
     mimo.check_tp_size(2)
+
+
+def test_a_rank_reads_only_the_slices_it_holds(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tiny_model_factory(arch="gpt-oss", quantization="mxfp4")
+    reads: dict[str, list[object]] = {}
+    read = Checkpoint.read
+
+    def recording_read(self: Checkpoint, name: str, index: object = None) -> torch.Tensor:
+        reads.setdefault(name, []).append(index)
+        return read(self, name, index)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Checkpoint, "read", recording_read)
+    load_model(model_dir, RefBackend(), tp=rank(1))
+    q = "model.layers.1.self_attn.q_proj.weight"  # [H·Dk = 32, D = 32]: rank 1 rows [16, 32)
+    assert reads[q] == [(slice(16, 32), slice(0, 32))]
+    # gate_up_proj [E, D = 32, 2I = 64] as MXFP4 blocks [E, N = 64, 1, 16]: rank 1's N [32, 64).
+    blocks = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    assert reads[blocks] == [(e, slice(32, 64), slice(0, 1)) for e in range(4)]
+    # down_proj [E, I = 32, D = 32]: rank 1's K [16, 32) lies in the one group of 32 values.
+    down = "model.layers.1.mlp.experts.down_proj_scales"
+    assert reads[down] == [(e, slice(0, 32), slice(0, 1)) for e in range(4)]
+    assert reads["model.embed_tokens.weight"] == [(slice(144, 288), slice(0, 32))]
