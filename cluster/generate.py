@@ -31,6 +31,8 @@ ENGINE_FLAGS = (
     "swa_eviction_interval",
     "schedule_policy",
     "attention_backend",
+    "tp_size",
+    "tp_timeout_s",
 )
 
 
@@ -88,33 +90,35 @@ def run(args: argparse.Namespace) -> int:
             make_tiny_model(Path(tmp), arch="gpt-oss", num_layers=4, sliding_window_size=16)
         )
         engine = Engine(EngineConfig(model=model, **overrides))
-        params = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
-        )
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-        for prompt, out in zip(prompts, outputs, strict=True):
-            if args.json:
-                print(
-                    json.dumps(
-                        {
-                            "prompt": prompt,
-                            "text": out.text,
-                            "token_ids": out.token_ids,
-                            "finish_reason": out.finish_reason,
-                        }
-                    )
-                )
-            else:
-                print(
-                    f"{prompt!r} -> {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})"
-                )
-        head = engine.headroom()
-        if not args.json:
-            print(
-                f"{sum(len(o.token_ids) for o in outputs)} tokens in {elapsed:.2f} s; KV pools: full "
-                f"{head.full_total_tokens} tokens, SWA {head.swa_total_tokens} tokens (hybrid={head.hybrid})"
+        try:
+            params = SamplingParams(
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
             )
-        engine.shutdown()
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            for prompt, out in zip(prompts, outputs, strict=True):
+                if args.json:
+                    print(
+                        json.dumps(
+                            {
+                                "prompt": prompt,
+                                "text": out.text,
+                                "token_ids": out.token_ids,
+                                "finish_reason": out.finish_reason,
+                            }
+                        )
+                    )
+                else:
+                    print(
+                        f"{prompt!r} -> {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})"
+                    )
+            head = engine.headroom()
+            if not args.json:
+                print(
+                    f"{sum(len(o.token_ids) for o in outputs)} tokens in {elapsed:.2f} s; KV pools: full "
+                    f"{head.full_total_tokens} tokens, SWA {head.swa_total_tokens} tokens (hybrid={head.hybrid})"
+                )
+        finally:
+            engine.shutdown()  # also stops the TP ranks
     return 0

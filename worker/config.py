@@ -55,7 +55,10 @@ class EngineConfig(BaseModel):
         description="how much of max_new_tokens admission reserves; < 1 admits more",
     )
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
-    tp_size: int = Field(default=1, ge=1)
+    tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks (one per device)")
+    tp_timeout_s: float = Field(
+        default=60.0, gt=0, description="how long a TP collective may wait for a rank"
+    )
     check_on_idle: bool = Field(
         default=True,
         description=(

@@ -31,11 +31,13 @@ from swaserve.worker.model_runner import (
     resolve_dtype,
 )
 from swaserve.worker.models.config import load_model_config
+from swaserve.worker.parallel import TensorParallelError, TPGroup
 from swaserve.worker.request import FinishReason, Request, RequestStatus
 from swaserve.worker.sampling import Sampler, SamplingParams, make_generator
 from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from swaserve.worker.stats import EngineStats
 from swaserve.worker.tokenizer import TextTokenizer
+from swaserve.worker.tp_worker import RankSpec, TPLauncher, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +74,16 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.tp_size != 1:
-            raise ValueError(
-                f"tp_size={config.tp_size}: tensor parallelism is not available yet; use tp_size=1"
-            )
         self.config = config
         self.model_config = mc = load_model_config(config.model)
+        mc.check_tp_size(config.tp_size)  # ShardingError before any rank starts
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         kv_config = config.kv_memory_config(
             kv_cache_bytes=default_kv_cache_bytes(config, device, dtype)
         )
-        self.plan = plan_kv_memory(mc.kv_spec(), kv_config, dtype)
+        # Each rank's KV budget holds its shard of the KV heads: token counts are the group's.
+        self.plan = plan_kv_memory(mc.kv_spec(config.tp_size), kv_config, dtype)
         self.allocator = build_kv_allocator(self.plan)  # host state: rank 0's, whatever the device
         self.page_size = config.page_size
         self.window = mc.sliding_window_size if mc.swa_layer_ids else None
@@ -104,14 +104,24 @@ class Engine:
             sliding_window_size=self.window,
             stats=self.stats,
         )
-        self.runner = ModelRunner(
-            config,
-            mc,
-            self.plan,
-            device=device,
-            dtype=dtype,
-            slot_table_shape=(slot_table.num_rows, slot_table.max_len),
-        )
+        shape = (slot_table.num_rows, slot_table.max_len)
+        self.launcher: TPLauncher | None = None
+        tp = TPGroup.single(device)
+        if config.tp_size > 1:
+            device = rank_device(device, 0)
+            self.launcher = TPLauncher(RankSpec(config, self.plan, shape), device)
+            tp = self.launcher.tp
+        try:
+            self.runner = ModelRunner(
+                config, mc, self.plan, device=device, dtype=dtype, slot_table_shape=shape, tp=tp
+            )
+            if self.launcher is not None:
+                self.launcher.wait_ready()
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.close()
+            raise
+        self._broken: str | None = None  # why the TP group can no longer run
         limits = SchedulerLimits(
             page_size=config.page_size,
             max_running_requests=config.max_running_requests,
@@ -265,6 +275,8 @@ class Engine:
         If the forward or the sampling raises, the requests of that batch end with finish
         reason `error` (and the message), everything they hold is released, and the engine goes
         on serving the others."""
+        if self._broken is not None:
+            raise TensorParallelError(f"the engine's TP group is down: {self._broken}")
         timer = self.stats.timer()
         batch = self.scheduler.schedule()
         timer.lap("schedule")
@@ -274,10 +286,14 @@ class Engine:
         model_input = self._model_input(batch)
         timer.lap("input")
         try:
-            logits = self.runner.forward(model_input)
+            logits = self._forward(model_input)
             timer.lap("model")
             next_tokens = self._sample(batch, logits)
             timer.lap("sample")
+        except TensorParallelError as exc:  # the group is gone: fail cleanly, then say so
+            self._broken = str(exc)
+            self._fail(batch, exc)
+            raise
         except Exception as exc:  # a failed step must not take the engine down
             return self._fail(batch, exc)
         finished = self.scheduler.process_results(batch, next_tokens)
@@ -285,6 +301,13 @@ class Engine:
         outputs = self._outputs(batch, finished)
         timer.lap("postprocess")
         return outputs
+
+    def _forward(self, model_input: ModelInput) -> torch.Tensor:
+        """Every rank runs the step: rank 0 broadcasts the input, then runs its own shard."""
+        if self.launcher is not None:
+            self.launcher.broadcast(model_input)
+            return self.launcher.guard(lambda: self.runner.forward(model_input))
+        return self.runner.forward(model_input)
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
         tokens: list[int] = []
@@ -458,13 +481,19 @@ class Engine:
         self._collect_events()
 
     def shutdown(self) -> None:
-        """Abort everything and free the KV memory."""
-        for rid in list(self._requests):
-            self.abort(rid)
-        if self.tree is not None:
-            self.tree.reset()
-        self._requests.clear()
-        del self.runner
+        """Abort everything, free the KV memory and stop the TP ranks (none is left running,
+        also after a `TensorParallelError`)."""
+        try:
+            for rid in list(self._requests):
+                self.abort(rid)
+            if self.tree is not None:
+                self.tree.reset()
+            self._requests.clear()
+        finally:
+            if self.launcher is not None:
+                self.launcher.close()
+            if hasattr(self, "runner"):
+                del self.runner
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         req = self._requests.get(request_id)

@@ -127,3 +127,68 @@ def build_model_input(
         logits_indices=(ends - 1)[torch.tensor(samples, dtype=torch.bool)],  # [N] int64
         sliding_window_size=sliding_window_size,
     )
+
+
+_NO_WINDOW = -1
+HEADER_LEN = 7  # T, B, N writes, N logits, has SWA, W (or -1), command (set by the sender)
+COMMAND_FIELD = 6
+
+
+def pack_model_input(inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header [7] int64, payload [L] int64): the whole input as two flat tensors, for a
+    broadcast over the TP control group (no pickling)."""
+    two_pools = inp.out_swa_loc is not None
+    fields = [
+        inp.input_ids,
+        inp.positions,
+        inp.req_rows,
+        inp.prefix_lens,
+        inp.seq_lens,
+        inp.out_full_loc,
+        inp.writes.rows,
+        inp.writes.positions,
+        inp.writes.full,
+        inp.logits_indices,
+    ]
+    if two_pools:
+        assert inp.out_swa_loc is not None and inp.writes.swa is not None
+        fields += [inp.out_swa_loc, inp.writes.swa]
+    header = torch.tensor(
+        [
+            inp.num_tokens,
+            inp.batch_size,
+            inp.writes.num_writes,
+            inp.logits_indices.numel(),
+            int(two_pools),
+            _NO_WINDOW if inp.sliding_window_size is None else inp.sliding_window_size,
+            0,
+        ],
+        dtype=torch.int64,
+    )  # [7] int64
+    return header, torch.cat([f.reshape(-1).to(torch.int64) for f in fields])  # [L] int64
+
+
+def payload_len(header: torch.Tensor) -> int:
+    t, b, n, k, two_pools = (int(x) for x in header[:5])
+    return 3 * t + 3 * b + 3 * n + k + two_pools * (t + n)
+
+
+def unpack_model_input(header: torch.Tensor, payload: torch.Tensor) -> ModelInput:
+    """Inverse of `pack_model_input`."""
+    t, b, n, k, two_pools, window = (int(x) for x in header[:6])
+    sizes = [t, t, b, b, b, t, n, n, n, k] + ([t, n] if two_pools else [])
+    parts = list(torch.split(payload, sizes))
+    ids, pos, rows, prefix, seq, out_full, w_rows, w_pos, w_full, logits = parts[:10]
+    out_swa, w_swa = (parts[10], parts[11]) if two_pools else (None, None)
+    return ModelInput(
+        input_ids=ids,
+        positions=pos,
+        req_rows=rows,
+        prefix_lens=prefix,
+        seq_lens=seq,
+        out_full_loc=out_full,
+        out_swa_loc=out_swa,
+        writes=SlotWrites(w_rows, w_pos, w_full, w_swa),
+        logits_indices=logits,
+        sliding_window_size=None if window == _NO_WINDOW else window,
+    )

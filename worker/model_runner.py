@@ -23,6 +23,7 @@ from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.model_input import ModelInput
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.loader import load_model
+from swaserve.worker.parallel import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,7 +69,11 @@ def default_kv_cache_bytes(
     if device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
     free_bytes, _ = torch.cuda.mem_get_info(device)
-    weights = checkpoint_numel(config.model) * torch.empty((), dtype=dtype).element_size()
+    weights = (
+        checkpoint_numel(config.model)
+        * torch.empty((), dtype=dtype).element_size()
+        // config.tp_size
+    )  # this rank's shard, roughly
     budget = int((free_bytes - weights) * config.mem_fraction_static)
     if budget <= 0:
         raise ValueError(
@@ -90,19 +95,22 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         slot_table_shape: tuple[int, int],
+        tp: TPGroup | None = None,
     ) -> None:
+        self.tp = tp or TPGroup.single(device)
         self.device = device
         self.dtype = dtype
         self.model_config = model_config
         self.plan = plan
-        self.kv_pool = build_kv_pool(model_config.kv_spec(), plan, dtype=dtype, device=device)
+        spec = model_config.kv_spec(self.tp.world_size)
+        self.kv_pool = build_kv_pool(spec, plan, dtype=dtype, device=device)
         rows, max_len = slot_table_shape
         self.slot_table = DeviceSlotTable(
             rows, max_len, with_swa=not plan.single_pool, device=device
         )
         backend_cls = select_backend(device, config.attention_backend, dtype=dtype)
         self.backend = backend_cls(self.kv_pool, model_config.sliding_window_size)  # type: ignore[call-arg]
-        self.model = load_model(config.model, self.backend, dtype=dtype, device=device)
+        self.model = load_model(config.model, self.backend, dtype=dtype, device=device, tp=self.tp)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":

@@ -1,0 +1,221 @@
+"""Running one engine over a TP group without Ray: rank 0 is the engine's own process, ranks
+1..tp-1 are spawned processes (multiprocessing "spawn") that each run `run_worker_rank`.
+
+Per step rank 0 broadcasts the `ModelInput` over the gloo control group as two flat int64
+tensors (a header, then the payload; no model, pool, request or tree is ever pickled), every
+rank applies it to its own device slot tables and runs the forward on its shard, and rank 0
+samples. `run_worker_rank` needs nothing but its arguments, so the cluster can run it inside a
+Ray actor unchanged.
+
+Failure: rank 0 checks its children before every broadcast and every collective waits at most
+`tp_timeout_s`; a dead or hung rank makes rank 0 raise `TensorParallelError`. `shutdown()` tells
+the ranks to stop, joins them, and kills any that do not stop in time; the processes are daemons
+and are also ended when rank 0 exits (including after Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swaserve.worker.model_input import (
+    COMMAND_FIELD,
+    HEADER_LEN,
+    ModelInput,
+    pack_model_input,
+    payload_len,
+    unpack_model_input,
+)
+from swaserve.worker.parallel import (
+    TensorParallelError,
+    TPGroup,
+    connect_store,
+    create_store,
+    init_tp_group,
+)
+
+logger = logging.getLogger(__name__)
+
+STEP, SHUTDOWN = 0, 1
+JOIN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a worker rank needs to build its runner: all plain, picklable data."""
+
+    config: Any  # EngineConfig
+    plan: Any  # PoolPlan
+    slot_table_shape: tuple[int, int]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a single-host group uses cuda:r; CPU ranks share the CPU."""
+    if device.type == "cuda":
+        return torch.device("cuda", rank)
+    return device
+
+
+def broadcast_model_input(tp: TPGroup, inp: ModelInput) -> None:
+    """Rank 0: send one step's input to every other rank."""
+    header, payload = pack_model_input(inp)
+    header[COMMAND_FIELD] = STEP
+    tp.broadcast_control(header)
+    tp.broadcast_control(payload)
+
+
+def broadcast_shutdown(tp: TPGroup) -> None:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [7] int64
+    header[COMMAND_FIELD] = SHUTDOWN
+    tp.broadcast_control(header)
+
+
+def receive_model_input(tp: TPGroup) -> ModelInput | None:
+    """Ranks 1..: the next step's input, or None when rank 0 shuts the group down."""
+    header = tp.broadcast_control(torch.zeros(HEADER_LEN, dtype=torch.int64))
+    if int(header[COMMAND_FIELD]) == SHUTDOWN:
+        return None
+    payload = tp.broadcast_control(torch.empty(payload_len(header), dtype=torch.int64))
+    return unpack_model_input(header, payload)
+
+
+def run_worker_rank(
+    rank: int,
+    world_size: int,
+    store_host: str,
+    store_port: int,
+    spec: RankSpec,
+    errors: Any = None,  # a queue for a startup / step failure message to rank 0, or None
+) -> None:
+    """The loop of TP rank `rank` >= 1: join the group, load the shard, then run every forward
+    rank 0 broadcasts until it says stop."""
+    from swaserve.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+    from swaserve.worker.models.config import load_model_config
+
+    config = spec.config
+    timeout_s = config.tp_timeout_s
+    try:
+        base = resolve_device(config.device)
+        device = rank_device(base, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype = resolve_dtype(config.dtype, base)
+        store = connect_store(store_host, store_port, world_size, timeout_s)
+        tp = init_tp_group(store, rank, world_size, device, timeout_s)
+        model_config = load_model_config(config.model)
+        runner = ModelRunner(
+            config,
+            model_config,
+            spec.plan,
+            device=device,
+            dtype=dtype,
+            slot_table_shape=spec.slot_table_shape,
+            tp=tp,
+        )
+        tp.broadcast_control(torch.zeros(1, dtype=torch.int64))  # ready
+        while (inp := receive_model_input(tp)) is not None:
+            runner.forward(inp)
+    except KeyboardInterrupt:
+        return
+    except Exception as exc:
+        if errors is not None:
+            errors.put(f"TP rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        raise
+
+
+class TPLauncher:
+    """Rank 0's side of a TP group: the store, the spawned ranks and their health."""
+
+    def __init__(self, spec: RankSpec, device: torch.device) -> None:
+        config = spec.config
+        self.world_size = config.tp_size
+        self.timeout_s = config.tp_timeout_s
+        ctx = mp.get_context("spawn")
+        self._errors = ctx.Queue()
+        self._store = create_store(self.world_size, self.timeout_s)
+        self._procs = [
+            ctx.Process(
+                target=run_worker_rank,
+                args=(rank, self.world_size, "127.0.0.1", self._store.port, spec, self._errors),
+                name=f"swaserve-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        # At interpreter exit without close(): the ranks wait on a broadcast that never comes.
+        self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs), 0.0)
+        self.closed = False
+        try:
+            self.tp = init_tp_group(self._store, 0, self.world_size, device, self.timeout_s)
+        except Exception as exc:
+            self.close()
+            raise TensorParallelError(self._failure(f"the TP group did not form: {exc}")) from exc
+
+    def wait_ready(self) -> None:
+        """After rank 0 loaded its own shard: wait until every rank loaded its shard."""
+        self.guard(lambda: self.tp.broadcast_control(torch.zeros(1, dtype=torch.int64)))
+
+    def check_alive(self) -> None:
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+            raise TensorParallelError(self._failure(f"TP rank process ended: {names}"))
+
+    def guard(self, fn: Any) -> Any:
+        """Run a collective; turn any failure into `TensorParallelError` with the ranks' story."""
+        self.check_alive()
+        try:
+            return fn()
+        except TensorParallelError as exc:
+            raise TensorParallelError(self._failure(str(exc))) from exc
+
+    def broadcast(self, inp: ModelInput) -> None:
+        self.guard(lambda: broadcast_model_input(self.tp, inp))
+
+    def _failure(self, what: str) -> str:
+        messages = []
+        while True:
+            try:
+                messages.append(self._errors.get_nowait())
+            except (queue.Empty, OSError, ValueError):
+                break
+        return (
+            what if not messages else f"{what}; {' | '.join(m.splitlines()[0] for m in messages)}"
+        )
+
+    def close(self) -> None:
+        """Stop every rank: a shutdown message if the group still works, then join, then kill."""
+        if self.closed:
+            return
+        self.closed = True
+        graceful = all(p.is_alive() for p in self._procs) and hasattr(self, "tp")
+        if graceful:
+            try:
+                broadcast_shutdown(self.tp)
+            except TensorParallelError:  # a rank already gone: the kill below ends the rest
+                logger.warning("TP shutdown message failed; stopping the ranks", exc_info=True)
+                graceful = False
+        self._finalizer.detach()
+        _stop_processes(self._procs, JOIN_TIMEOUT_S if graceful else 0.0)
+
+
+def _stop_processes(procs: list[Any], join_timeout_s: float) -> None:
+    """Join each rank for up to `join_timeout_s`, then terminate, then kill what is left."""
+    for proc in procs:
+        proc.join(join_timeout_s)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
