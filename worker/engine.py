@@ -305,8 +305,7 @@ class Engine:
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         """Every rank runs the step: rank 0 broadcasts the input, then runs its own shard."""
         if self.launcher is not None:
-            self.launcher.broadcast(model_input)
-            return self.launcher.guard(lambda: self.runner.forward(model_input))
+            return self.launcher.run_step(model_input, self.runner.forward)
         return self.runner.forward(model_input)
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:

@@ -124,6 +124,11 @@ def run_worker_rank(
             runner.forward(inp)
     except KeyboardInterrupt:
         return
+    except TensorParallelError as exc:  # rank 0 or a peer went away: nothing left to serve
+        if errors is not None:
+            errors.put(f"TP rank {rank}: {exc}")
+        logger.error("TP rank %d stops: %s", rank, exc)
+        raise SystemExit(1) from exc
     except Exception as exc:
         if errors is not None:
             errors.put(f"TP rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -154,6 +159,7 @@ class TPLauncher:
         # At interpreter exit without close(): the ranks wait on a broadcast that never comes.
         self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs), 0.0)
         self.closed = False
+        self._in_step = False  # rank 0 is inside a step's collectives
         try:
             self.tp = init_tp_group(self._store, 0, self.world_size, device, self.timeout_s)
         except Exception as exc:
@@ -178,8 +184,21 @@ class TPLauncher:
         except TensorParallelError as exc:
             raise TensorParallelError(self._failure(str(exc))) from exc
 
-    def broadcast(self, inp: ModelInput) -> None:
+    def run_step(self, inp: ModelInput, forward: Any) -> Any:
+        """Broadcast `inp`, then run rank 0's own `forward(inp)`. A step cut short (an error,
+        Ctrl-C) leaves the other ranks inside a collective: `close()` then stops them hard."""
+        self._in_step = True
         self.guard(lambda: broadcast_model_input(self.tp, inp))
+        try:
+            out = self.guard(lambda: forward(inp))
+        except TensorParallelError:
+            raise
+        except Exception as exc:  # the other ranks wait in a collective rank 0 never reaches
+            raise TensorParallelError(
+                f"rank 0's forward failed, so the group is out of step: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._in_step = False
+        return out
 
     def _failure(self, what: str) -> str:
         messages = []
@@ -197,7 +216,9 @@ class TPLauncher:
         if self.closed:
             return
         self.closed = True
-        graceful = all(p.is_alive() for p in self._procs) and hasattr(self, "tp")
+        graceful = (
+            not self._in_step and all(p.is_alive() for p in self._procs) and hasattr(self, "tp")
+        )
         if graceful:
             try:
                 broadcast_shutdown(self.tp)

@@ -17,14 +17,15 @@ from swaserve.worker.kv.pool_plan import (
     request_bound,
     requests_that_fit,
 )
+from swaserve.worker.parallel import num_kv_heads_per_rank
 
 BF16_BYTES = 2
 
 # Real layer counts, KV heads and dims (bf16 KV). W is the number of tokens *before* the current
 # one an SWA query sees (DESIGN §2): GPT-OSS's HF config stores sliding_window = 128 = W + 1.
-MODEL_SHAPES: dict[str, LayerShape] = {
+MODEL_HEADS: dict[str, dict[str, int]] = {
     # 36 layers alternating sliding / full; 8 KV heads of dim 64.
-    "gpt-oss-120b": LayerShape.from_heads(
+    "gpt-oss-120b": dict(
         num_full_layers=18,
         num_swa_layers=18,
         full_kv_heads=8,
@@ -33,11 +34,10 @@ MODEL_SHAPES: dict[str, LayerShape] = {
         swa_kv_heads=8,
         swa_head_dim=64,
         swa_v_head_dim=64,
-        dtype_bytes=BF16_BYTES,
         sliding_window_size=127,
     ),
     # 48 layers: 9 full (4 KV heads), 39 SWA (8 KV heads); K dim 192, V dim 128; window 128.
-    "mimo-v2-flash": LayerShape.from_heads(
+    "mimo-v2-flash": dict(
         num_full_layers=9,
         num_swa_layers=39,
         full_kv_heads=4,
@@ -46,10 +46,25 @@ MODEL_SHAPES: dict[str, LayerShape] = {
         swa_kv_heads=8,
         swa_head_dim=192,
         swa_v_head_dim=128,
-        dtype_bytes=BF16_BYTES,
         sliding_window_size=128,
     ),
 }
+
+
+def model_shapes(tp_size: int = 1) -> dict[str, LayerShape]:
+    """Each model's per-rank layer shape at `tp_size`: a rank holds its share of the KV heads
+    (one replicated head when tp exceeds them), so a per-rank byte budget holds the group's
+    tokens."""
+    shapes = {}
+    for name, heads in MODEL_HEADS.items():
+        per_rank = dict(heads)
+        for kind in ("full_kv_heads", "swa_kv_heads"):
+            per_rank[kind] = num_kv_heads_per_rank(heads[kind], tp_size)
+        shapes[name] = LayerShape.from_heads(**per_rank, dtype_bytes=BF16_BYTES)
+    return shapes
+
+
+MODEL_SHAPES: dict[str, LayerShape] = model_shapes(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +142,9 @@ def capacity_table(
     *,
     page_size: int = 1,
     chunked_prefill_size: int | None = 8192,
+    tp_size: int = 1,
 ) -> list[CapacityRow]:
+    """Rows for every model × sequence length; `kv_cache_bytes` is one rank's KV budget."""
     return [
         capacity_row(
             name,
@@ -137,7 +154,7 @@ def capacity_table(
             page_size=page_size,
             chunked_prefill_size=chunked_prefill_size,
         )
-        for name, shape in MODEL_SHAPES.items()
+        for name, shape in model_shapes(tp_size).items()
         for t in seq_lens
     ]
 
@@ -174,6 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--chunked-prefill-size", type=int, default=8192)
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the budget is per rank, each rank holds its share of the KV heads",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
 
 
@@ -184,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
         args.seq_lens,
         page_size=args.page_size,
         chunked_prefill_size=args.chunked_prefill_size,
+        tp_size=args.tp_size,
     )
+    if args.tp_size > 1:
+        print(f"TP = {args.tp_size}: the budget is per rank; tokens are the whole group's")
     print(format_table(rows, budget))
     if args.json:
         print(json.dumps({"kv_cache_bytes": budget, "results": [r.as_json() for r in rows]}))

@@ -189,3 +189,60 @@ def test_tp2_over_nccl_equals_tp1(
     engines.append(tp)
     tokens_2, _ = recorded_run(tp, prompts)
     assert tokens_2 == tokens_1
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_ctrl_c_leaves_no_rank_behind(tiny_model_factory: Callable[..., Path]) -> None:
+    import subprocess
+    import sys
+
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    code = "import sys; from swaserve.cluster.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["generate", "--model", str(model_dir), "--prompt", "ab", "--max-new-tokens", "3000"]
+    argv += ["--max-total-tokens", "4096", "--tp-size", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ranks:
+            ranks = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
+            time.sleep(0.2)
+        assert ranks, "the TP rank never started"
+        time.sleep(3.0)  # let generation start
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in ranks)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from swaserve.cluster.cli import main as cli_main
-from swaserve.worker.kv.capacity import MODEL_SHAPES, capacity_row
+from swaserve.worker.kv.capacity import MODEL_SHAPES, capacity_row, capacity_table
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -54,3 +54,17 @@ def test_cli_kv_capacity(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["kv-capacity", "--seq-lens", "4096", "--json"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["seq_len"] for r in data["results"]] == [4096, 4096]
+
+
+def test_tp_divides_the_kv_heads_so_a_rank_budget_holds_the_groups_tokens() -> None:
+    from swaserve.worker.kv.capacity import model_shapes
+
+    one, eight = model_shapes(1)["mimo-v2-flash"], model_shapes(8)["mimo-v2-flash"]
+    # MiMo-V2-Flash: 4 full KV heads (replicated at tp = 8: 1 per rank), 8 SWA KV heads (1 each).
+    assert eight.full_token_bytes * 4 == one.full_token_bytes
+    assert eight.swa_token_bytes * 8 == one.swa_token_bytes
+    budget = int(80e9)
+    single = capacity_table(budget, [32768])[1]
+    sharded = capacity_table(budget, [32768], tp_size=8)[1]
+    assert single.model == sharded.model == "mimo-v2-flash"
+    assert (single.bound, sharded.bound) == (99, 409)
