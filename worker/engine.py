@@ -104,6 +104,18 @@ class Engine:
             sliding_window_size=self.window,
             stats=self.stats,
         )
+        limits = SchedulerLimits(
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            chunked_prefill_size=self._chunk_size(),
+            max_model_len=self.max_model_len,
+            swa_eviction_interval=config.swa_eviction_interval,
+            sliding_window_size=self.window,
+            schedule_policy=config.schedule_policy,
+            schedule_conservativeness=config.schedule_conservativeness,
+        )
+        self.scheduler = Scheduler(limits, self.kv, self.stats, frozenset(mc.eos_token_ids))
         shape = (slot_table.num_rows, slot_table.max_len)
         self.launcher: TPLauncher | None = None
         tp = TPGroup.single(device)
@@ -122,18 +134,6 @@ class Engine:
                 self.launcher.close()
             raise
         self._broken: str | None = None  # why the TP group can no longer run
-        limits = SchedulerLimits(
-            page_size=config.page_size,
-            max_running_requests=config.max_running_requests,
-            max_prefill_tokens=config.max_prefill_tokens,
-            chunked_prefill_size=self._chunk_size(),
-            max_model_len=self.max_model_len,
-            swa_eviction_interval=config.swa_eviction_interval,
-            sliding_window_size=self.window,
-            schedule_policy=config.schedule_policy,
-            schedule_conservativeness=config.schedule_conservativeness,
-        )
-        self.scheduler = Scheduler(limits, self.kv, self.stats, frozenset(mc.eos_token_ids))
         self.sampler = Sampler(device, config.seed)
         tokenizer_dir = Path(config.tokenizer or config.model)
         self.tokenizer = (

@@ -122,9 +122,13 @@ def test_requests_that_can_never_fit_are_refused(model_dir: Path) -> None:
         no_chunk.add_request([5] * 100, GREEDY)
 
 
-def test_tensor_parallel_is_refused_until_it_exists(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="tp_size=2"):
-        make_engine(model_dir, tp_size=2)
+def test_a_tp_size_the_model_cannot_split_is_refused_before_any_rank_starts(
+    model_dir: Path,
+) -> None:
+    from swaserve.worker.parallel import ShardingError
+
+    with pytest.raises(ShardingError, match="4 attention heads do not split over tp_size=3"):
+        make_engine(model_dir, tp_size=3)
 
 
 def test_swa_pool_too_small_is_refused_at_start(model_dir: Path) -> None:
