@@ -32,7 +32,7 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
         EngineConfig(
             model=model_dir,
             max_total_tokens=batch * (PROMPT_TOKENS + steps + 64) + 1024,
-            swa_full_tokens_ratio=0.5,
+            swa_full_tokens_ratio=1.0,  # every running window fits: no retraction
             max_running_requests=max(batch, 1),
             chunked_prefill_size=8192,
             max_prefill_tokens=8192,
@@ -47,8 +47,11 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
     for _ in range(8):  # warm up the decode path
         engine.step()
     before = dict(engine.stats.step_time_s)
+    retractions = engine.stats.retractions
     for _ in range(steps):
         engine.step()
+    if engine.stats.retractions != retractions or len(engine.scheduler.running) != batch:
+        raise RuntimeError("the measured steps were not pure decodes of the whole batch")
     ms = {p: (engine.stats.step_time_s[p] - before[p]) * 1e3 / steps for p in STEP_PHASES}
     ms["host"] = sum(v for p, v in ms.items() if p != "model")
     ms["total"] = ms["host"] + ms["model"]

@@ -25,7 +25,7 @@ from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
 from swaserve.worker.kv.slot_table import RequestSlotTable
-from swaserve.worker.kv.swa_freeing import SWAFreeState, free_swa_out_of_window_slots
+from swaserve.worker.kv.swa_freeing import SWAFreeState, take_out_of_window_range
 from swaserve.worker.model_input import SlotWrites
 from swaserve.worker.request import Request
 from swaserve.worker.stats import EngineStats
@@ -158,41 +158,48 @@ class KVCacheManager:
         )
 
     # ---- out-of-window SWA ---------------------------------------------------------------
-    def free_out_of_window(self, req: Request, interval: int) -> None:
-        """Free `req`'s out-of-window SWA slots (when at least `interval` are due) and release
-        the tree's SWA lock once the window has moved past the cached prefix."""
+    def free_out_of_window(self, reqs: list[Request], decode_interval: int) -> None:
+        """Free the out-of-window SWA slots of `reqs` — a decoding request's once at least
+        `decode_interval` are due, a prefilling one's all — in one allocator call, and release
+        the tree's SWA lock of each whose window has moved past its cached prefix."""
         w = self.sliding_window_size
-        if not self.hybrid or w is None or req.num_computed == 0:
+        if not self.hybrid or w is None:
             return
-        state, lock = req.swa, req.lock
-        self._free_swa(req, interval)
-        # The free boundary never passes num_computed - W, and the SWA lock goes once the
-        # window leaves the cached prefix: nothing is due before the smaller of the two.
-        due = max(state.swa_evicted_seqlen, state.cache_protected_len) + max(interval, 1) + w
-        if self.tree is not None and lock is not None and not lock.swa_released:
-            due = min(due, state.cache_protected_len + w)
-        state.next_check_len = due
-
-    def _free_swa(self, req: Request, interval: int) -> None:
-        w = self.sliding_window_size
-        assert isinstance(self.allocator, SWATokenAllocator) and w is not None
-        self.stats.swa_freed_tokens += free_swa_out_of_window_slots(
-            self.allocator,
-            req.swa,
-            req.slots,
-            req.num_computed,
-            sliding_window_size=w,
-            radix_cache=self.tree is not None,
-            min_free_tokens=interval,
-        )
-        lock = req.lock
-        if (
-            self.tree is not None
-            and lock is not None
-            and not lock.swa_released
-            and req.num_computed - w >= req.swa.cache_protected_len
-        ):
-            self.tree.release_request_swa(lock)
+        assert isinstance(self.allocator, SWATokenAllocator)
+        radix = self.tree is not None
+        parts = []
+        for req in reqs:
+            if req.num_computed == 0:
+                continue
+            state, lock = req.swa, req.lock
+            interval = decode_interval if req.is_decoding else 0
+            due = take_out_of_window_range(
+                state,
+                req.slots,
+                req.num_computed,
+                sliding_window_size=w,
+                page_size=self.page_size,
+                radix_cache=radix,
+                min_free_tokens=interval,
+            )
+            if due is not None:
+                parts.append(due)
+            holds_swa_lock = self.tree is not None and lock is not None and not lock.swa_released
+            if holds_swa_lock and req.num_computed - w >= state.cache_protected_len:
+                assert self.tree is not None and lock is not None
+                self.tree.release_request_swa(lock)
+                holds_swa_lock = False
+            # The free boundary never passes num_computed - W, and the SWA lock goes once the
+            # window leaves the cached prefix: nothing is due before the smaller of the two.
+            next_due = max(state.swa_evicted_seqlen, state.cache_protected_len)
+            next_due += max(interval, 1) + w
+            if holds_swa_lock:
+                next_due = min(next_due, state.cache_protected_len + w)
+            state.next_check_len = next_due
+        if parts:
+            freed = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self.allocator.free_swa(freed)
+            self.stats.swa_freed_tokens += freed.numel()
 
     # ---- caching and release -------------------------------------------------------------
     def cache_unfinished(self, req: Request) -> None:

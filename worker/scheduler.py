@@ -162,7 +162,10 @@ class Scheduler:
             lim.min_new_token_ratio, self.new_token_ratio - lim.new_token_ratio_decay
         )
         prefix_lens = [r.num_computed for r in reqs]
-        samples = [r.num_computed + n == r.seq_len for r, n in zip(reqs, extends, strict=True)]
+        samples = [
+            r.num_computed + n == len(r.prompt_ids) + len(r.output_ids)
+            for r, n in zip(reqs, extends, strict=True)
+        ]
         return ScheduledBatch(reqs, prefix_lens, extends, samples, torch.cat(locs))
 
     def process_results(
@@ -186,7 +189,7 @@ class Scheduler:
             req.output_ids.append(token)
             req.new_token_ids.append(token)
             if n > 1:  # a prefill just ended: drop what its chunk left out of the window
-                self.kv.free_out_of_window(req, 0)
+                self.kv.free_out_of_window([req], 0)
             reason = self._finish_reason(req, token)
             if reason is not None:
                 req.finish_reason = reason
@@ -337,10 +340,9 @@ class Scheduler:
         prefill chunks give back everything out of the window."""
         if not self.hybrid:
             return
-        interval = self.limits.swa_eviction_interval
-        for req in self.running:
-            if req.num_computed >= req.swa.next_check_len:
-                self.kv.free_out_of_window(req, interval if req.is_decoding else 0)
+        due = [r for r in self.running if r.num_computed >= r.swa.next_check_len]
+        if due:
+            self.kv.free_out_of_window(due, self.limits.swa_eviction_interval)
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params

@@ -70,7 +70,34 @@ def free_swa_out_of_window_slots(
     Nothing is freed until at least `min_free_tokens` positions are due (the eviction interval).
     Mutates `state.swa_evicted_seqlen`; returns the number of positions freed.
     """
-    page_size = allocator.page_size
+    due = take_out_of_window_range(
+        state,
+        token_indices,
+        pre_len,
+        sliding_window_size=sliding_window_size,
+        page_size=allocator.page_size,
+        radix_cache=radix_cache,
+        min_free_tokens=min_free_tokens,
+    )
+    if due is None:
+        return 0
+    allocator.free_swa(due)
+    return due.numel()
+
+
+def take_out_of_window_range(
+    state: SWAFreeState,
+    token_indices: torch.Tensor,
+    pre_len: int,
+    *,
+    sliding_window_size: int,
+    page_size: int,
+    radix_cache: bool,
+    min_free_tokens: int = 0,
+) -> torch.Tensor | None:
+    """The full slots whose SWA KV is due to be freed (see `free_swa_out_of_window_slots`), with
+    `state.swa_evicted_seqlen` already moved past them; None when nothing is due. The caller
+    frees them (several requests' at once: one `free_swa` call)."""
     if state.cache_protected_len % page_size:
         raise ValueError(
             f"cache_protected_len={state.cache_protected_len} is not page-aligned (P={page_size})"
@@ -88,7 +115,6 @@ def free_swa_out_of_window_slots(
     )
     if boundary <= start or boundary - start < min_free_tokens:
         state.swa_evicted_seqlen = start
-        return 0
-    allocator.free_swa(token_indices[start:boundary])
+        return None
     state.swa_evicted_seqlen = boundary
-    return boundary - start
+    return token_indices[start:boundary]
