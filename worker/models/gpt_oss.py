@@ -18,7 +18,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import RMSNorm, gathers_expert_weights, sort_by_expert
+from swaserve.worker.models.layers import BatchedExperts, RMSNorm, sort_by_expert
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.parallel import TPGroup, shard_range
 
@@ -40,7 +40,7 @@ class GptOssTopKRouter(nn.Module):
         return torch.softmax(top_value, dim=1, dtype=top_value.dtype), top_index
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(BatchedExperts):
     """Experts as packed tensors in HF's transposed layout: gate_up_proj [E, D, 2I] with gate and
     up interleaved (even / odd columns), down_proj [E, I, D], each with a bias. On a TP rank,
     I is its share I_r of the intermediate units and the output is partial (see the module
@@ -75,20 +75,6 @@ class GptOssExperts(nn.Module):
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, D]
-        top_k_index: torch.Tensor,  # [T, k] int64
-        top_k_weights: torch.Tensor,  # [T, k]
-    ) -> torch.Tensor:  # [T, D]
-        """Σ over each token's k experts of weight · expert(x): gathered weights for few pairs
-        (no host sync), grouped by expert for many (one host read, see `sort_by_expert`)."""
-        if gathers_expert_weights(
-            top_k_index.numel(), self.num_experts, self.expert_elements, x.device
-        ):
-            return self.forward_gathered(x, top_k_index, top_k_weights)
-        return self.forward_grouped(x, top_k_index, top_k_weights)
 
     def forward_gathered(
         self,

@@ -194,6 +194,38 @@ def gathers_expert_weights(
     return num_pairs <= num_experts
 
 
+class BatchedExperts(nn.Module):
+    """MoE experts that choose their path per batch: `forward_gathered` (few pairs, no host
+    sync) or `forward_grouped` (many pairs, one host read); see `gathers_expert_weights`.
+    Subclasses set `num_experts` and `expert_elements` and give both paths."""
+
+    num_experts: int
+    expert_elements: int
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        """Σ over each token's k experts of weight · expert(x)."""
+        if gathers_expert_weights(
+            top_k_index.numel(), self.num_experts, self.expert_elements, x.device
+        ):
+            return self.forward_gathered(x, top_k_index, top_k_weights)
+        return self.forward_grouped(x, top_k_index, top_k_weights)
+
+    def forward_gathered(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_grouped(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(slots=True)
 class ExpertGroups:
     """The T·k (token, expert) pairs sorted by expert (tokens ascending within an expert), and a

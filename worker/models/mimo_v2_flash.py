@@ -18,7 +18,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import DenseMLP, gathers_expert_weights, sort_by_expert
+from swaserve.worker.models.layers import BatchedExperts, DenseMLP, sort_by_expert
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.tp_layers import fused_segments
 from swaserve.worker.parallel import TPGroup
@@ -63,7 +63,7 @@ class MiMoV2FlashTopkRouter(nn.Module):
         return weights * self.routed_scaling_factor, top_k_index
 
 
-class MiMoV2FlashExperts(nn.Module):
+class MiMoV2FlashExperts(BatchedExperts):
     """Experts as packed tensors in HF's layout: gate_up_proj [E, 2I, D] (gate rows, then up
     rows), down_proj [E, D, I]; no biases. On a TP rank, I is its share I_r and the output
     is partial (see the module docstring)."""
@@ -84,20 +84,6 @@ class MiMoV2FlashExperts(nn.Module):
             "down_proj": ParamShard((e, d, i_all), 2, (gate_rows,), i),
         }
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, D]
-        top_k_index: torch.Tensor,  # [T, k] int64
-        top_k_weights: torch.Tensor,  # [T, k] float32
-    ) -> torch.Tensor:  # [T, D]
-        """Σ over each token's k experts of weight · expert(x): gathered weights for few pairs
-        (no host sync), grouped by expert for many (one host read, see `sort_by_expert`)."""
-        if gathers_expert_weights(
-            top_k_index.numel(), self.num_experts, self.expert_elements, x.device
-        ):
-            return self.forward_gathered(x, top_k_index, top_k_weights)
-        return self.forward_grouped(x, top_k_index, top_k_weights)
 
     def forward_gathered(
         self,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_edit import edit_checkpoint, state
 from ref_backend import RefBackend
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.errors import (
@@ -35,21 +36,6 @@ from swaserve.worker.models.weight_maps import MIMO_V2_FLASH_WEIGHTS
 SINK = "model.layers.1.self_attn.sinks"
 SINK_ORIGINAL = "model.layers.1.self_attn.attention_sink_bias"
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
-
-
-def edit_checkpoint(model_dir: Path, changes: dict[str, torch.Tensor | None]) -> None:
-    path = model_dir / SINGLE_FILE
-    tensors = load_file(path)
-    for name, tensor in changes.items():
-        if tensor is None:
-            del tensors[name]
-        else:
-            tensors[name] = tensor
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture

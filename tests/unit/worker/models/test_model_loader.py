@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_edit import edit_checkpoint, state
 from ref_backend import RefBackend
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from swaserve.worker.models.errors import (
     MissingConfigFieldError,
@@ -31,22 +32,6 @@ ROUTER = "model.layers.1.mlp.router.weight"
 @pytest.fixture
 def gpt_oss_dir(tmp_path: Path) -> Path:
     return make_tiny_model(tmp_path / "m", arch="gpt-oss", num_layers=2, seed=5)
-
-
-def edit_checkpoint(model_dir: Path, changes: dict[str, torch.Tensor | None]) -> None:
-    """Replace or add (tensor) or drop (None) checkpoint entries by name."""
-    path = model_dir / SINGLE_FILE
-    tensors = load_file(path)
-    for name, tensor in changes.items():
-        if tensor is None:
-            del tensors[name]
-        else:
-            tensors[name] = tensor
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def test_loads_every_tensor_by_hf_name(gpt_oss_dir: Path) -> None:

@@ -128,9 +128,8 @@ def test_forward_gathers_while_pairs_fit_experts_and_budget(
     assert taken == ["forward_grouped"]
     taken.clear()
     # The rule for a device where the gather saves a sync (CUDA), applied to these CPU tensors.
-    module = "gpt_oss" if arch == "gpt-oss" else "mimo_v2_flash"
     monkeypatch.setattr(
-        f"swaserve.worker.models.{module}.gathers_expert_weights",
+        "swaserve.worker.models.layers.gathers_expert_weights",
         lambda n, e, el, device=None: gathers_expert_weights(n, e, el),
     )
     run(2)  # 6 pairs ≤ 8 experts

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_edit import edit_checkpoint
 from ref_backend import RefBackend
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from swaserve.worker.models.checkpoint import Checkpoint
 from swaserve.worker.models.config import load_model_config
@@ -29,17 +30,6 @@ from swaserve.worker.models.tiny import make_tiny_model
 
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 BLOCK = (20, 24)  # neither divides the tiny shapes: edge blocks are short in both dims
-
-
-def edit_checkpoint(model_dir: Path, changes: dict[str, torch.Tensor | None]) -> None:
-    path = model_dir / SINGLE_FILE
-    tensors = load_file(path)
-    for name, tensor in changes.items():
-        if tensor is None:
-            del tensors[name]
-        else:
-            tensors[name] = tensor
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
