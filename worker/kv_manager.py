@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from swaserve.proto.kv_rules import cdiv, page_floor
+from swaserve.worker.host_tensors import int_tensor
 from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
@@ -133,8 +134,8 @@ class KVCacheManager:
         new_pages = sum(1 for s in seq if s % p == 0)
         if not self._make_room(new_pages * p):
             return None
-        rows = torch.tensor([r.row for r in reqs])  # [B] int64
-        pos = torch.tensor(seq)  # [B] int64
+        rows = int_tensor([r.row for r in reqs])  # [B] int64
+        pos = int_tensor(seq)  # [B] int64
         table = self.slot_table.slots
         out = self.allocator.alloc_decode(pos + 1, table[rows, pos - 1])
         if out is None:

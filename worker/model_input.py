@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swaserve.worker.host_tensors import bool_tensor, int_tensor
+
 
 @dataclass(frozen=True, slots=True)
 class SlotWrites:
@@ -108,23 +110,23 @@ def build_model_input(
     `token_ids` are the new tokens of all requests in batch order; `translate` maps full → SWA
     ids (two pools) or is None (one pool); `samples[i]`: request i samples a token this step.
     """
-    prefix = torch.tensor(prefix_lens, dtype=torch.int64)  # [B] int64
-    extend = torch.tensor(extend_lens, dtype=torch.int64)  # [B] int64
+    prefix = int_tensor(prefix_lens)  # [B] int64
+    extend = int_tensor(extend_lens)  # [B] int64
     num_tokens = len(token_ids)
     ends = torch.cumsum(extend, 0)  # [B] int64
     positions = torch.repeat_interleave(
         prefix - (ends - extend), extend, output_size=num_tokens
     ) + torch.arange(num_tokens)  # [T] int64
     return ModelInput(
-        input_ids=torch.tensor(token_ids, dtype=torch.int64),  # [T] int64
+        input_ids=int_tensor(token_ids),  # [T] int64
         positions=positions,
-        req_rows=torch.tensor(req_rows, dtype=torch.int64),  # [B] int64
+        req_rows=int_tensor(req_rows),  # [B] int64
         prefix_lens=prefix,
         seq_lens=prefix + extend,
         out_full_loc=out_full_loc,
         out_swa_loc=None if translate is None else translate(out_full_loc),
         writes=writes,
-        logits_indices=(ends - 1)[torch.tensor(samples, dtype=torch.bool)],  # [N] int64
+        logits_indices=(ends - 1)[bool_tensor(samples)],  # [N] int64
         sliding_window_size=sliding_window_size,
     )
 

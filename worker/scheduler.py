@@ -97,6 +97,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = limits.init_new_token_ratio
+        self.max_model_len = limits.max_model_len
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -350,6 +351,7 @@ class Scheduler:
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return FinishReason.STOP
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.limits.max_model_len:
+        num_out = len(req.output_ids)
+        if num_out >= params.max_new_tokens or len(req.prompt_ids) + num_out >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -20,6 +20,7 @@ import torch
 
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
+from swaserve.worker.host_tensors import int_tensor
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 
@@ -229,7 +230,7 @@ def _gather_ranges(
     total = sum(lens)
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
-    meta = torch.tensor([rows, starts, lens], dtype=torch.int64)  # [3, B] int64
+    meta = int_tensor([rows, starts, lens])  # [3, B] int64
     rows_t, starts_t, lens_t = meta[0], meta[1], meta[2]
     base = starts_t - (torch.cumsum(lens_t, 0) - lens_t)  # [B] key j of req i: base_i + flat j
     req = torch.repeat_interleave(torch.arange(len(lens)), lens_t, output_size=total)  # [total]

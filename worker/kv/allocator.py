@@ -159,6 +159,8 @@ class TokenAllocator:
         others continue at `last_loc + 1`. Returns None (nothing changed) when the pool is short.
         """
         seq, last = _decode_args(seq_lens, last_loc, self.page_size)
+        if self.page_size == 1:  # every new token is a new page: no last_loc arithmetic
+            return self.alloc_pages(seq.numel())
         needs_page = (seq - 1) % self.page_size == 0
         pages = self.alloc_pages(int(needs_page.sum()))
         if pages is None:
@@ -319,6 +321,15 @@ class SWATokenAllocator:
     def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
         """Paged decode on both pools (see `TokenAllocator.alloc_decode`)."""
         seq, last = _decode_args(seq_lens, last_loc, self.page_size)
+        if self.page_size == 1:  # every new token is a new page in both pools
+            n = seq.numel()
+            if n > self.full.free_page_count() or n > self.swa.free_page_count():
+                return None
+            full_idx = self.full.alloc_pages(n)
+            swa_idx = self.swa.alloc_pages(n)
+            assert full_idx is not None and swa_idx is not None
+            self.full_to_swa[full_idx] = swa_idx
+            return full_idx
         needs_page = (seq - 1) % self.page_size == 0
         num_pages = int(needs_page.sum())
         if num_pages > self.full.free_page_count() or num_pages > self.swa.free_page_count():
