@@ -85,9 +85,6 @@ class KVCacheManager:
         parts = [r.slots[r.swa.cache_protected_len :] for r in reqs]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
-    def has_free_row(self) -> bool:
-        return self.slot_table.num_free_rows() > 0
-
     # ---- admission -----------------------------------------------------------------------
     def match_prefix(self, req: Request) -> PrefixHit | None:
         """Give a waiting request a slot-table row and its cached prefix, locked (all but the

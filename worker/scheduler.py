@@ -97,7 +97,6 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = limits.init_new_token_ratio
-        self.max_model_len = limits.max_model_len
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -148,7 +147,7 @@ class Scheduler:
             if req not in self.running:  # retracted to make room for the decodes
                 continue
             n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
-            if n == 0 or (out := self._allocate_extend(req, n)) is None:
+            if n == 0 or (out := self.kv.allocate_extend(req, n)) is None:
                 continue
             reqs.append(req)
             extends.append(n)
@@ -258,9 +257,6 @@ class Scheduler:
             n = end - req.num_computed
         return max(n, 0)
 
-    def _allocate_extend(self, req: Request, n: int) -> torch.Tensor | None:
-        return self.kv.allocate_extend(req, n)
-
     def _admit(
         self,
         budget: int,
@@ -291,7 +287,7 @@ class Scheduler:
                 n == 0
                 or full_need > rem_total
                 or swa_need > rem_swa
-                or (out := self._allocate_extend(req, n)) is None
+                or (out := self.kv.allocate_extend(req, n)) is None
             ):
                 self.kv.release(req)
                 break
@@ -352,6 +348,9 @@ class Scheduler:
         ):
             return FinishReason.STOP
         num_out = len(req.output_ids)
-        if num_out >= params.max_new_tokens or len(req.prompt_ids) + num_out >= self.max_model_len:
+        if (
+            num_out >= params.max_new_tokens
+            or len(req.prompt_ids) + num_out >= self.limits.max_model_len
+        ):
             return FinishReason.LENGTH
         return None

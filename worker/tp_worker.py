@@ -21,7 +21,7 @@ import queue
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,10 @@ from swaserve.worker.parallel import (
     init_tp_group,
 )
 
+if TYPE_CHECKING:
+    from swaserve.worker.config import EngineConfig
+    from swaserve.worker.kv.pool_plan import PoolPlan
+
 logger = logging.getLogger(__name__)
 
 STEP, SHUTDOWN = 0, 1
@@ -51,8 +55,8 @@ JOIN_TIMEOUT_S = 10.0
 class RankSpec:
     """What a worker rank needs to build its runner: all plain, picklable data."""
 
-    config: Any  # EngineConfig
-    plan: Any  # PoolPlan
+    config: EngineConfig
+    plan: PoolPlan
     slot_table_shape: tuple[int, int]
 
 

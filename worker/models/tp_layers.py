@@ -126,9 +126,9 @@ class VocabShard:
         return ParamShard((self.vocab_size, hidden_size), 0, self.segments, self.rows)
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Rank's vocabulary rows of the embedding; ids outside them look up zeros, and the ranks'
-    rows are summed (exactly one rank holds each id, so the sum is that rank's row)."""
+class VocabParallelRows(nn.Module):
+    """Rank's vocabulary rows [V_r, D] of a vocabulary-sized matrix (the embedding, the LM head)
+    with its `ParamShard`; the two differ only in their forward."""
 
     def __init__(
         self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, tp: TPGroup
@@ -141,6 +141,11 @@ class VocabParallelEmbedding(nn.Module):
         )  # [V_r, D]
         self.param_shards = {"weight": self.shard.param_shard(hidden_size)}
 
+
+class VocabParallelEmbedding(VocabParallelRows):
+    """Rank's vocabulary rows of the embedding; ids outside them look up zeros, and the ranks'
+    rows are summed (exactly one rank holds each id, so the sum is that rank's row)."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, D]
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
@@ -150,20 +155,14 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(VocabParallelRows):
     """Rank's vocabulary rows of the LM head (the same rows as the embedding's, so a tied head
     shares its shard); the logits are gathered to the full vocabulary on every rank."""
 
     def __init__(
         self, hidden_size: int, vocab_size: int, *, dtype: torch.dtype, tp: TPGroup
     ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.shard = VocabShard(vocab_size, tp)
-        self.weight = nn.Parameter(
-            torch.empty(self.shard.rows, hidden_size, dtype=dtype)
-        )  # [V_r, D]
-        self.param_shards = {"weight": self.shard.param_shard(hidden_size)}
+        super().__init__(vocab_size, hidden_size, dtype=dtype, tp=tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V]
         logits = F.linear(hidden, self.weight)  # [N, V_r]
