@@ -37,7 +37,7 @@ from swaserve.worker.sampling import Sampler, SamplingParams, make_generator
 from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from swaserve.worker.stats import EngineStats
 from swaserve.worker.tokenizer import TextTokenizer
-from swaserve.worker.tp_worker import RankSpec, TPLauncher, rank_device
+from swaserve.worker.tp_worker import RankHandles, RankSpec, TPLauncher, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class Engine:
     actor does so from one loop).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, tp_ranks: RankHandles | None = None) -> None:
+        """`tp_ranks`: how ranks 1..tp-1 run (default: spawned processes; the cluster passes
+        Ray actors)."""
         self.config = config
         self.model_config = mc = load_model_config(config.model)
         mc.check_tp_size(config.tp_size)  # ShardingError before any rank starts
@@ -121,7 +123,7 @@ class Engine:
         tp = TPGroup.single(device)
         if config.tp_size > 1:
             device = rank_device(device, 0)
-            self.launcher = TPLauncher(RankSpec(config, self.plan, shape), device)
+            self.launcher = TPLauncher(RankSpec(config, self.plan, shape), device, tp_ranks)
             tp = self.launcher.tp
         try:
             self.runner = ModelRunner(

@@ -1,11 +1,11 @@
-"""Running one engine over a TP group without Ray: rank 0 is the engine's own process, ranks
-1..tp-1 are spawned processes (multiprocessing "spawn") that each run `run_worker_rank`.
+"""Running one engine over a TP group: rank 0 is the engine's own process; ranks 1..tp-1 each
+run `run_worker_rank` wherever the `RankHandles` put them: spawned processes (`ProcessRanks`,
+multiprocessing "spawn", the default) or Ray actors (the cluster's worker groups).
 
 Per step rank 0 broadcasts the `ModelInput` over the gloo control group as two flat int64
 tensors (a header, then the payload; no model, pool, request or tree is ever pickled), every
 rank applies it to its own device slot tables and runs the forward on its shard, and rank 0
-samples. `run_worker_rank` needs nothing but its arguments, so the cluster can run it inside a
-Ray actor unchanged.
+samples. `run_worker_rank` needs nothing but its arguments, so a Ray actor runs it unchanged.
 
 Failure: rank 0 checks its children before every broadcast and every collective waits at most
 `tp_timeout_s`; a dead or hung rank makes rank 0 raise `TensorParallelError`. `shutdown()` tells
@@ -21,7 +21,7 @@ import queue
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -61,9 +61,10 @@ class RankSpec:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r of a single-host group uses cuda:r; CPU ranks share the CPU."""
+    """Rank r uses the r-th visible GPU: cuda:r when one process sees the host's GPUs, cuda:0
+    in a Ray actor that sees only its own. CPU ranks share the CPU."""
     if device.type == "cuda":
-        return torch.device("cuda", rank)
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
     return device
 
 
@@ -139,20 +140,40 @@ def run_worker_rank(
         raise
 
 
-class TPLauncher:
-    """Rank 0's side of a TP group: the store, the spawned ranks and their health."""
+class RankHandles(Protocol):
+    """How rank 0 starts, watches and stops ranks 1..tp-1 (processes here; Ray actors in the
+    cluster). Each rank runs `run_worker_rank` with the store address it is given."""
 
-    def __init__(self, spec: RankSpec, device: torch.device) -> None:
-        config = spec.config
-        self.world_size = config.tp_size
-        self.timeout_s = config.tp_timeout_s
-        ctx = mp.get_context("spawn")
-        self._errors = ctx.Queue()
-        self._store = create_store(self.world_size, self.timeout_s)
+    def start(self, store_host: str, store_port: int, spec: RankSpec) -> None: ...
+
+    def dead(self) -> list[str]:
+        """One line per rank whose loop has ended (a live group has none)."""
+        ...
+
+    def errors(self) -> list[str]:
+        """The failure messages ranks sent since the last call."""
+        ...
+
+    def stop(self, join_timeout_s: float) -> None:
+        """Wait up to `join_timeout_s` for the ranks to end, then end them by force."""
+        ...
+
+
+class ProcessRanks:
+    """Ranks 1..tp-1 as spawned daemon processes of rank 0's process."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._ctx = mp.get_context("spawn")
+        self._errors = self._ctx.Queue()
+        self._procs: list[Any] = []
+        self._finalizer: Any = None
+
+    def start(self, store_host: str, store_port: int, spec: RankSpec) -> None:
         self._procs = [
-            ctx.Process(
+            self._ctx.Process(
                 target=run_worker_rank,
-                args=(rank, self.world_size, "127.0.0.1", self._store.port, spec, self._errors),
+                args=(rank, self.world_size, store_host, store_port, spec, self._errors),
                 name=f"swaserve-tp-rank{rank}",
                 daemon=True,
             )
@@ -160,25 +181,56 @@ class TPLauncher:
         ]
         for proc in self._procs:
             proc.start()
-        # At interpreter exit without close(): the ranks wait on a broadcast that never comes.
+        # At interpreter exit without stop(): the ranks wait on a broadcast that never comes.
         self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs), 0.0)
+
+    def dead(self) -> list[str]:
+        return [f"{p.name} (exit code {p.exitcode})" for p in self._procs if not p.is_alive()]
+
+    def errors(self) -> list[str]:
+        messages = []
+        while True:
+            try:
+                messages.append(self._errors.get_nowait())
+            except (queue.Empty, OSError, ValueError):
+                return messages
+
+    def stop(self, join_timeout_s: float) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _stop_processes(self._procs, join_timeout_s)
+
+
+class TPLauncher:
+    """Rank 0's side of a TP group: the store, the other ranks (`RankHandles`; spawned
+    processes by default) and their health."""
+
+    def __init__(
+        self, spec: RankSpec, device: torch.device, ranks: RankHandles | None = None
+    ) -> None:
+        config = spec.config
+        self.world_size = config.tp_size
+        self.timeout_s = config.tp_timeout_s
+        self.ranks: RankHandles = ranks or ProcessRanks(self.world_size)
+        self._store = create_store(self.world_size, self.timeout_s)
         self.closed = False
         self._in_step = False  # rank 0 is inside a step's collectives
         try:
+            self.ranks.start("127.0.0.1", self._store.port, spec)
             self.tp = init_tp_group(self._store, 0, self.world_size, device, self.timeout_s)
         except Exception as exc:
+            failure = self._failure(f"the TP group did not form: {exc}")
             self.close()
-            raise TensorParallelError(self._failure(f"the TP group did not form: {exc}")) from exc
+            raise TensorParallelError(failure) from exc
 
     def wait_ready(self) -> None:
         """After rank 0 loaded its own shard: wait until every rank loaded its shard."""
         self.guard(lambda: self.tp.broadcast_control(torch.zeros(1, dtype=torch.int64)))
 
     def check_alive(self) -> None:
-        dead = [p for p in self._procs if not p.is_alive()]
+        dead = self.ranks.dead()
         if dead:
-            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
-            raise TensorParallelError(self._failure(f"TP rank process ended: {names}"))
+            raise TensorParallelError(self._failure(f"TP rank ended: {', '.join(dead)}"))
 
     def guard(self, fn: Any) -> Any:
         """Run a collective; turn any failure into `TensorParallelError` with the ranks' story."""
@@ -205,12 +257,7 @@ class TPLauncher:
         return out
 
     def _failure(self, what: str) -> str:
-        messages = []
-        while True:
-            try:
-                messages.append(self._errors.get_nowait())
-            except (queue.Empty, OSError, ValueError):
-                break
+        messages = self.ranks.errors()
         return (
             what if not messages else f"{what}; {' | '.join(m.splitlines()[0] for m in messages)}"
         )
@@ -220,17 +267,14 @@ class TPLauncher:
         if self.closed:
             return
         self.closed = True
-        graceful = (
-            not self._in_step and all(p.is_alive() for p in self._procs) and hasattr(self, "tp")
-        )
+        graceful = not self._in_step and not self.ranks.dead() and hasattr(self, "tp")
         if graceful:
             try:
                 broadcast_shutdown(self.tp)
             except TensorParallelError:  # a rank already gone: the kill below ends the rest
                 logger.warning("TP shutdown message failed; stopping the ranks", exc_info=True)
                 graceful = False
-        self._finalizer.detach()
-        _stop_processes(self._procs, JOIN_TIMEOUT_S if graceful else 0.0)
+        self.ranks.stop(JOIN_TIMEOUT_S if graceful else 0.0)
 
 
 def _stop_processes(procs: list[Any], join_timeout_s: float) -> None:

@@ -73,7 +73,7 @@ def engines() -> Iterator[list[Engine]]:
         engine.shutdown()
     for engine in made:
         if engine.launcher is not None:
-            assert not any(p.is_alive() for p in engine.launcher._procs)
+            assert not any(p.is_alive() for p in engine.launcher.ranks._procs)
 
 
 MODELS = {
@@ -129,7 +129,7 @@ def test_a_killed_rank_makes_rank0_raise_and_nothing_is_left(
     for _ in range(3):
         engine.step()
     assert engine.launcher is not None
-    victim = engine.launcher._procs[0]
+    victim = engine.launcher.ranks._procs[0]
     victim.kill()
     victim.join(5)
     elapsed = _step_until_error(engine, 15.0)
@@ -137,7 +137,7 @@ def test_a_killed_rank_makes_rank0_raise_and_nothing_is_left(
     with pytest.raises(TensorParallelError, match="TP group is down"):
         engine.step()
     engine.shutdown()
-    assert not any(p.is_alive() for p in engine.launcher._procs)
+    assert not any(p.is_alive() for p in engine.launcher.ranks._procs)
 
 
 def test_a_hung_rank_raises_within_the_timeout(
@@ -150,7 +150,7 @@ def test_a_hung_rank_raises_within_the_timeout(
         engine.add_request(prompt, GREEDY)
     engine.step()
     assert engine.launcher is not None
-    victim = engine.launcher._procs[0]
+    victim = engine.launcher.ranks._procs[0]
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGSTOP)  # alive but unresponsive
     try:
