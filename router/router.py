@@ -73,6 +73,11 @@ class Router:
     def worker_ids(self) -> list[str]:
         return list(self._workers)
 
+    def worker(self, worker_id: str) -> WorkerState:
+        """A registered worker's state (its last headroom, report time, load); a query: do
+        not change it. Raises KeyError for an unknown worker."""
+        return self._worker(worker_id)
+
     def update(self, report: WorkerReport) -> None:
         """Take a worker's report: a new `instance_id` (restart) or a gap in `seq` (lost
         events) drops its cache view first; an older `seq` is ignored. Raises KeyError for an
