@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from swaserve.cluster.engine_loop import GenerateChunk, EngineLoop
+from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
 from swaserve.proto.messages import WorkerReport
 from swaserve.worker import EngineConfig, SamplingParams
 from swaserve.worker.tp_worker import RankSpec, run_worker_rank
