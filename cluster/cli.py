@@ -7,11 +7,17 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from swaserve.cluster import generate
+    from swaserve.cluster import client, generate, serve_command
     from swaserve.worker.kv import capacity
     from swaserve.worker.models import tiny
 
     commands = [
+        (
+            "serve",
+            serve_command,
+            "serve a model on a Ray cluster of TP worker groups behind the gRPC API",
+        ),
+        ("client", client, "stream a completion from a running server over gRPC"),
         (
             "kv-capacity",
             capacity,

@@ -27,7 +27,8 @@ from ray.exceptions import RayActorError
 
 from swaserve.cluster.engine_loop import WORKER_LOST, GenerateChunk
 from swaserve.cluster.router_actor import RouteAnswer, RouterActor, WorkerStatus
-from swaserve.cluster.worker_group import WorkerGroup, WorkerInfo
+from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup, WorkerInfo
+from swaserve.proto.kv_rules import page_ceil
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
 from swaserve.worker.tokenizer import TextTokenizer
@@ -88,6 +89,8 @@ class ModelInfo:
     tp_size: int
     eos_token_ids: tuple[int, ...]
     has_tokenizer: bool
+    full_pool_tokens: int
+    max_unchunked_prompt_tokens: int | None
 
 
 class _Lost(Exception):
@@ -166,6 +169,8 @@ class Cluster:
             tp_size=info.tp_size,
             eos_token_ids=info.eos_token_ids,
             has_tokenizer=(Path(engine.tokenizer or engine.model) / "tokenizer.json").is_file(),
+            full_pool_tokens=info.full_pool_tokens,
+            max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
         )
 
     async def _wait_reported(self, timeout_s: float = 30.0) -> None:
@@ -213,6 +218,18 @@ class Cluster:
             raise InvalidRequest(
                 f"the prompt has {len(token_ids)} tokens; the model's limit is "
                 f"{info.max_model_len} in all"
+            )
+        need = page_ceil(len(token_ids) + params.max_new_tokens, info.page_size)
+        if need > info.full_pool_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"needs {need} KV tokens; a worker's full pool holds {info.full_pool_tokens}"
+            )
+        limit = info.max_unchunked_prompt_tokens
+        if limit is not None and len(token_ids) > limit:
+            raise InvalidRequest(
+                f"a prompt of {len(token_ids)} tokens does not fit the SWA pool without chunked "
+                f"prefill (at most {limit}); enable chunked_prefill_size"
             )
         bad_stop = next((t for t in params.stop_token_ids if t >= info.vocab_size), None)
         if bad_stop is not None:
@@ -329,12 +346,20 @@ class Cluster:
             await asyncio.sleep(0.05)
         return not self._open
 
-    async def shutdown(self) -> None:
-        """Stop every worker group and the router actor (open streams end with "abort")."""
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop every worker group and the router actor (open streams end with "abort");
+        each group gets `timeout_s` to stop cleanly before it is killed."""
         self._closing = True
         for task in self._watchers:
             task.cancel()
-        await asyncio.gather(*(g.shutdown() for g in self.groups.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(g.shutdown(timeout_s) for g in self.groups.values()), return_exceptions=True
+        )
         if self.router is not None:
-            ray.kill(self.router, no_restart=True)
-            self.router = None
+            router, self.router = self.router, None
+            try:
+                await asyncio.wait_for(
+                    asyncio.to_thread(ray.kill, router, no_restart=True), KILL_TIMEOUT_S
+                )
+            except Exception:
+                logger.warning("the router actor did not stop cleanly", exc_info=True)

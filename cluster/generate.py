@@ -10,30 +10,11 @@ import argparse
 import json
 import tempfile
 import time
-import typing
 from pathlib import Path
 
+from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.models.tiny import make_tiny_model
-
-ENGINE_FLAGS = (
-    "device",
-    "dtype",
-    "page_size",
-    "max_total_tokens",
-    "kv_cache_bytes",
-    "swa_full_tokens_ratio",
-    "expected_seq_len",
-    "disable_hybrid_swa_memory",
-    "enable_prefix_cache",
-    "chunked_prefill_size",
-    "max_running_requests",
-    "swa_eviction_interval",
-    "schedule_policy",
-    "attention_backend",
-    "tp_size",
-    "tp_timeout_s",
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,47 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    for name in ENGINE_FLAGS:
-        field = EngineConfig.model_fields[name]
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            parser.add_argument(
-                flag, type=_parse_bool, default=None, metavar="true|false", help=field.description
-            )
-        else:
-            parser.add_argument(
-                flag, type=_parse_value(field.annotation), default=None, help=field.description
-            )
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _parse_value(annotation: object) -> typing.Callable[[str], object]:
-    """int / float / str from the field type; pydantic validates the rest."""
-    args = typing.get_args(annotation) or (annotation,)
-
-    def parse(text: str) -> object:
-        for kind in (int, float):
-            if kind in args:
-                try:
-                    return kind(text)
-                except ValueError:
-                    continue
-        return text
-
-    return parse
+    add_config_flags(parser, EngineConfig, ENGINE_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {
-        name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None
-    }
+    overrides = config_overrides(args, ENGINE_FLAGS)
     prompts = args.prompt or ["Hello, swaserve!", "Sliding windows keep KV small."]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(

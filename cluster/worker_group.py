@@ -34,6 +34,7 @@ from swaserve.worker.tp_worker import RankSpec, run_worker_rank
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # model load on every rank
+KILL_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     node_id: str
+    full_pool_tokens: int  # a request's prompt + max_new_tokens must fit (page-rounded)
+    max_unchunked_prompt_tokens: int | None  # without chunked prefill: the SWA pool's limit
 
 
 class RankWorker:
@@ -150,6 +153,8 @@ class EngineWorker:
             eos_token_ids=tuple(sorted(mc.eos_token_ids)),
             device=str(engine.runner.device),
             node_id=ray.get_runtime_context().get_node_id(),
+            full_pool_tokens=engine.plan.full_tokens,
+            max_unchunked_prompt_tokens=engine.max_unchunked_prompt_tokens(),
         )
 
     def _push_report(self, report: WorkerReport) -> None:
@@ -289,13 +294,17 @@ class WorkerGroup:
         return None
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop serving cleanly if the group still lives, then kill what is left."""
+        """Stop serving cleanly if the group still lives, then kill what is left. Bounded:
+        a Ray that is itself going down cannot hang it."""
         if self.alive:
             try:
                 await asyncio.wait_for(self.engine.shutdown.remote(), timeout_s)
             except Exception:
                 logger.warning("worker %s did not shut down cleanly", self.worker_id, exc_info=True)
-        self.kill()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.kill), KILL_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("worker %s: Ray did not confirm the kill", self.worker_id)
 
     def kill(self) -> None:
         """End every actor of the group and free its placement group (idempotent)."""

@@ -248,6 +248,13 @@ class Engine:
             raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
         return ids
 
+    def max_unchunked_prompt_tokens(self) -> int | None:
+        """The longest prompt the SWA pool can prefill in one go when chunked prefill is
+        off (None: no such limit)."""
+        if self.hybrid and self.scheduler.limits.chunked_prefill_size is None:
+            return self._max_swa_extend()
+        return None
+
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
         if n >= self.max_model_len:
@@ -261,8 +268,8 @@ class Engine:
                 f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV "
                 f"tokens; the full pool holds {full_total}"
             )
-        unchunked = self.scheduler.limits.chunked_prefill_size is None
-        if self.hybrid and unchunked and n > self._max_swa_extend():
+        limit = self.max_unchunked_prompt_tokens()
+        if limit is not None and n > limit:
             assert self.window is not None
             need = swa_tokens_for_extend(n, self.window, self.page_size) + self.page_size
             raise RequestError(

@@ -1,0 +1,108 @@
+"""`swaserve client`: stream a completion from a running `swaserve serve` over gRPC (or show
+its model and load).
+
+    swaserve client --server 127.0.0.1:50051 'Hello, swaserve!'
+    swaserve client --server 127.0.0.1:50051 --load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+
+AUTH_TOKEN_ENV = "SWASERVE_AUTH_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="*", help="prompt text (joined with spaces)")
+    parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the server")
+    parser.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--session-id", default="", help="keeps a conversation's turns together")
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="the call's deadline")
+    parser.add_argument("--tls-ca-file", help="PEM CA bundle: connect over TLS")
+    parser.add_argument("--auth-token-file", help=f"bearer token file (or ${AUTH_TOKEN_ENV})")
+    parser.add_argument("--json", action="store_true", help="one JSON object per stream item")
+    parser.add_argument("--info", action="store_true", help="print GetModelInfo and exit")
+    parser.add_argument("--load", action="store_true", help="print GetLoad and exit")
+
+
+def open_channel(server: str, tls_ca_file: str | None = None) -> grpc.Channel:
+    if tls_ca_file:
+        credentials = grpc.ssl_channel_credentials(Path(tls_ca_file).read_bytes())
+        return grpc.secure_channel(server, credentials)
+    return grpc.insecure_channel(server)
+
+
+def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
+    token = None
+    if args.auth_token_file:
+        token = Path(args.auth_token_file).read_text().strip()
+    elif os.environ.get(AUTH_TOKEN_ENV):
+        token = os.environ[AUTH_TOKEN_ENV].strip()
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_new_tokens=args.max_new_tokens, stop=args.stop)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(params, name, getattr(args, name))
+    request = pb.GenerateRequest(
+        request_id=args.request_id, session_id=args.session_id, sampling_params=params
+    )
+    if args.token_ids:
+        request.token_ids.extend(int(t) for t in args.token_ids.split(","))
+    else:
+        request.text = " ".join(args.prompt) or "Hello, swaserve!"
+    return request
+
+
+def run(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    metadata = _metadata(args)
+    with open_channel(args.server, args.tls_ca_file) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        try:
+            if args.info or args.load:
+                reply = (
+                    stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=10)
+                    if args.info
+                    else stub.GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=10)
+                )
+                print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True)))
+                return 0
+            last = None
+            for item in stub.Generate(
+                build_request(args), metadata=metadata, timeout=args.timeout_s
+            ):
+                last = item
+                if args.json:
+                    print(json.dumps(MessageToDict(item)), flush=True)
+                else:
+                    print(item.text, end="", flush=True)
+        except grpc.RpcError as exc:
+            print(f"\nswaserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if last is not None and not args.json:
+        usage = last.usage
+        print(
+            f"\n[{last.finish_reason}; {usage.prompt_tokens} prompt tokens "
+            f"({usage.cached_tokens} cached), {usage.completion_tokens} new; {last.worker_id}]"
+        )
+    return 0

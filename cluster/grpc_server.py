@@ -1,0 +1,389 @@
+"""The gRPC ingress (grpc.aio): service `swaserve.v1.Inference` over a `Cluster`, plus the
+standard `grpc.health.v1.Health` service and server reflection.
+
+    Generate(request)  →  validate (INVALID_ARGUMENT)  →  tokenize (text) / check ids
+                       →  cluster.generate: route + stream  →  detokenize (UTF-8 safe, stop
+                          strings)  →  GenerateResponse items; the last one has finish_reason
+                          and usage
+
+Status codes: INVALID_ARGUMENT for bad input, RESOURCE_EXHAUSTED when no worker has room and
+the router's queue is full (trailing metadata `retry-after-s`), UNAVAILABLE while draining or
+when the worker was lost after tokens were streamed, INTERNAL when the worker's step failed,
+UNAUTHENTICATED without the configured bearer token. A client cancel or an expired deadline
+closes the stream, which aborts the request on its worker and frees its KV. Nothing a client
+sends is unpickled: requests are protobuf, parsed by protobuf.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from swaserve.cluster.cluster import (
+    Cluster,
+    ClusterBusy,
+    GenerationFailed,
+    InvalidRequest,
+    Unavailable,
+)
+from swaserve.cluster.detokenizer import IncrementalDetokenizer
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+from swaserve.worker import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "swaserve.v1.Inference"
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
+
+
+class GrpcServerConfig(BaseModel):
+    """The ingress's knobs; `swaserve serve` maps its flags onto these."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to bind (0.0.0.0: every interface)")
+    port: int = Field(DEFAULT_GRPC_PORT, ge=0, le=65535, description="0: any free port")
+    tls_cert_file: str | None = Field(None, description="PEM certificate chain: serve TLS")
+    tls_key_file: str | None = Field(None, description="PEM private key of the certificate")
+    auth_token: str | None = Field(None, description="bearer token every RPC but health needs")
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, gt=0, le=1 << 30)
+    drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: wait this long for streams")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GrpcServerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        for path in (self.tls_cert_file, self.tls_key_file):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS file {path!r} does not exist")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth_token must not be empty")
+        return self
+
+
+class BadRequest(ValueError):
+    """A request field is invalid (INVALID_ARGUMENT)."""
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    """Protobuf → `SamplingParams`; unset optional fields keep swaserve's defaults. Raises
+    `BadRequest` with the field's name."""
+    values: dict[str, Any] = {}
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+        if msg.HasField(name):
+            values[name] = getattr(msg, name)
+    if msg.stop_token_ids:
+        bad = [t for t in msg.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise BadRequest(
+                f"sampling_params.stop_token_ids: {bad[0]} is outside [0, {vocab_size})"
+            )
+        values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    values["ignore_eos"] = msg.ignore_eos
+    try:
+        return SamplingParams(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise BadRequest(f"sampling_params.{field}: {first['msg']}") from None
+
+
+def check_stop_strings(stop: list[str]) -> list[str]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"sampling_params.stop: at most {MAX_STOP_STRINGS} stop strings")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise BadRequest(f"sampling_params.stop: each must have 1 to {MAX_STOP_CHARS} chars")
+    return list(stop)
+
+
+def check_id(value: str, what: str) -> str:
+    if len(value) > MAX_ID_CHARS or not _ID_PATTERN.fullmatch(value):
+        raise BadRequest(
+            f"{what} must be 1 to {MAX_ID_CHARS} characters of [A-Za-z0-9._:-], got {value[:40]!r}"
+        )
+    return value
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """`swaserve.v1.Inference` over a started `Cluster`."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        info = cluster.model_info
+        assert info is not None, "start the cluster first"
+        self.info = info
+        self._open: set[str] = set()
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.monotonic()
+        try:
+            request_id, token_ids, params, stop, session = self._parse(request)
+        except (BadRequest, InvalidRequest) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request_id in self._open:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request_id!r} is already in use"
+            )
+        tokenizer = self.cluster.tokenizer
+        detok = (
+            IncrementalDetokenizer(tokenizer.tokenizer, token_ids, stop)
+            if tokenizer is not None
+            else None
+        )
+        self._open.add(request_id)
+        stream = self.cluster.generate(request_id, token_ids, params, session_id=session)
+        completion_tokens = 0
+        worker_id = ""
+        try:
+            async for chunk in stream:
+                worker_id = chunk.worker_id
+                completion_tokens += len(chunk.token_ids)
+                text = detok.push(chunk.token_ids) if detok is not None else ""
+                reason = chunk.finish_reason or ""
+                if detok is not None and detok.stopped:
+                    reason = "stop"  # a stop string: end here; closing the stream aborts
+                elif chunk.finished and detok is not None:
+                    text += detok.flush()
+                response = pb.GenerateResponse(
+                    request_id=request_id,
+                    token_ids=chunk.token_ids,
+                    text=text,
+                    finish_reason=reason,
+                    cached_tokens=chunk.cached_tokens,
+                    worker_id=worker_id,
+                )
+                if reason:
+                    response.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=len(token_ids),
+                            completion_tokens=completion_tokens,
+                            cached_tokens=chunk.cached_tokens,
+                        )
+                    )
+                yield response
+                if reason:
+                    logger.info(
+                        "request %s: %d prompt tokens (%d cached) + %d new on %s, %s, %.3f s",
+                        request_id,
+                        len(token_ids),
+                        chunk.cached_tokens,
+                        completion_tokens,
+                        worker_id,
+                        reason,
+                        time.monotonic() - started,
+                    )
+                    break
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ClusterBusy as exc:
+            context.set_trailing_metadata((("retry-after-s", f"{exc.retry_after_s:g}"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except GenerationFailed as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            self._open.discard(request_id)
+            await stream.aclose()  # not finished: aborts on the worker, frees the KV
+
+    def _parse(
+        self, request: pb.GenerateRequest
+    ) -> tuple[str, list[int], SamplingParams, list[str], str | None]:
+        request_id = (
+            check_id(request.request_id, "request_id")
+            if request.request_id
+            else self.cluster.new_request_id()
+        )
+        session = check_id(request.session_id, "session_id") if request.session_id else None
+        has_text, has_ids = bool(request.text), bool(request.token_ids)
+        if has_text == has_ids:
+            raise BadRequest("set exactly one of text and token_ids")
+        if has_text:
+            tokenizer = self.cluster.tokenizer
+            if tokenizer is None:
+                raise BadRequest("this model has no tokenizer: send token_ids")
+            token_ids = tokenizer.encode(request.text)
+        else:
+            token_ids = list(request.token_ids)
+        params = sampling_params_from_proto(request.sampling_params, self.info.vocab_size)
+        stop = check_stop_strings(list(request.sampling_params.stop))
+        if stop and self.cluster.tokenizer is None:
+            raise BadRequest("sampling_params.stop needs a tokenizer: use stop_token_ids")
+        self.cluster.check_request(token_ids, params)
+        need = len(token_ids) + params.max_new_tokens
+        if need > self.info.max_model_len:
+            raise BadRequest(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the model's limit of {self.info.max_model_len} tokens"
+            )
+        return request_id, token_ids, params, stop, session
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        return pb.AbortResponse(aborted=await self.cluster.abort(request.request_id))
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        info = self.info
+        return pb.ModelInfo(
+            model_name=info.model_name,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            sliding_window_size=info.sliding_window_size,
+            page_size=info.page_size,
+            tp_size=info.tp_size,
+            num_workers=len(self.cluster.live_workers),
+            eos_token_ids=list(info.eos_token_ids),
+            has_tokenizer=info.has_tokenizer,
+        )
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadResponse:
+        out = pb.LoadResponse()
+        for status in await self.cluster.load():
+            h = status.headroom
+            if h is None:
+                continue
+            out.workers.append(
+                pb.WorkerLoad(
+                    worker_id=status.worker_id,
+                    full_total_tokens=h.full_total_tokens,
+                    full_free_tokens=h.full_free_tokens,
+                    full_evictable_tokens=h.full_evictable_tokens,
+                    swa_total_tokens=h.swa_total_tokens,
+                    swa_free_tokens=h.swa_free_tokens,
+                    swa_evictable_tokens=h.swa_evictable_tokens,
+                    num_running=h.num_running,
+                    num_waiting=h.num_waiting,
+                    cached_token_share=(
+                        h.cached_tokens_total / h.prompt_tokens_total
+                        if h.prompt_tokens_total
+                        else 0.0
+                    ),
+                    report_age_s=max(0.0, status.report_age_s),
+                    tp_size=self.info.tp_size,
+                )
+            )
+        return out
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC but the health service needs `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method or ""
+        handler = await continuation(handler_call_details)
+        if method.startswith(f"/{HEALTH_SERVICE_NAME}/") or handler is None:
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return handler
+        return _denied(handler)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        yield  # pragma: no cover (abort raises)
+
+    kinds = (handler.request_streaming, handler.response_streaming)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kinds]
+    return make(
+        deny_stream if handler.response_streaming else deny,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class GrpcServer:
+    """The ingress server: Inference + Health + reflection on one port."""
+
+    def __init__(self, cluster: Cluster, config: GrpcServerConfig) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; returns the port (the free one chosen when the config says 0)."""
+        config = self.config
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self.cluster), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert_file and config.tls_key_file:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())]
+            )
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind the gRPC server to {address}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server, self.port = server, port
+        return port
+
+    async def drain(self) -> bool:
+        """Health NOT_SERVING, refuse new requests, wait (bounded) for the open streams."""
+        await self.health.enter_graceful_shutdown()
+        return await self.cluster.drain(self.config.drain_timeout_s)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None

@@ -1,0 +1,233 @@
+"""`swaserve serve`: start (or join) Ray, the router actor, the worker groups and the gRPC
+ingress, then serve until SIGTERM / Ctrl-C.
+
+Without `--model` it serves a small random GPT-OSS-shaped demo model, made once in the cache
+dir (`$SWASERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/swaserve`, else `~/.cache/swaserve`); its text
+is gibberish, but every code path is the real one. On SIGTERM the health service turns
+NOT_SERVING, new requests get UNAVAILABLE, open streams get `--drain-timeout-s` to finish, and
+every actor is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
+from swaserve.router import RouterConfig
+from swaserve.worker import EngineConfig
+
+if TYPE_CHECKING:
+    from swaserve.cluster.cluster import Cluster, ClusterConfig
+    from swaserve.cluster.grpc_server import GrpcServerConfig
+
+logger = logging.getLogger("swaserve.serve")
+
+ROUTER_FLAGS = tuple(RouterConfig.model_fields)
+DEMO_MODEL_NAME = "demo-gpt-oss"
+AUTH_TOKEN_ENV = "SWASERVE_AUTH_TOKEN"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SWASERVE_CACHE_DIR"):
+        return Path(os.environ["SWASERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "swaserve"
+
+
+def ensure_demo_model(root: Path | None = None) -> Path:
+    """The demo model dir, made once (written to a temporary sibling, then renamed, so a
+    crash never leaves half a model)."""
+    from swaserve.worker.models.tiny import make_tiny_model
+
+    target = (root or cache_dir()) / DEMO_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=target.parent))
+    try:
+        make_tiny_model(
+            tmp, arch="gpt-oss", num_layers=4, sliding_window_size=32, hidden_size=64, num_heads=4
+        )
+        try:
+            tmp.rename(target)
+        except OSError:  # another process made it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from swaserve.cluster.grpc_server import DEFAULT_GRPC_PORT
+
+    parser.add_argument("--model", help="HF-format model dir (default: the demo model)")
+    parser.add_argument("--served-model-name", help="the name clients see (default: dir name)")
+    parser.add_argument("--replicas", type=int, default=1, help="worker groups (TP groups)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0: any free")
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray to join ('auto': the running cluster; default: start a local Ray)",
+    )
+    parser.add_argument(
+        "--num-cpus", type=int, default=None, help="logical CPUs of a local Ray (CPU bundles)"
+    )
+    parser.add_argument("--tls-cert-file", help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--auth-token-file",
+        help=f"file holding the bearer token every RPC but health needs (or ${AUTH_TOKEN_ENV})",
+    )
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument(
+        "--status-interval-s", type=float, default=10.0, help="status line period (0: none)"
+    )
+    parser.add_argument(
+        "--report-interval-s", type=float, default=0.1, help="worker → router report period"
+    )
+    parser.add_argument(
+        "--use-gpu",
+        type=lambda s: s.lower() in ("1", "true", "yes"),
+        default=None,
+        metavar="true|false",
+        help="GPU bundles (default: when Ray has GPUs)",
+    )
+    add_config_flags(parser, EngineConfig, ENGINE_FLAGS)
+    add_config_flags(parser, RouterConfig, ROUTER_FLAGS, prefix="router_")
+
+
+def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerConfig]:
+    """(ClusterConfig, GrpcServerConfig) from the flags; pydantic errors propagate."""
+    from swaserve.cluster.cluster import ClusterConfig
+    from swaserve.cluster.grpc_server import GrpcServerConfig
+
+    model = args.model or str(ensure_demo_model())
+    engine = EngineConfig(model=model, **config_overrides(args, ENGINE_FLAGS))
+    router = RouterConfig(**config_overrides(args, ROUTER_FLAGS, prefix="router_"))
+    cluster = ClusterConfig(
+        engine=engine,
+        router=router,
+        replicas=args.replicas,
+        served_model_name=args.served_model_name,
+        use_gpu=args.use_gpu,
+        report_interval_s=args.report_interval_s,
+    )
+    token = None
+    if args.auth_token_file:
+        token = Path(args.auth_token_file).read_text().strip()
+    elif os.environ.get(AUTH_TOKEN_ENV):
+        token = os.environ[AUTH_TOKEN_ENV].strip()
+    grpc_config = GrpcServerConfig(
+        host=args.host,
+        port=args.grpc_port,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        auth_token=token,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    return cluster, grpc_config
+
+
+def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> bool:
+    """Join `address` or start a local Ray; True if this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    cpus = num_cpus or max(os.cpu_count() or 1, bundles + 1)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+async def serve(
+    cluster_config: ClusterConfig, grpc_config: GrpcServerConfig, status_interval_s: float
+) -> int:
+    from swaserve.cluster.cluster import Cluster
+    from swaserve.cluster.grpc_server import GrpcServer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = await Cluster.start(cluster_config)
+    server = GrpcServer(cluster, grpc_config)
+    try:
+        port = await server.start()
+        info = cluster.model_info
+        assert info is not None
+        host = server.config.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        tls = " (TLS)" if server.config.tls_cert_file else ""
+        print(
+            f"swaserve: serving {info.model_name} ({info.architecture}, W={info.sliding_window_size}) "
+            f"on {host}:{port}{tls}: {len(cluster.live_workers)} worker(s) × TP {info.tp_size}",
+            flush=True,
+        )
+        print(f"try:  swaserve client --server {shown}:{port} 'Hello, swaserve!'", flush=True)
+        status = asyncio.create_task(_status_lines(cluster, status_interval_s))
+        await stop.wait()
+        status.cancel()
+        print("swaserve: draining", flush=True)
+        drained = await server.drain()
+        if not drained:
+            logger.warning("drain timed out with %d open streams; stopping", cluster.num_open)
+    finally:
+        await server.stop()
+        await cluster.shutdown()
+    print("swaserve: stopped", flush=True)
+    return 0
+
+
+async def _status_lines(cluster: Cluster, interval_s: float) -> None:
+    if interval_s <= 0:
+        return
+    while True:
+        await asyncio.sleep(interval_s)
+        parts = []
+        for s in await cluster.load():
+            h = s.headroom
+            if h is None:
+                continue
+            share = h.cached_tokens_total / h.prompt_tokens_total if h.prompt_tokens_total else 0.0
+            parts.append(
+                f"{s.worker_id}: run {h.num_running} wait {h.num_waiting} "
+                f"full free {h.full_free_tokens}/{h.full_total_tokens} "
+                f"swa free {h.swa_free_tokens}/{h.swa_total_tokens} cached {share:.2f}"
+            )
+        logger.info("status | %s", " | ".join(parts) or "no live workers")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cluster_config, grpc_config = build_configs(args)
+    except (ValidationError, OSError) as exc:
+        print(f"swaserve serve: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    bundles = args.replicas * cluster_config.engine.tp_size
+    started = connect_ray(args.ray_address, args.num_cpus, bundles)
+    try:
+        return asyncio.run(serve(cluster_config, grpc_config, args.status_interval_s))
+    finally:
+        if started:
+            ray.shutdown()
