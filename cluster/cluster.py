@@ -110,7 +110,7 @@ class Cluster:
         self.draining = False
         self._closing = False
         self._open: dict[str, WorkerGroup] = {}  # request id -> the group serving it
-        self._watchers: list[asyncio.Task[None]] = []
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # worker id -> its watch
         self._ids = itertools.count()
 
     @classmethod
@@ -150,7 +150,7 @@ class Cluster:
         )
         for group in self.groups.values():
             await self.router.add_worker.remote(group.worker_id)
-            self._watchers.append(asyncio.create_task(self._watch(group)))
+            self._watchers[group.worker_id] = asyncio.create_task(self._watch(group))
         self.model_info = self._model_info(engine, infos[0])
         tokenizer_dir = Path(engine.tokenizer or engine.model)
         if (tokenizer_dir / "tokenizer.json").is_file():
@@ -350,7 +350,7 @@ class Cluster:
         """Stop every worker group and the router actor (open streams end with "abort");
         each group gets `timeout_s` to stop cleanly before it is killed."""
         self._closing = True
-        for task in self._watchers:
+        for task in self._watchers.values():
             task.cancel()
         await asyncio.gather(
             *(g.shutdown(timeout_s) for g in self.groups.values()), return_exceptions=True

@@ -254,8 +254,8 @@ class WorkerGroup:
         self.rank_actors = [
             ray.remote(RankWorker)
             .options(
-                name=None,
                 max_restarts=0,
+                max_concurrency=2,  # `ping` answers while `run` holds the rank
                 scheduling_strategy=on_bundle(rank),
                 **resources,
             )
@@ -285,11 +285,11 @@ class WorkerGroup:
         self._serving = self.engine.serve_forever.remote()
         return self.info
 
-    async def watch(self) -> BaseException | None:
+    async def watch(self) -> Exception | None:
         """Wait until the group stops serving; the error that stopped it (None: shut down)."""
         try:
             await self._serving
-        except BaseException as exc:
+        except Exception as exc:
             return exc
         return None
 

@@ -4,8 +4,11 @@ talk to them with the stock, synchronous gRPC clients."""
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
+import time
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,7 +19,8 @@ from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.router import RouterConfig
-from swaserve.worker import EngineConfig
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.tokenizer import TextTokenizer
 
 T = TypeVar("T")
 
@@ -115,3 +119,90 @@ def serve_cluster(
         loop.close()
         raise
     return loop, served
+
+
+def stream(
+    stub: pb_grpc.InferenceStub, request: pb.GenerateRequest, timeout_s: float = 60.0
+) -> tuple[list[int], str, pb.GenerateResponse]:
+    """All token ids, the joined text and the last item of one Generate stream."""
+    ids: list[int] = []
+    text = ""
+    last = None
+    for item in stub.Generate(request, timeout=timeout_s):
+        ids.extend(item.token_ids)
+        text += item.text
+        last = item
+    assert last is not None
+    return ids, text, last
+
+
+def greedy(max_new_tokens: int, **more: object) -> pb.SamplingParams:
+    return pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **more)
+
+
+def shared_prefix_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts in 5 families: a 40-token family prefix, then 3-12 tokens of their own."""
+    rng = random.Random(seed)
+    families = [[rng.randrange(256) for _ in range(40)] for _ in range(5)]
+    return [
+        families[i % 5] + [rng.randrange(256) for _ in range(rng.randint(3, 12))] for i in range(n)
+    ]
+
+
+def reference_tokens(model: Path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    engine = Engine(EngineConfig(model=str(model), device="cpu", max_total_tokens=MAX_TOTAL_TOKENS))
+    try:
+        params = [SamplingParams(max_new_tokens=m, temperature=0.0) for m in max_new]
+        return [o.token_ids for o in engine.generate(prompts, params)]
+    finally:
+        engine.shutdown()
+
+
+def wait_idle(served: ServedCluster, timeout_s: float = 20.0) -> dict[str, pb.WorkerLoad]:
+    """GetLoad once every worker reports no running or waiting request."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = served.load()
+        if all(w.num_running == 0 and w.num_waiting == 0 for w in load.values()):
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers still busy: {load}")
+        time.sleep(0.05)
+
+
+def run_concurrent_streams(served: ServedCluster, cluster_model: Path, n: int = 50) -> set[str]:
+    """`n` concurrent greedy streams with shared prefixes; each must give exactly the tokens of
+    an in-process engine, and its text deltas must join to the decode of its tokens."""
+    prompts = shared_prefix_prompts(n)
+    max_new = [4 + i % 5 for i in range(n)]
+    expected = reference_tokens(cluster_model, prompts, max_new)
+    tokenizer = TextTokenizer(cluster_model)
+    with served.channel() as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        def one(i: int) -> tuple[list[int], str, pb.GenerateResponse]:
+            request = pb.GenerateRequest(
+                request_id=f"c{i}", token_ids=prompts[i], sampling_params=greedy(max_new[i])
+            )
+            return stream(stub, request)
+
+        with ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(one, range(n)))
+    for i, (ids, text, last) in enumerate(results):
+        assert ids == expected[i], f"request {i}"
+        assert text == tokenizer.decode(ids)
+        assert last.finish_reason in ("length", "stop")
+        assert last.usage.prompt_tokens == len(prompts[i])
+        assert last.usage.completion_tokens == len(ids)
+    return {last.worker_id for _, _, last in results}
+
+
+def kv_in_use(load: dict[str, pb.WorkerLoad]) -> dict[str, tuple[int, int]]:
+    """Per worker, the full and SWA tokens neither free nor evictable (held by requests)."""
+    return {
+        w.worker_id: (
+            w.full_total_tokens - w.full_free_tokens - w.full_evictable_tokens,
+            w.swa_total_tokens - w.swa_free_tokens - w.swa_evictable_tokens,
+        )
+        for w in load.values()
+    }
