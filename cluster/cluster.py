@@ -250,11 +250,12 @@ class Cluster:
         self.check_request(token_ids, params)
         attempts = 0
         while True:
-            group = await self._route(request_id, token_ids, params, session_id)
+            group: WorkerGroup | None = None
             streamed = False
             finished = False
-            self._open[request_id] = group
             try:
+                group = await self._route(request_id, token_ids, params, session_id)
+                self._open[request_id] = group
                 stream = group.engine.generate.remote(request_id, token_ids, params)
                 async for ref in stream:
                     item = await ref
@@ -274,6 +275,7 @@ class Cluster:
                         return
                 raise _Lost("the stream ended early")
             except (RayActorError, _Lost) as exc:
+                assert group is not None  # routing itself does not lose workers
                 finished = True  # nothing left to abort on a lost group
                 self._drop(group, f"lost during request {request_id}: {exc}")
                 attempts += 1
@@ -283,9 +285,10 @@ class Cluster:
                     ) from exc
                 logger.warning("request %s: retrying after losing %s", request_id, group.worker_id)
             finally:
+                # Also when the caller left while the request was queued in the router.
                 self._open.pop(request_id, None)
                 self.router.finish.remote(request_id)
-                if not finished and group.alive:
+                if group is not None and not finished and group.alive:
                     group.engine.abort.remote(request_id)
 
     async def _route(
@@ -307,6 +310,8 @@ class Cluster:
                 )
             if answer.outcome == "no_workers":
                 raise Unavailable("no worker is serving")
+            if answer.outcome == "invalid":
+                raise InvalidRequest(answer.message)
             assert answer.worker_id is not None
             group = self.groups[answer.worker_id]
             if group.alive:

@@ -221,11 +221,12 @@ class EngineLoop:
         """Report when forced, when the interval passed, or after a step that changed the
         cache (KV events) or the running / waiting counts."""
         events = self.engine.take_kv_events()
-        headroom = self.engine.headroom()
-        counts = (headroom.num_running, headroom.num_waiting)
+        scheduler = self.engine.scheduler
+        counts = (len(scheduler.running), len(scheduler.waiting))
         due = force or events or counts != self._last_counts or self._time_to_report() <= 0
         if not due:
             return
+        headroom = self.engine.headroom()
         self._seq += 1
         now = time.time()
         report = WorkerReport(self.worker_id, self.instance_id, self._seq, now, headroom, events)

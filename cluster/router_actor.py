@@ -25,13 +25,15 @@ POLL_INTERVAL_S = 0.05
 @dataclass(frozen=True, slots=True)
 class RouteAnswer:
     """`outcome`: "routed" (go to `worker_id`), "overloaded" (the queue is full), "expired"
-    (waited past its deadline) or "no_workers" (no worker is registered)."""
+    (waited past its deadline), "no_workers" (no worker is registered) or "invalid" (e.g. the
+    id is already in flight; `message` says why)."""
 
     outcome: str
     worker_id: str | None = None
     predicted_hit_tokens: int = 0
     queued_s: float = 0.0
     queue_len: int = 0
+    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,8 @@ class RouterActor:
             )
         except Overloaded as exc:
             return RouteAnswer("overloaded", queue_len=exc.queue_len)
+        except ValueError as exc:  # a duplicate id or an empty prompt: the caller's mistake
+            return RouteAnswer("invalid", message=str(exc))
         if decision.outcome is Outcome.QUEUED:
             future: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
             self._waiting[request_id] = future

@@ -163,3 +163,31 @@ def test_full_router_queue_gets_resource_exhausted_with_a_retry_hint(
     time.sleep(0.2)  # a report after the abort reaches the router
     ids, _, _ = stream(stub, long_request(2, max_new_tokens=450))
     assert len(ids) == 450  # room again: the same request now fits
+
+
+def test_queued_request_waits_for_room_and_a_caller_that_leaves_the_queue_frees_its_place(
+    make_cluster: MakeCluster,
+) -> None:
+    served = make_cluster(replicas=1, max_total_tokens=512, router=RouterConfig(max_queue_len=4))
+    router = served.cluster.router
+
+    def queue_len() -> int:
+        return ray.get(router.stats.remote(), timeout=10)["queue_len"]
+
+    holder = StreamThread(served, long_request(0, max_new_tokens=450))
+    holder.start()
+    assert holder.first.wait(60)
+    queued = StreamThread(served, long_request(1, max_new_tokens=450))
+    queued.start()
+    wait_for(lambda: queue_len() == 1)
+    with pytest.raises(grpc.RpcError) as err:
+        list(served.stub().Generate(long_request(2, max_new_tokens=450), timeout=1.0))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: queue_len() == 1)  # the one that left is out of the queue
+    assert not queued.items  # still waiting for room
+    assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
+    queued.join(120)
+    assert queued.code == grpc.StatusCode.OK
+    assert sum(len(i.token_ids) for i in queued.items) == 450
+    assert queue_len() == 0
+    ray.get(router.check.remote(), timeout=10)

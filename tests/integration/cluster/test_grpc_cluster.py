@@ -314,3 +314,20 @@ def test_abort_without_an_id_is_invalid(two_workers: ServedCluster) -> None:
     with pytest.raises(grpc.RpcError) as err:
         two_workers.stub().Abort(pb.AbortRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_request_id_in_flight_cannot_be_reused(two_workers: ServedCluster) -> None:
+    stub = two_workers.stub()
+    first = stub.Generate(
+        pb.GenerateRequest(
+            request_id="dup", token_ids=[9] * 10, sampling_params=greedy(1500, ignore_eos=True)
+        ),
+        timeout=60,
+    )
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(request_id="dup", token_ids=[1]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dup" in (err.value.details() or "")
+    first.cancel()
+    wait_idle(two_workers)

@@ -1,0 +1,64 @@
+"""bench/cluster_load.py end to end at tiny sizes, in a subprocess (its own local Ray, shut
+down by the bench): both policies serve every turn of every session, the usage the server
+reports adds up to the workload, and prefix routing reuses more prompt tokens than round
+robin on a multi-turn workload over 2 workers. No timing asserts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "cluster_load.py"
+SESSIONS, TURNS, MAX_NEW_TOKENS = 4, 3, 8
+
+
+@pytest.mark.slow
+def test_cluster_load_bench() -> None:
+    argv = [
+        f"--sessions={SESSIONS}",
+        f"--turns={TURNS}",
+        "--concurrency=3",
+        f"--max-new-tokens={MAX_NEW_TOKENS}",
+        "--system-tokens=64",
+        "--user-tokens=8",
+        "--hidden=64",
+        "--layers=2",
+        "--window=8",
+        "--max-total-tokens=4096",
+        "--repeats=1",
+        "--json",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(BENCH), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH.parents[1],
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+
+    requests = SESSIONS * TURNS
+    assert data["workload_requests"] == requests
+    runs = {run["policy"]: run for run in data["runs"]}
+    assert sorted(runs) == ["prefix", "round_robin"]
+    assert len(data["runs"]) == 2
+    for run in runs.values():
+        assert run["requests"] == requests
+        assert run["finished"] == requests  # every turn ended with "length" (ignore_eos)
+        assert run["generated_tokens"] == requests * MAX_NEW_TOKENS
+        assert run["prompt_tokens"] == data["workload_prompt_tokens"]
+        assert 0.0 <= run["cached_share"] <= 1.0
+        assert sum(run["requests_per_worker"].values()) == requests
+    # Greedy decoding: where the prefix cache hits must not change a single token.
+    assert runs["prefix"]["answers_equal_first_run"] == 1.0
+    # Round robin moves a session's turns between the 2 workers; prefix keeps them together.
+    assert runs["prefix"]["cached_share"] > runs["round_robin"]["cached_share"]
+    assert runs["round_robin"]["requests_per_worker"] == {
+        "worker-0": requests // 2,
+        "worker-1": requests // 2,
+    }
