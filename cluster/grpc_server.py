@@ -36,6 +36,7 @@ from swaserve.cluster.cluster import (
     InvalidRequest,
     Unavailable,
 )
+from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.detokenizer import IncrementalDetokenizer
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "swaserve.v1.Inference"
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-DEFAULT_GRPC_PORT = 50051
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_ID_CHARS = 128
 MAX_STOP_STRINGS = 16

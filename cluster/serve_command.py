@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
+from swaserve.cluster.local_ray import LocalRay, set_auth_mode
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig
 
@@ -70,8 +72,6 @@ def ensure_demo_model(root: Path | None = None) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from swaserve.cluster.grpc_server import DEFAULT_GRPC_PORT
-
     parser.add_argument("--model", help="HF-format model dir (default: the demo model)")
     parser.add_argument("--served-model-name", help="the name clients see (default: dir name)")
     parser.add_argument("--replicas", type=int, default=1, help="worker groups (TP groups)")
@@ -141,18 +141,24 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
     return cluster, grpc_config
 
 
-def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> bool:
-    """Join `address` or start a local Ray; True if this process started it."""
+def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> LocalRay | None:
+    """Join `address`, or start a local Ray (in its own session, see `local_ray`) and join it;
+    returns the local Ray to stop at exit."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return None
     if address:
         ray.init(address=address, log_to_driver=True)
-        return False
-    cpus = num_cpus or max(os.cpu_count() or 1, bundles + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-    return True
+        return None
+    local = LocalRay(num_cpus=num_cpus or max(os.cpu_count() or 1, bundles + 1))
+    local_address = local.start()
+    try:
+        ray.init(address=local_address, log_to_driver=True)
+    except BaseException:
+        local.stop()
+        raise
+    return local
 
 
 async def serve(
@@ -217,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not args.ray_address:
+        set_auth_mode()  # before anything imports ray
     try:
         cluster_config, grpc_config = build_configs(args)
     except (ValidationError, OSError) as exc:
@@ -225,9 +233,10 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     bundles = args.replicas * cluster_config.engine.tp_size
-    started = connect_ray(args.ray_address, args.num_cpus, bundles)
+    local = connect_ray(args.ray_address, args.num_cpus, bundles)
     try:
         return asyncio.run(serve(cluster_config, grpc_config, args.status_interval_s))
     finally:
-        if started:
-            ray.shutdown()
+        ray.shutdown()
+        if local is not None:
+            local.stop()

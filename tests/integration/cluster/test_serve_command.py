@@ -189,3 +189,38 @@ def test_serve_rejects_bad_flags_before_starting_anything(serve_env: dict[str, s
     )
     assert out.returncode == 2
     assert "page_size" in out.stderr
+
+
+def raylet_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True)
+    return {int(pid) for pid in out.stdout.split()}
+
+
+def test_serve_starts_its_own_ray_and_survives_a_group_sigterm(
+    serve_env: dict[str, str], cluster_model: Path
+) -> None:
+    """Without --ray-address the command starts a local Ray in a session of its own, so a
+    SIGTERM to the command's whole process group (`timeout`, systemd) still drains cleanly;
+    the local Ray is gone afterwards."""
+    before = raylet_pids()
+    process = ServeProcess(
+        ["--model", str(cluster_model), "--grpc-port", "0", "--num-cpus", "2", "--device", "cpu"],
+        serve_env,
+    )
+    try:
+        _, port = process.wait_listening()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(token_ids=[1, 2, 3], sampling_params=greedy(4))
+            assert sum(len(i.token_ids) for i in stub.Generate(request, timeout=60)) == 4
+        assert len(raylet_pids() - before) == 1  # its own Ray
+        os.killpg(process.proc.pid, signal.SIGTERM)
+        assert process.proc.wait(60) == 0
+        process._reader.join(10)
+        assert process.lines[-1] == "swaserve: stopped"
+        deadline = time.monotonic() + 30
+        while raylet_pids() - before:
+            assert time.monotonic() < deadline, "the local Ray outlived the server"
+            time.sleep(0.2)
+    finally:
+        process.stop()

@@ -1,0 +1,4 @@
+"""Ports and other defaults shared by the CLI, the servers and the deployment files (light:
+importing it pulls in neither Ray nor gRPC)."""
+
+DEFAULT_GRPC_PORT = 50051
