@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 ADDRESS_PREFIX = "address="
 # A new local Ray enables token auth unless RAY_AUTH_MODE says otherwise; a process that joins
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import ray
 
-    context = ray.init(
+    context: Any = ray.init(
         num_cpus=args.num_cpus,
         num_gpus=args.num_gpus,
         include_dashboard=False,

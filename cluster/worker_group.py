@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -262,7 +261,7 @@ class WorkerGroup:
             .remote()
             for rank in range(1, tp)
         ]
-        self.engine = (
+        self.engine: Any = (  # the EngineWorker actor's handle
             ray.remote(EngineWorker)
             .options(
                 max_restarts=0, max_concurrency=1000, scheduling_strategy=on_bundle(0), **resources
@@ -272,7 +271,6 @@ class WorkerGroup:
         self.info: WorkerInfo | None = None
         self._serving: Any = None
         self.alive = True
-        self.started_s = time.time()
 
     @property
     def actors(self) -> list[Any]:
@@ -281,9 +279,10 @@ class WorkerGroup:
     async def start(self, timeout_s: float = READY_TIMEOUT_S) -> WorkerInfo:
         """Wait for the placement group, load the model on every rank, start serving."""
         await asyncio.wait_for(self.placement_group.ready(), timeout_s)
-        self.info = await asyncio.wait_for(self.engine.start.remote(), timeout_s)
+        info: WorkerInfo = await asyncio.wait_for(self.engine.start.remote(), timeout_s)
+        self.info = info
         self._serving = self.engine.serve_forever.remote()
-        return self.info
+        return info
 
     async def watch(self) -> Exception | None:
         """Wait until the group stops serving; the error that stopped it (None: shut down)."""

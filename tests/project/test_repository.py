@@ -71,10 +71,10 @@ def test_ruff_clean() -> None:
 
 
 @pytest.mark.slow
-def test_mypy_clean_on_kv_and_router() -> None:
+def test_mypy_clean_on_kv_router_and_cluster() -> None:
     pytest.importorskip("mypy")
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "worker/kv", "router"],
+        [sys.executable, "-m", "mypy", "worker/kv", "router", "cluster"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 from pathlib import Path
 
 import grpc
@@ -40,7 +41,7 @@ def self_signed(tmp_path: Path) -> tuple[Path, Path]:
             x509.SubjectAlternativeName(
                 [
                     x509.DNSName("localhost"),
-                    x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1")),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                 ]
             ),
             critical=False,
