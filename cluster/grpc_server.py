@@ -38,6 +38,7 @@ from swaserve.cluster.cluster import (
 )
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.detokenizer import IncrementalDetokenizer
+from swaserve.cluster.metrics import ServingMetrics
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.worker import SamplingParams
@@ -125,11 +126,12 @@ def check_id(value: str, what: str) -> str:
 class InferenceServicer(pb_grpc.InferenceServicer):
     """`swaserve.v1.Inference` over a started `Cluster`."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, metrics: ServingMetrics | None = None) -> None:
         self.cluster = cluster
         info = cluster.model_info
         assert info is not None, "start the cluster first"
         self.info = info
+        self.metrics = metrics
         self._open: set[str] = set()
 
     async def Generate(
@@ -152,12 +154,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
         self._open.add(request_id)
         stream = self.cluster.generate(request_id, token_ids, params, session_id=session)
+        timer = self.metrics.tracker(started) if self.metrics is not None else None
         completion_tokens = 0
         worker_id = ""
         try:
             async for chunk in stream:
                 worker_id = chunk.worker_id
                 completion_tokens += len(chunk.token_ids)
+                if timer is not None:
+                    timer.tokens(len(chunk.token_ids), worker_id, time.monotonic())
                 text = detok.push(chunk.token_ids) if detok is not None else ""
                 reason = chunk.finish_reason or ""
                 if detok is not None and detok.stopped:
@@ -205,6 +210,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             self._open.discard(request_id)
             await stream.aclose()  # not finished: aborts on the worker, frees the KV
+            if timer is not None:
+                timer.finish(time.monotonic())
 
     def _parse(
         self, request: pb.GenerateRequest
@@ -340,9 +347,12 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class GrpcServer:
     """The ingress server: Inference + Health + reflection on one port."""
 
-    def __init__(self, cluster: Cluster, config: GrpcServerConfig) -> None:
+    def __init__(
+        self, cluster: Cluster, config: GrpcServerConfig, metrics: ServingMetrics | None = None
+    ) -> None:
         self.cluster = cluster
         self.config = config
+        self.metrics = metrics
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -357,7 +367,9 @@ class GrpcServer:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self.cluster), server)
+        pb_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(self.cluster, self.metrics), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -1,0 +1,177 @@
+"""Prometheus metrics of a serving cluster (prometheus-client), named as SGLang / vLLM users
+know them, with labels `model_name` and `worker`.
+
+Two sources, one registry per ingress process:
+
+- per request, measured in the ingress (gRPC and HTTP alike): time to first token,
+  inter-token latency, end-to-end latency (histograms);
+- per worker, read at scrape time from the router's view (`Cluster.load()`: each worker's last
+  headroom report) and the router's own counters (`Cluster.router_stats()`): running and
+  waiting requests, full and SWA pool usage, prefix-cache queries and hits (tokens), tombstoned
+  tokens, and routing decisions by policy and outcome.
+
+`await metrics.render(cluster)` refreshes the second part and returns the text exposition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from swaserve.cluster.router_actor import WorkerStatus
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "swaserve:"
+LATENCY_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def tombstoned_tokens(headroom: Any) -> int:
+    """Tokens the prefix cache holds with full KV but no SWA KV any more (tombstones)."""
+    full = headroom.full_evictable_tokens + headroom.full_protected_tokens
+    swa = headroom.swa_evictable_tokens + headroom.swa_protected_tokens
+    return max(0, full - swa) if headroom.hybrid else 0
+
+
+class ClusterSnapshotCollector(Collector):
+    """Yields the per-worker and router metrics of the last `update` (a scrape refreshes it)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.workers: list[WorkerStatus] = []
+        self.router: dict[str, Any] = {}
+
+    def update(self, workers: list[WorkerStatus], router: dict[str, Any]) -> None:
+        self.workers, self.router = workers, router
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "worker"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+        running = gauge("num_requests_running", "requests running on the worker")
+        waiting = gauge("num_requests_waiting", "requests waiting on the worker")
+        usage = gauge("token_usage", "full pool: share of tokens neither free nor evictable")
+        swa_usage = gauge("swa_token_usage", "SWA pool: share of tokens neither free nor evictable")
+        tombstoned = gauge("swa_tombstoned_tokens", "cached tokens whose SWA KV was freed")
+        queries = CounterMetricFamily(
+            PREFIX + "prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            PREFIX + "prefix_cache_hits",
+            "prompt tokens served from the prefix cache",
+            labels=labels,
+        )
+        for status in self.workers:
+            h = status.headroom
+            if h is None:
+                continue
+            values = [self.model_name, status.worker_id]
+            running.add_metric(values, h.num_running)
+            waiting.add_metric(values, h.num_waiting)
+            usage.add_metric(values, _used_share(h.full_available_tokens, h.full_total_tokens))
+            swa_usage.add_metric(values, _used_share(h.swa_available_tokens, h.swa_total_tokens))
+            tombstoned.add_metric(values, tombstoned_tokens(h))
+            queries.add_metric(values, h.prompt_tokens_total)
+            hits.add_metric(values, h.cached_tokens_total)
+        yield from (running, waiting, usage, swa_usage, tombstoned, queries, hits)
+        decisions = CounterMetricFamily(
+            PREFIX + "router_decisions",
+            "routing decisions by policy and outcome (routed, queued, expired, overloaded)",
+            labels=["model_name", "policy", "outcome"],
+        )
+        for key, count in sorted(self.router.get("decisions", {}).items()):
+            policy, outcome = key.split("/", 1)
+            decisions.add_metric([self.model_name, policy, outcome], count)
+        yield decisions
+        queue = GaugeMetricFamily(
+            PREFIX + "router_queue_len", "requests waiting in the router", labels=["model_name"]
+        )
+        queue.add_metric([self.model_name], self.router.get("queue_len", 0))
+        yield queue
+
+
+def _used_share(available: int, total: int) -> float:
+    return 1.0 - available / total if total else 0.0
+
+
+class ServingMetrics:
+    """The registry of one ingress process and its request histograms."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "worker"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "time from request arrival to its first token",
+            labels,
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "time between two tokens of a request's stream",
+            labels,
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "time from request arrival to its last token",
+            labels,
+            buckets=E2E_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.snapshot = ClusterSnapshotCollector(model_name)
+        self.registry.register(self.snapshot)
+
+    def tracker(self, arrival_s: float) -> RequestTimer:
+        return RequestTimer(self, arrival_s)
+
+    async def render(self, cluster: Any) -> bytes:
+        """Refresh the per-worker part from the cluster, then the text exposition."""
+        self.snapshot.update(await cluster.load(), await cluster.router_stats())
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds one request's stream into the histograms: `tokens(n, worker, now)` per chunk,
+    `finish(now)` at the end (a request that produced no token records only its e2e)."""
+
+    def __init__(self, metrics: ServingMetrics, arrival_s: float) -> None:
+        self.metrics = metrics
+        self.arrival_s = arrival_s
+        self.worker = ""
+        self._last_s: float | None = None
+
+    def tokens(self, num_tokens: int, worker: str, now_s: float) -> None:
+        if num_tokens <= 0:
+            return
+        self.worker = worker
+        labels = (self.metrics.model_name, worker)
+        if self._last_s is None:
+            self.metrics.ttft.labels(*labels).observe(now_s - self.arrival_s)
+        else:
+            # a chunk of n tokens after a gap: n tokens at gap / n each (a merged chunk)
+            gap = (now_s - self._last_s) / num_tokens
+            histogram = self.metrics.itl.labels(*labels)
+            for _ in range(num_tokens):
+                histogram.observe(gap)
+        self._last_s = now_s
+
+    def finish(self, now_s: float) -> None:
+        self.metrics.e2e.labels(self.metrics.model_name, self.worker).observe(
+            now_s - self.arrival_s
+        )

@@ -1,0 +1,76 @@
+"""The metrics registry: request histograms and the per-worker snapshot, in Prometheus text."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from swaserve.cluster.metrics import ServingMetrics, tombstoned_tokens
+from swaserve.cluster.router_actor import WorkerStatus
+from swaserve.proto.messages import Headroom
+
+HEADROOM = Headroom(
+    full_total_tokens=1000,
+    full_free_tokens=600,
+    full_evictable_tokens=150,
+    swa_total_tokens=800,
+    swa_free_tokens=700,
+    swa_evictable_tokens=20,
+    num_running=3,
+    num_waiting=1,
+    full_protected_tokens=50,
+    swa_protected_tokens=30,
+    prompt_tokens_total=400,
+    cached_tokens_total=120,
+)
+
+
+class Snapshot:
+    """What `render` reads from a cluster: the router's view of the workers and its stats."""
+
+    async def load(self) -> list[WorkerStatus]:
+        return [WorkerStatus("worker-0", HEADROOM, 0.05, 4)]
+
+    async def router_stats(self) -> dict:
+        return {"decisions": {"prefix/routed": 7, "prefix/overloaded": 2}, "queue_len": 1}
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[s.name, tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_snapshot_and_histograms_render_with_their_labels() -> None:
+    metrics = ServingMetrics("tiny")
+    timer = metrics.tracker(arrival_s=10.0)
+    timer.tokens(1, "worker-0", now_s=10.25)
+    timer.tokens(2, "worker-0", now_s=10.45)  # two tokens 0.1 s apart
+    timer.finish(now_s=10.5)
+    got = samples(asyncio.run(metrics.render(Snapshot())))
+    w = (("model_name", "tiny"), ("worker", "worker-0"))
+    assert got["swaserve:num_requests_running", w] == 3
+    assert got["swaserve:num_requests_waiting", w] == 1
+    assert got["swaserve:token_usage", w] == 1 - 750 / 1000
+    assert got["swaserve:swa_token_usage", w] == 1 - 720 / 800
+    assert got["swaserve:swa_tombstoned_tokens", w] == (150 + 50) - (20 + 30)
+    assert got["swaserve:prefix_cache_queries_total", w] == 400
+    assert got["swaserve:prefix_cache_hits_total", w] == 120
+    routed = (("model_name", "tiny"), ("outcome", "routed"), ("policy", "prefix"))
+    assert got["swaserve:router_decisions_total", routed] == 7
+    assert got["swaserve:router_queue_len", (("model_name", "tiny"),)] == 1
+    assert got["swaserve:time_to_first_token_seconds_count", w] == 1
+    assert got["swaserve:time_to_first_token_seconds_sum", w] == 0.25
+    assert got["swaserve:inter_token_latency_seconds_count", w] == 2
+    assert abs(got["swaserve:inter_token_latency_seconds_sum", w] - 0.2) < 1e-9
+    assert got["swaserve:e2e_request_latency_seconds_sum", w] == 0.5
+
+
+def test_single_pool_workers_have_no_tombstones() -> None:
+    from dataclasses import replace
+
+    assert tombstoned_tokens(replace(HEADROOM, hybrid=False)) == 0
+    assert tombstoned_tokens(HEADROOM) == 150
