@@ -1,0 +1,261 @@
+"""RoutedCluster: what an ingress calls — route by the router, stream from the chosen worker,
+retry where that is safe — whatever runs the workers (Ray actor groups for `swaserve serve`,
+the replicas of a Ray Serve deployment for the Serve app).
+
+    generate(request)  →  router: route (prefix, SWA window, headroom)  →  worker id
+                       →  that worker: stream chunks  →  caller
+                       worker lost before any token: drop it, route again; after: Unavailable
+
+Subclasses say how to reach a worker (`_stream`, `_abort_on`), whether it lives
+(`_worker_alive`) and what to do when one is lost (`_lose`). `self.router` is a handle whose
+methods are called as `await handle.method.remote(...)`: a Ray actor or a Serve deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from swaserve.cluster.engine_loop import WORKER_LOST, GenerateChunk
+from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
+from swaserve.proto.kv_rules import page_ceil
+from swaserve.worker import SamplingParams
+from swaserve.worker.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(Exception):
+    """Base of the errors the cluster gives its ingresses (each maps to one status code)."""
+
+
+class InvalidRequest(ClusterError):
+    """The request can never be served as it is (INVALID_ARGUMENT / HTTP 400)."""
+
+
+class ClusterBusy(ClusterError):
+    """No worker has room and the router's queue is full or the wait ran out
+    (RESOURCE_EXHAUSTED / HTTP 429). `retry_after_s`: a hint for the client."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(ClusterError):
+    """Draining, no worker left, or the worker was lost after tokens were streamed
+    (UNAVAILABLE / HTTP 503)."""
+
+
+class GenerationFailed(ClusterError):
+    """The worker's step failed for this request (INTERNAL / HTTP 500)."""
+
+
+class WorkerLost(Exception):
+    """Raised by `_stream` when the worker went away (its process, or its TP group)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_name: str
+    model_path: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    sliding_window_size: int
+    page_size: int
+    tp_size: int
+    eos_token_ids: tuple[int, ...]
+    has_tokenizer: bool
+    full_pool_tokens: int
+    max_unchunked_prompt_tokens: int | None
+
+
+def check_request(info: ModelInfo, token_ids: list[int], params: SamplingParams) -> None:
+    """Raise `InvalidRequest` for what no worker can serve (the engine checks again)."""
+    if not token_ids:
+        raise InvalidRequest("the prompt is empty")
+    bad = next((t for t in token_ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+    if len(token_ids) >= info.max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(token_ids)} tokens; the model's limit is "
+            f"{info.max_model_len} in all"
+        )
+    need = page_ceil(len(token_ids) + params.max_new_tokens, info.page_size)
+    if need > info.full_pool_tokens:
+        raise InvalidRequest(
+            f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+            f"needs {need} KV tokens; a worker's full pool holds {info.full_pool_tokens}"
+        )
+    limit = info.max_unchunked_prompt_tokens
+    if limit is not None and len(token_ids) > limit:
+        raise InvalidRequest(
+            f"a prompt of {len(token_ids)} tokens does not fit the SWA pool without chunked "
+            f"prefill (at most {limit}); enable chunked_prefill_size"
+        )
+    bad_stop = next((t for t in params.stop_token_ids if t >= info.vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidRequest(f"stop token id {bad_stop} is outside the vocabulary")
+
+
+class RoutedCluster:
+    """See the module docstring."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self.router: Any = None
+        self.model_info: ModelInfo | None = None
+        self.tokenizer: TextTokenizer | None = None
+        self.draining = False
+        self.lost: dict[str, str] = {}  # worker id -> why it was dropped
+        self._closing = False
+        self._open: dict[str, str] = {}  # request id -> the worker serving it
+        self._ids = itertools.count()
+
+    # ---- what a subclass provides ----------------------------------------------------------
+    def _stream(
+        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        """The worker's items: a first empty chunk once it took the request (or the
+        `RequestError` that refused it), then chunks. Raises `WorkerLost`."""
+        raise NotImplementedError
+
+    def _abort_on(self, worker_id: str, request_id: str) -> None:
+        """Tell the worker to abort the request (fire and forget)."""
+        raise NotImplementedError
+
+    def _worker_alive(self, worker_id: str) -> bool:
+        raise NotImplementedError
+
+    def _lose(self, worker_id: str, why: str) -> None:
+        """Take a lost worker out of service (and out of the router)."""
+        raise NotImplementedError
+
+    @property
+    def live_workers(self) -> list[str]:
+        raise NotImplementedError
+
+    # ---- requests ------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{time.time_ns():x}-{next(self._ids)}"
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        assert self.model_info is not None
+        check_request(self.model_info, token_ids, params)
+
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's chunks (`worker_id` set on each). Raises a `ClusterError`.
+        Closing the iterator early aborts the request on its worker and frees its KV."""
+        if self.draining or self._closing:
+            raise Unavailable("the server is draining; retry on another replica")
+        self.check_request(token_ids, params)
+        attempts = 0
+        while True:
+            worker: str | None = None
+            streamed = False
+            finished = False
+            try:
+                worker = await self._route(request_id, token_ids, params, session_id)
+                self._open[request_id] = worker
+                async for item in self._stream(worker, request_id, token_ids, params):
+                    if isinstance(item, Exception):
+                        raise InvalidRequest(str(item))
+                    if item.finish_reason == WORKER_LOST:
+                        raise WorkerLost(item.error)
+                    if item.finish_reason == "error":
+                        finished = True
+                        raise GenerationFailed(item.error or "the worker's step failed")
+                    item.worker_id = worker
+                    finished = item.finished
+                    if item.token_ids or item.finished:
+                        streamed = True
+                        yield item
+                    if finished:
+                        return
+                raise WorkerLost("the stream ended early")
+            except WorkerLost as exc:
+                assert worker is not None  # routing itself does not lose workers
+                finished = True  # nothing left to abort on a lost worker
+                self._lose(worker, f"lost during request {request_id}: {exc}")
+                attempts += 1
+                if streamed or attempts > max(1, len(self.live_workers) + 1):
+                    raise Unavailable(
+                        f"worker {worker} was lost while serving {request_id}"
+                    ) from exc
+                logger.warning("request %s: retrying after losing %s", request_id, worker)
+            finally:
+                # Also when the caller left while the request was queued in the router.
+                self._open.pop(request_id, None)
+                self.router.finish.remote(request_id)
+                if worker is not None and not finished and self._worker_alive(worker):
+                    self._abort_on(worker, request_id)
+
+    async def _route(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None,
+    ) -> str:
+        while True:
+            answer: RouteAnswer = await self.router.route.remote(
+                request_id, token_ids, params.max_new_tokens, session_id
+            )
+            if answer.outcome in ("overloaded", "expired"):
+                raise ClusterBusy(
+                    f"request {request_id}: no worker has KV headroom ({answer.outcome}, "
+                    f"{answer.queue_len} queued); retry later",
+                    self.retry_after_s,
+                )
+            if answer.outcome == "no_workers":
+                raise Unavailable("no worker is serving")
+            if answer.outcome == "invalid":
+                raise InvalidRequest(answer.message)
+            assert answer.worker_id is not None
+            if self._worker_alive(answer.worker_id):
+                return answer.worker_id
+            await self.router.finish.remote(request_id)  # raced with its removal: route again
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort an open request (its stream ends with "abort"); False if none is open."""
+        worker = self._open.get(request_id)
+        if worker is None or not self._worker_alive(worker):
+            return False
+        self._abort_on(worker, request_id)
+        return True
+
+    # ---- queries -------------------------------------------------------------------------
+    async def load(self) -> list[WorkerStatus]:
+        """The router's view of every live worker: last headroom, report age, load."""
+        statuses = await self.router.workers.remote()
+        return [s for s in statuses if self._worker_alive(s.worker_id)]
+
+    async def router_stats(self) -> dict[str, Any]:
+        return await self.router.stats.remote()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, then wait up to `timeout_s` for the open ones; True if all
+        ended."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._open
