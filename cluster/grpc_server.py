@@ -1,4 +1,4 @@
-"""The gRPC ingress (grpc.aio): service `swaserve.v1.Inference` over a `Cluster`, plus the
+"""The gRPC ingress (grpc.aio): service `swaserve.v1.Inference` over a cluster, plus the
 standard `grpc.health.v1.Health` service and server reflection.
 
     Generate(request)  →  validate (INVALID_ARGUMENT)  →  tokenize (text) / check ids
@@ -16,11 +16,12 @@ sends is unpickled: requests are protobuf, parsed by protobuf.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from swaserve.cluster.cluster import (
-    Cluster,
-    ClusterBusy,
-    GenerationFailed,
-    InvalidRequest,
-    Unavailable,
-)
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.detokenizer import IncrementalDetokenizer
 from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.routed import (
+    ClusterBusy,
+    GenerationFailed,
+    InvalidRequest,
+    ModelInfo,
+    RoutedCluster,
+    Unavailable,
+)
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.worker import SamplingParams
@@ -123,27 +125,43 @@ def check_id(value: str, what: str) -> str:
     return value
 
 
-class InferenceServicer(pb_grpc.InferenceServicer):
-    """`swaserve.v1.Inference` over a started `Cluster`."""
+class RpcFailure(Exception):
+    """How an RPC ends when it fails: a status code, details, trailing metadata."""
 
-    def __init__(self, cluster: Cluster, metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, trailing
+
+
+class InferenceService:
+    """The logic of `swaserve.v1.Inference` over a `RoutedCluster`, apart from any transport:
+    methods take and return protobuf messages and raise `RpcFailure`. `InferenceServicer`
+    serves it with grpc.aio; the Serve app through Serve's gRPC proxy."""
+
+    def __init__(self, cluster: RoutedCluster, metrics: ServingMetrics | None = None) -> None:
         self.cluster = cluster
-        info = cluster.model_info
-        assert info is not None, "start the cluster first"
-        self.info = info
         self.metrics = metrics
         self._open: set[str] = set()
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    @property
+    def info(self) -> ModelInfo:
+        info = self.cluster.model_info
+        assert info is not None, "start the cluster first"
+        return info
+
+    async def generate(
+        self, request: pb.GenerateRequest
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         started = time.monotonic()
+        await self.cluster.ready()
         try:
             request_id, token_ids, params, stop, session = self._parse(request)
         except (BadRequest, InvalidRequest) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if request_id in self._open:
-            await context.abort(
+            raise RpcFailure(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request_id!r} is already in use"
             )
         tokenizer = self.cluster.tokenizer
@@ -199,14 +217,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     )
                     break
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except ClusterBusy as exc:
-            context.set_trailing_metadata((("retry-after-s", f"{exc.retry_after_s:g}"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            trailing = (("retry-after-s", f"{exc.retry_after_s:g}"),)
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing) from None
         except Unavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except GenerationFailed as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            raise RpcFailure(grpc.StatusCode.INTERNAL, str(exc)) from None
         finally:
             self._open.discard(request_id)
             await stream.aclose()  # not finished: aborts on the worker, frees the KV
@@ -245,16 +263,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
         return request_id, token_ids, params, stop, session
 
-    async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
+    async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         return pb.AbortResponse(aborted=await self.cluster.abort(request.request_id))
 
-    async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInfo:
+    async def model_info(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        await self.cluster.ready()
         info = self.info
         return pb.ModelInfo(
             model_name=info.model_name,
@@ -269,9 +284,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             has_tokenizer=info.has_tokenizer,
         )
 
-    async def GetLoad(
-        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoadResponse:
+    async def load(self, request: pb.GetLoadRequest) -> pb.LoadResponse:
+        await self.cluster.ready()
         out = pb.LoadResponse()
         for status in await self.cluster.load():
             h = status.headroom
@@ -298,6 +312,48 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 )
             )
         return out
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """`InferenceService` on a grpc.aio server."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.service.generate(request)) as items:
+                async for item in items:
+                    yield item
+        except RpcFailure as failure:
+            await _abort(context, failure)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        try:
+            return await self.service.abort(request)
+        except RpcFailure as failure:
+            await _abort(context, failure)
+            raise
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        return await self.service.model_info(request)
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadResponse:
+        return await self.service.load(request)
+
+
+async def _abort(context: grpc.aio.ServicerContext, failure: RpcFailure) -> None:
+    if failure.trailing:
+        context.set_trailing_metadata(failure.trailing)
+    await context.abort(failure.code, failure.details)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -348,7 +404,10 @@ class GrpcServer:
     """The ingress server: Inference + Health + reflection on one port."""
 
     def __init__(
-        self, cluster: Cluster, config: GrpcServerConfig, metrics: ServingMetrics | None = None
+        self,
+        cluster: RoutedCluster,
+        config: GrpcServerConfig,
+        metrics: ServingMetrics | None = None,
     ) -> None:
         self.cluster = cluster
         self.config = config
@@ -368,7 +427,7 @@ class GrpcServer:
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(self.cluster, self.metrics), server
+            InferenceServicer(InferenceService(self.cluster, self.metrics)), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -142,6 +142,9 @@ class RoutedCluster:
     def live_workers(self) -> list[str]:
         raise NotImplementedError
 
+    async def ready(self) -> None:
+        """Wait until `model_info` is known (a Serve ingress learns it from a worker)."""
+
     # ---- requests ------------------------------------------------------------------------
     def new_request_id(self) -> str:
         return f"req-{time.time_ns():x}-{next(self._ids)}"
