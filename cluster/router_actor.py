@@ -47,6 +47,7 @@ class WorkerStatus:
 class RouterActor:
     def __init__(self, config: RouterConfig) -> None:
         self.router = Router(config)
+        self._removed: set[str] = set()  # workers taken out: their late reports are ignored
         self._waiting: dict[str, asyncio.Future[RouteDecision]] = {}
         self._poller: asyncio.Task[None] | None = None
         gc.freeze()
@@ -70,16 +71,21 @@ class RouterActor:
 
     # ---- workers -------------------------------------------------------------------------
     async def add_worker(self, worker_id: str) -> None:
+        """Register a worker (idempotent); a worker's first report registers it too."""
         self._ensure_poller()
-        self.router.add_worker(worker_id)
+        if worker_id not in self.router.worker_ids and worker_id not in self._removed:
+            self.router.add_worker(worker_id)
 
     async def remove_worker(self, worker_id: str) -> None:
+        """Take a worker out for good (a restarted one comes back under a new id)."""
+        self._removed.add(worker_id)
         if worker_id in self.router.worker_ids:
             self.router.remove_worker(worker_id)
 
     async def update(self, report: WorkerReport) -> None:
-        if report.worker_id not in self.router.worker_ids:
+        if report.worker_id in self._removed:
             return  # a report of a removed worker still in flight
+        await self.add_worker(report.worker_id)
         self.router.update(report)
         self._poll()
 

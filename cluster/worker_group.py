@@ -128,20 +128,24 @@ class EngineWorker:
         self.router = router
         self.report_interval_s = report_interval_s
         self.loop: EngineLoop | None = None
+        self.info: WorkerInfo | None = None
 
     async def start(self) -> WorkerInfo:
         """Build the engine (every rank loads its shard) and start its loop."""
+        return await asyncio.to_thread(self.start_sync)
+
+    def start_sync(self) -> WorkerInfo:
         from swaserve.worker import Engine
 
         ranks = RayRanks(self.rank_actors) if self.rank_actors else None
-        engine = await asyncio.to_thread(Engine, self.config, tp_ranks=ranks)
+        engine = Engine(self.config, tp_ranks=ranks)
         on_report = self._push_report if self.router is not None else None
         self.loop = EngineLoop(
             engine, self.worker_id, on_report=on_report, report_interval_s=self.report_interval_s
         )
         self.loop.start()
         mc = engine.model_config
-        return WorkerInfo(
+        self.info = WorkerInfo(
             worker_id=self.worker_id,
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
@@ -155,6 +159,7 @@ class EngineWorker:
             full_pool_tokens=engine.plan.full_tokens,
             max_unchunked_prompt_tokens=engine.max_unchunked_prompt_tokens(),
         )
+        return self.info
 
     def _push_report(self, report: WorkerReport) -> None:
         self.router.update.remote(report)  # fire and forget; Ray keeps one caller's order

@@ -73,3 +73,14 @@ def test_inference_service_has_four_methods_and_generate_streams() -> None:
         stub = inference_pb2_grpc.InferenceStub(channel)
         assert isinstance(stub.Generate, grpc.UnaryStreamMultiCallable)
         assert isinstance(stub.GetLoad, grpc.UnaryUnaryMultiCallable)
+
+
+def test_messages_pickle_under_their_installed_module() -> None:
+    """Ray Serve's gRPC proxy pickles requests: the classes must name an importable module."""
+    import pickle
+
+    from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+
+    assert pb.GenerateRequest.__module__ == "swaserve.proto.swaserve.v1.inference_pb2"
+    request = pb.GenerateRequest(token_ids=[1, 2], sampling_params=pb.SamplingParams(seed=3))
+    assert pickle.loads(pickle.dumps(request)) == request
