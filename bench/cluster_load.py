@@ -1,0 +1,408 @@
+"""Multi-turn chat over gRPC against a local cluster (2 replicas × TP 1): `prefix` routing
+against `round_robin` routing, in the same process.
+
+Workload (drawn once per seed, replayed for every run): S sessions share a system prompt;
+turn 1 of a session is the system prompt + a user message, turn k the prompt of turn k-1 +
+its answer (the tokens the model streamed back) + a new user message (1/2 to 3/2 of
+`--user-tokens`, token ids). N clients (`grpc.aio`, one event loop) each take the next
+session and send its turns one after another with its `session_id`, greedy, `ignore_eos`:
+at most N sessions, hence N requests, are in flight.
+
+Each run starts its own cluster (cold prefix caches) and gRPC server on the one local Ray,
+sends one warm-up request per worker (tokens no workload prompt starts with), then the
+workload, and stops the cluster. Runs alternate round_robin / prefix for `--repeats` rounds,
+so that a busy machine slows both alike; the median of each figure over the rounds counts.
+
+Per run: generated tokens / s over the run, TTFT p50 / p99 (send → first streamed item with
+tokens), cached-token share (Σ usage.cached_tokens / Σ usage.prompt_tokens), wall time;
+also "(router)", the share the router predicted (its hit tokens / prompt tokens over the
+workload: equal to "cached" when its view of the caches is exact), "same wkr" (of the turns
+k >= 2, those served by the worker that served turn k-1), requests per worker, and whether
+every answer equals the first run's (greedy: cache hits must not change the tokens).
+
+Read the figures with two effects in mind: round robin keeps a session on its worker by
+accident when the clients move in step (4 clients on 2 workers: 0.6-0.8 of the turns; 5, the
+default: about half, as random routing would; see "same wkr"); prefix's balance gate (a
+worker stays eligible up to 4 requests above the least loaded) cannot trip with 5 requests
+in flight, so sticky sessions may pile up on one worker (see "requests per worker").
+
+    python bench/cluster_load.py [--json] [--sessions 10] [--turns 6] [--concurrency 5]
+        [--max-new-tokens 16] [--repeats 3] [--hidden 256] [--layers 4] [--window 32] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import grpc
+import ray
+
+from swaserve.cluster.cluster import Cluster, ClusterConfig
+from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+from swaserve.router import RouterConfig
+from swaserve.worker import EngineConfig
+from swaserve.worker.models.tiny import make_tiny_model
+
+BASELINE, CANDIDATE = "round_robin", "prefix"
+REPLICAS = 2
+WORKLOAD_TOKENS = range(1, 256)  # byte tokens of the tiny tokenizer; warm-ups use 0 only
+RPC_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    system: list[int]
+    users: list[list[list[int]]]  # [session][turn] -> the new user tokens of that turn
+    max_new_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(turns) for turns in self.users)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Σ prompt tokens of all requests: turn k adds its user tokens and k-1's answer."""
+        total = 0
+        for turns in self.users:
+            length = len(self.system) - self.max_new_tokens
+            for user in turns:
+                length += self.max_new_tokens + len(user)
+                total += length
+        return total
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+    low, high = max(1, args.user_tokens // 2), args.user_tokens + args.user_tokens // 2
+    return Workload(
+        system=rng.choices(WORKLOAD_TOKENS, k=args.system_tokens),
+        users=[
+            [rng.choices(WORKLOAD_TOKENS, k=rng.randint(low, high)) for _ in range(args.turns)]
+            for _ in range(args.sessions)
+        ],
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    session: int
+    turn: int
+    prompt_tokens: int  # usage.prompt_tokens
+    cached_tokens: int  # usage.cached_tokens
+    answer: tuple[int, ...]
+    finish_reason: str
+    worker_id: str
+    ttft_s: float
+    latency_s: float
+
+
+def sampling(max_new_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def send(
+    stub: pb_grpc.InferenceStub, prompt: list[int], session_id: str, max_new_tokens: int
+) -> tuple[list[int], pb.GenerateResponse, float, float]:
+    """One Generate stream: the answer, the last item, TTFT and end-to-end seconds."""
+    request = pb.GenerateRequest(
+        token_ids=prompt, session_id=session_id, sampling_params=sampling(max_new_tokens)
+    )
+    start = time.perf_counter()
+    first_s: float | None = None
+    answer: list[int] = []
+    last: pb.GenerateResponse | None = None
+    async for item in stub.Generate(request, timeout=RPC_TIMEOUT_S):
+        if item.token_ids and first_s is None:
+            first_s = time.perf_counter() - start
+        answer.extend(item.token_ids)
+        last = item
+    if last is None or first_s is None:
+        raise RuntimeError(f"session {session_id}: the stream ended without tokens")
+    return answer, last, first_s, time.perf_counter() - start
+
+
+async def client(
+    stub: pb_grpc.InferenceStub, work: Workload, sessions: list[int], out: list[TurnResult]
+) -> None:
+    """Take sessions from `sessions` (shared by the clients) until none is left."""
+    while sessions:
+        i = sessions.pop(0)
+        prompt = list(work.system)
+        for k, user in enumerate(work.users[i]):
+            prompt += user
+            answer, last, ttft_s, latency_s = await send(
+                stub, prompt, f"session-{i}", work.max_new_tokens
+            )
+            out.append(
+                TurnResult(
+                    i,
+                    k,
+                    last.usage.prompt_tokens,
+                    last.usage.cached_tokens,
+                    tuple(answer),
+                    last.finish_reason,
+                    last.worker_id,
+                    ttft_s,
+                    latency_s,
+                )
+            )
+            prompt += answer
+
+
+async def warm_up(stub: pb_grpc.InferenceStub) -> None:
+    """One request per worker, sent together (both policies spread them over the workers);
+    their tokens (0) start no workload prompt."""
+    await asyncio.gather(*(send(stub, [0] * 16 + [i], f"warmup-{i}", 4) for i in range(REPLICAS)))
+
+
+async def drive(
+    stub: pb_grpc.InferenceStub, work: Workload, concurrency: int
+) -> tuple[list[TurnResult], float]:
+    """The workload on `concurrency` clients: its results and wall seconds."""
+    results: list[TurnResult] = []
+    sessions = list(range(len(work.users)))
+    start = time.perf_counter()
+    await asyncio.gather(*(client(stub, work, sessions, results) for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+async def run_policy(
+    policy: str, model_dir: str, work: Workload, args: argparse.Namespace
+) -> tuple[list[TurnResult], float, dict[str, int]]:
+    """A fresh cluster and server for one run, both stopped whatever happens; the results,
+    the wall seconds, and the router's counters over the workload (warm-up excluded)."""
+    config = ClusterConfig(
+        engine=EngineConfig(
+            model=model_dir, device="cpu", max_total_tokens=args.max_total_tokens, seed=0
+        ),
+        router=RouterConfig(policy=policy),
+        replicas=REPLICAS,
+        report_interval_s=0.1,
+    )
+    cluster = await Cluster.start(config)
+    try:
+        server = GrpcServer(cluster, GrpcServerConfig(port=0))
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.InferenceStub(channel)
+                await warm_up(stub)
+                before = await cluster.router_stats()
+                results, wall_s = await drive(stub, work, args.concurrency)
+                after = await cluster.router_stats()
+        finally:
+            await server.stop(0)
+    finally:
+        await cluster.shutdown(timeout_s=10)
+    queued = f"{policy}/queued"
+    router = {
+        "prompt_tokens": after["prompt_tokens"] - before["prompt_tokens"],
+        "predicted_hit_tokens": after["predicted_hit_tokens"] - before["predicted_hit_tokens"],
+        "queued": after["decisions"].get(queued, 0) - before["decisions"].get(queued, 0),
+    }
+    return results, wall_s, router
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def metrics(
+    results: list[TurnResult], wall_s: float, router: dict[str, int], reference: dict | None
+) -> dict:
+    """The figures of one run; `router`: the router's counters over it; `reference`:
+    (session, turn) -> answer of the first run."""
+    by_turn = {(r.session, r.turn): r for r in results}
+    followups = [r for r in results if r.turn > 0]
+    same = sum(r.worker_id == by_turn[r.session, r.turn - 1].worker_id for r in followups)
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    generated = sum(len(r.answer) for r in results)
+    ttft_ms = [1e3 * r.ttft_s for r in results]
+    agree = (
+        sum(reference.get(key) == r.answer for key, r in by_turn.items()) / len(by_turn)
+        if reference is not None
+        else 1.0
+    )
+    return {
+        "requests": len(results),
+        "finished": sum(r.finish_reason == "length" for r in results),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in results),
+        "generated_tokens": generated,
+        "cached_share": sum(r.cached_tokens for r in results) / max(prompt_tokens, 1),
+        "tok_s": generated / wall_s,
+        "ttft_p50_ms": percentile(ttft_ms, 0.50),
+        "ttft_p99_ms": percentile(ttft_ms, 0.99),
+        "latency_p50_ms": percentile([1e3 * r.latency_s for r in results], 0.50),
+        "wall_s": wall_s,
+        "same_worker_share": same / max(len(followups), 1),
+        "router_predicted_share": router["predicted_hit_tokens"] / max(router["prompt_tokens"], 1),
+        "router_queued": router["queued"],
+        "requests_per_worker": dict(sorted(Counter(r.worker_id for r in results).items())),
+        "answers_equal_first_run": agree,
+    }
+
+
+async def run_all(model_dir: str, work: Workload, args: argparse.Namespace) -> list[dict]:
+    runs: list[dict] = []
+    reference: dict | None = None
+    print(HEADER, flush=True)
+    for round_ in range(args.repeats):
+        for policy in (BASELINE, CANDIDATE):
+            results, wall_s, router = await run_policy(policy, model_dir, work, args)
+            m = metrics(results, wall_s, router, reference)
+            if reference is None:
+                reference = {(r.session, r.turn): r.answer for r in results}
+            runs.append({"round": round_ + 1, "policy": policy, **m})
+            print_row(runs[-1])
+    return runs
+
+
+HEADER = (
+    f"{'round':>5} {'policy':<12} {'wall s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+    f"{'cached':>7} {'(router)':>8} {'same wkr':>8} {'done':>5}  requests per worker"
+)
+
+
+def print_row(run: dict) -> None:
+    per_worker = " ".join(str(n) for n in run["requests_per_worker"].values())
+    print(
+        f"{run['round']!s:>5} {run['policy']:<12} {run['wall_s']:>7.2f} {run['tok_s']:>7.1f} "
+        f"{run['ttft_p50_ms']:>7.0f}ms {run['ttft_p99_ms']:>7.0f}ms "
+        f"{run['cached_share']:>7.3f} {run['router_predicted_share']:>8.3f} "
+        f"{run['same_worker_share']:>8.2f} {run['finished']:>5}  {per_worker}",
+        flush=True,
+    )
+
+
+def summarize(runs: list[dict]) -> dict[str, dict]:
+    """Per policy, the median over its rounds of each figure."""
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "cached_share", "wall_s", "same_worker_share")
+    return {
+        policy: {k: statistics.median(r[k] for r in runs if r["policy"] == policy) for k in keys}
+        for policy in (BASELINE, CANDIDATE)
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=5, help="clients, sessions in flight")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--system-tokens", type=int, default=384, help="shared system prompt")
+    parser.add_argument("--user-tokens", type=int, default=128, help="mean new tokens per turn")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
+    parser.add_argument("--max-total-tokens", type=int, default=32768, help="KV per worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args(argv)
+    for name in ("sessions", "turns", "concurrency", "max_new_tokens", "repeats", "user_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.system_tokens < 0:
+        parser.error("--system-tokens must be at least 0")
+    return args
+
+
+def run_on_ray(work: Workload, args: argparse.Namespace) -> list[dict]:
+    """Every run, on a local Ray started here (and shut down) unless one is up already."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(
+            address="local",  # a new Ray of our own, never one that RAY_ADDRESS names
+            num_cpus=8,  # logical: 2 workers + the router actor fit on a 2-core machine
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = make_tiny_model(
+                tmp,
+                arch="gpt-oss",
+                num_layers=args.layers,
+                sliding_window_size=args.window,
+                hidden_size=args.hidden,
+                num_heads=8,
+                num_kv_heads=2,
+                seed=0,
+            )
+            return asyncio.run(run_all(str(model_dir), work, args))
+    finally:
+        if own_ray:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = make_workload(args)
+    load_before = os.getloadavg()[0]
+    print(
+        f"cluster_load: {REPLICAS} replicas × TP 1 (CPU), {args.sessions} sessions × "
+        f"{args.turns} turns, {args.concurrency} clients, system prompt {args.system_tokens} "
+        f"tokens, user ~{args.user_tokens}, answers {args.max_new_tokens}; model hidden "
+        f"{args.hidden}, {args.layers} layers, W = {args.window}; {work.prompt_tokens} prompt "
+        f"tokens per run (load average {load_before:.2f})"
+    )
+    runs = run_on_ray(work, args)
+    load_after = os.getloadavg()[0]
+    median = summarize(runs)
+    base, cand = median[BASELINE], median[CANDIDATE]
+    ratios = {
+        "tok_s": cand["tok_s"] / base["tok_s"],
+        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
+        "wall": cand["wall_s"] / base["wall_s"],
+    }
+    agree = min(r["answers_equal_first_run"] for r in runs)
+    print(
+        f"median of {args.repeats}: {CANDIDATE} / {BASELINE}: throughput {ratios['tok_s']:.2f}x, "
+        f"TTFT p50 {ratios['ttft_p50']:.2f}x, p99 {ratios['ttft_p99']:.2f}x, wall "
+        f"{ratios['wall']:.2f}x; cached share {cand['cached_share']:.3f} vs "
+        f"{base['cached_share']:.3f}; answers equal to the first run's: {agree:.0%} of "
+        f"requests in the worst run (load average {load_before:.2f} before, "
+        f"{load_after:.2f} after)"
+    )
+    if args.json:
+        report = {
+            "replicas": REPLICAS,
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "concurrency": args.concurrency,
+            "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats,
+            "workload_requests": work.num_requests,
+            "workload_prompt_tokens": work.prompt_tokens,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "median": median,
+            "ratios": ratios,
+            "answers_equal_first_run": agree,
+            "runs": runs,
+        }
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
