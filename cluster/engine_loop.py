@@ -143,8 +143,10 @@ class EngineLoop:
                     break
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
-                    self._dispatch(outputs)
+                    # Report first: a client that sees its turn end and sends the next one
+                    # must find that turn's cache in the router already.
                     self._report(force=False)
+                    self._dispatch(outputs)
                 else:
                     self._check_ranks()
                     self._report(force=False)
