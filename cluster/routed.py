@@ -108,6 +108,8 @@ def check_request(info: ModelInfo, token_ids: list[int], params: SamplingParams)
 class RoutedCluster:
     """See the module docstring."""
 
+    model_info: ModelInfo | None
+
     def __init__(self, retry_after_s: float) -> None:
         self.retry_after_s = retry_after_s
         self.router: Any = None
@@ -182,7 +184,7 @@ class RoutedCluster:
                     if item.finish_reason == "error":
                         finished = True
                         raise GenerationFailed(item.error or "the worker's step failed")
-                    item.worker_id = worker
+                    item.worker_id = item.worker_id or worker
                     finished = item.finished
                     if item.token_ids or item.finished:
                         streamed = True

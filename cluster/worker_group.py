@@ -114,6 +114,9 @@ class EngineWorker:
     """TP rank 0 of a group (an async Ray actor): the engine, its loop thread, the token
     streams, abort, and the reports to the router actor."""
 
+    loop: EngineLoop | None
+    info: WorkerInfo | None
+
     def __init__(
         self,
         worker_id: str,
@@ -198,6 +201,7 @@ class EngineWorker:
                     chunk.finished, chunk.finish_reason = more.finished, more.finish_reason
                     chunk.cached_tokens, chunk.error = more.cached_tokens, more.error
                 finished = chunk.finished
+                chunk.worker_id = self.worker_id
                 yield chunk
         finally:
             if not finished:  # the caller went away (cancel, deadline): free the KV now
