@@ -2,3 +2,4 @@
 importing it pulls in neither Ray nor gRPC)."""
 
 DEFAULT_GRPC_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # the suggested --http-port (the OpenAI-compatible API is off by default)
