@@ -1,11 +1,12 @@
 """`swaserve serve`: start (or join) Ray, the router actor, the worker groups and the gRPC
-ingress, then serve until SIGTERM / Ctrl-C.
+ingress (and, with `--http-port`, the OpenAI-compatible HTTP API), then serve until SIGTERM /
+Ctrl-C.
 
 Without `--model` it serves a small random GPT-OSS-shaped demo model, made once in the cache
 dir (`$SWASERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/swaserve`, else `~/.cache/swaserve`); its text
 is gibberish, but every code path is the real one. On SIGTERM the health service turns
-NOT_SERVING, new requests get UNAVAILABLE, open streams get `--drain-timeout-s` to finish, and
-every actor is stopped.
+NOT_SERVING (HTTP `/health`: 503), new requests get UNAVAILABLE (HTTP 503), open streams get
+`--drain-timeout-s` to finish, and every actor is stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
+from swaserve.cluster.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
 from swaserve.cluster.local_ray import LocalRay, set_auth_mode
 from swaserve.router import RouterConfig
@@ -38,6 +39,7 @@ logger = logging.getLogger("swaserve.serve")
 ROUTER_FLAGS = tuple(RouterConfig.model_fields)
 DEMO_MODEL_NAME = "demo-gpt-oss"
 AUTH_TOKEN_ENV = "SWASERVE_AUTH_TOKEN"
+API_KEY_ENV = "SWASERVE_API_KEY"
 
 
 def cache_dir() -> Path:
@@ -75,8 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF-format model dir (default: the demo model)")
     parser.add_argument("--served-model-name", help="the name clients see (default: dir name)")
     parser.add_argument("--replicas", type=int, default=1, help="worker groups (TP groups)")
-    parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the gRPC and HTTP servers bind"
+    )
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0: any free")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"serve the OpenAI-compatible HTTP API on this port (e.g. {DEFAULT_HTTP_PORT}; "
+        "0: any free; default: no HTTP API)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        help="file holding the API key the HTTP API requires as `Authorization: Bearer <key>` "
+        f"(or ${API_KEY_ENV})",
+    )
     parser.add_argument(
         "--ray-address",
         default=None,
@@ -141,6 +157,17 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
     return cluster, grpc_config
 
 
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """The HTTP API's key from --api-key-file or $SWASERVE_API_KEY (None: no auth)."""
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+    else:
+        key = os.environ.get(API_KEY_ENV, "").strip()
+    if args.api_key_file and not key:
+        raise ValueError(f"the API key file {args.api_key_file} is empty")
+    return key or None
+
+
 def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> LocalRay | None:
     """Join `address`, or start a local Ray (in its own session, see `local_ray`) and join it;
     returns the local Ray to stop at exit."""
@@ -162,21 +189,31 @@ def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> Loca
 
 
 async def serve(
-    cluster_config: ClusterConfig, grpc_config: GrpcServerConfig, status_interval_s: float
+    cluster_config: ClusterConfig,
+    grpc_config: GrpcServerConfig,
+    status_interval_s: float,
+    http_port: int | None = None,
+    api_key: str | None = None,
 ) -> int:
     from swaserve.cluster.cluster import Cluster
     from swaserve.cluster.grpc_server import GrpcServer
+    from swaserve.cluster.http_server import HttpServer
+    from swaserve.cluster.metrics import ServingMetrics
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     cluster = await Cluster.start(cluster_config)
-    server = GrpcServer(cluster, grpc_config)
+    info = cluster.model_info
+    assert info is not None
+    metrics = ServingMetrics(info.model_name)  # one registry for both ingresses
+    server = GrpcServer(cluster, grpc_config, metrics)
+    http = None
+    if http_port is not None:
+        http = HttpServer(cluster, grpc_config.host, http_port, metrics, api_key)
     try:
         port = await server.start()
-        info = cluster.model_info
-        assert info is not None
         host = server.config.host
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         tls = " (TLS)" if server.config.tls_cert_file else ""
@@ -186,14 +223,27 @@ async def serve(
             flush=True,
         )
         print(f"try:  swaserve client --server {shown}:{port} 'Hello, swaserve!'", flush=True)
+        if http is not None:
+            http_port = await http.start()
+            url = f"http://{shown}:{http_port}"
+            print(f"swaserve: OpenAI-compatible HTTP API on {url}/v1", flush=True)
+            auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""
+            body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+            print(
+                f"try:  curl {url}/v1/chat/completions{auth} "
+                f"-H 'Content-Type: application/json' -d '{body}'",
+                flush=True,
+            )
         status = asyncio.create_task(_status_lines(cluster, status_interval_s))
         await stop.wait()
         status.cancel()
         print("swaserve: draining", flush=True)
-        drained = await server.drain()
+        drained = await server.drain()  # the cluster refuses new requests: /health is 503
         if not drained:
             logger.warning("drain timed out with %d open streams; stopping", cluster.num_open)
     finally:
+        if http is not None:
+            await http.stop()
         await server.stop()
         await cluster.shutdown()
     print("swaserve: stopped", flush=True)
@@ -227,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
         set_auth_mode()  # before anything imports ray
     try:
         cluster_config, grpc_config = build_configs(args)
-    except (ValidationError, OSError) as exc:
+        api_key = read_api_key(args)
+    except (ValidationError, OSError, ValueError) as exc:
         print(f"swaserve serve: {exc}", file=sys.stderr)
         return 2
     import ray
@@ -235,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
     bundles = args.replicas * cluster_config.engine.tp_size
     local = connect_ray(args.ray_address, args.num_cpus, bundles)
     try:
-        return asyncio.run(serve(cluster_config, grpc_config, args.status_interval_s))
+        return asyncio.run(
+            serve(cluster_config, grpc_config, args.status_interval_s, args.http_port, api_key)
+        )
     finally:
         ray.shutdown()
         if local is not None:
