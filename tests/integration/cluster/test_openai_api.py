@@ -1,0 +1,687 @@
+"""The OpenAI-compatible HTTP API end to end on the session's Ray, called with the stock
+`openai` client (and raw HTTP for bodies it would not send): streamed and whole completions
+and chat completions against the gRPC Generate of the same token ids, usage and cached tokens,
+the errors in OpenAI's shape, auth, 429, /metrics, a client that leaves, and `swaserve serve
+--http-port` as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+from cluster_harness import ServedCluster, greedy, kv_in_use, stream, wait_idle
+from prometheus_client.parser import text_string_to_metric_families
+from test_cluster_faults import StreamThread, long_request
+from test_serve_command import ServeProcess
+
+from swaserve.cluster.http_server import HttpServer
+from swaserve.cluster.metrics import ServingMetrics
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.router import RouterConfig
+from swaserve.worker.models.chat_template import ChatTemplate
+
+pytestmark = pytest.mark.slow
+
+BOS_ID = 256
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is a sliding window?"},
+]
+DESIGN_METRICS = {
+    "swaserve:num_requests_running",
+    "swaserve:num_requests_waiting",
+    "swaserve:token_usage",
+    "swaserve:swa_token_usage",
+    "swaserve:prefix_cache_queries",  # counters: the parser drops `_total`
+    "swaserve:prefix_cache_hits",
+    "swaserve:time_to_first_token_seconds",
+    "swaserve:inter_token_latency_seconds",
+    "swaserve:e2e_request_latency_seconds",
+    "swaserve:router_decisions",
+    "swaserve:swa_tombstoned_tokens",
+}
+
+
+def start_http(served: ServedCluster, **options: Any) -> HttpServer:
+    server = HttpServer(served.cluster, port=0, **options)
+    served.loop.run(server.start())
+    return server
+
+
+@pytest.fixture(scope="module")
+def http(two_workers: ServedCluster) -> Iterator[HttpServer]:
+    info = two_workers.cluster.model_info
+    assert info is not None
+    server = start_http(two_workers, metrics=ServingMetrics(info.model_name))
+    try:
+        yield server
+    finally:
+        two_workers.loop.run(server.stop())
+
+
+@pytest.fixture(scope="module")
+def base_url(http: HttpServer) -> str:
+    return f"http://127.0.0.1:{http.port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(two_workers: ServedCluster) -> str:
+    assert two_workers.cluster.model_info is not None
+    return two_workers.cluster.model_info.model_name
+
+
+def grpc_tokens(served: ServedCluster, ids: list[int], max_new: int) -> tuple[list[int], str]:
+    tokens, text, last = stream(
+        served.stub(),
+        pb.GenerateRequest(token_ids=ids, sampling_params=greedy(max_new, ignore_eos=True)),
+    )
+    assert last.finish_reason == "length"
+    return tokens, text
+
+
+EXACT = {"ignore_eos": True, "return_token_ids": True}  # extras (vLLM's names)
+
+
+def test_a_full_router_queue_gets_429_with_retry_after(
+    make_cluster: Callable[..., ServedCluster],
+) -> None:
+    """First in the module: the cluster names its placement groups `swaserve-worker-<i>`, so
+    a second cluster of this driver cannot start while the module's `two_workers` lives."""
+    served = make_cluster(replicas=1, max_total_tokens=512, router=RouterConfig(max_queue_len=0))
+    server = start_http(served)
+    assert served.cluster.model_info is not None
+    model_name = served.cluster.model_info.model_name
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0
+        )
+        holder = StreamThread(served, long_request(0, max_new_tokens=450))
+        holder.start()
+        assert holder.first.wait(60)
+        prompt = list(long_request(1).token_ids)
+        for stream_it in (False, True):
+            with pytest.raises(openai.RateLimitError) as err:
+                out = client.completions.create(
+                    model=model_name, prompt=prompt, max_tokens=450, stream=stream_it
+                )
+                if stream_it:
+                    list(out)
+            assert err.value.status_code == 429
+            assert err.value.response.headers["Retry-After"] == "1"
+            assert err.value.code == "rate_limit_exceeded"
+        assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
+        holder.join(30)
+        wait_idle(served)
+        time.sleep(0.2)  # a report after the abort reaches the router
+        out = client.completions.create(
+            model=model_name,
+            prompt=prompt,
+            max_tokens=450,
+            extra_body={"ignore_eos": True},
+            temperature=0,
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 450  # room again
+    finally:
+        served.loop.run(server.stop())
+
+
+def test_completion_streamed_and_whole_equal_grpc_generate(
+    two_workers: ServedCluster, client: openai.OpenAI, model_name: str
+) -> None:
+    tokenizer = two_workers.cluster.tokenizer
+    assert tokenizer is not None
+    prompt = "The window slides: "
+    ids = tokenizer.encode(prompt)
+    expected_ids, expected_text = grpc_tokens(two_workers, ids, 12)
+    whole = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=12, extra_body=EXACT, temperature=0
+    )
+    choice = whole.choices[0]
+    assert choice.text == expected_text
+    assert choice.token_ids == expected_ids
+    assert choice.prompt_token_ids == ids
+    assert choice.finish_reason == "length"
+    assert whole.id.startswith("cmpl-") and whole.model == model_name
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 12)
+    assert whole.usage.total_tokens == len(ids) + 12
+
+    chunks = list(
+        client.completions.create(
+            model=model_name,
+            prompt=prompt,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXACT,
+            temperature=0,
+        )
+    )
+    *deltas, final = chunks
+    assert "".join(c.choices[0].text for c in deltas) == expected_text
+    assert [t for c in deltas for t in c.choices[0].token_ids] == expected_ids
+    assert [c.choices[0].finish_reason for c in deltas][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in deltas[:-1])
+    assert all(c.usage is None for c in deltas)
+    assert final.choices == []
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(ids), 12)
+    assert final.usage.total_tokens == len(ids) + 12
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_streamed_and_whole_equal_grpc_generate_of_the_rendered_template(
+    two_workers: ServedCluster, client: openai.OpenAI, cluster_model: Path, model_name: str
+) -> None:
+    tokenizer = two_workers.cluster.tokenizer
+    assert tokenizer is not None
+    rendered = ChatTemplate.from_model_dir(cluster_model).render(
+        MESSAGES, add_generation_prompt=True
+    )
+    ids = tokenizer.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1  # the template's BOS, not doubled
+    expected_ids, expected_text = grpc_tokens(two_workers, ids, 10)
+    whole = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=10, extra_body=EXACT, temperature=0
+    )
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text
+    assert choice.token_ids == expected_ids
+    assert choice.prompt_token_ids == ids
+    assert choice.finish_reason == "length"
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,
+            max_completion_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXACT,
+            temperature=0,
+        )
+    )
+    *deltas, final = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == expected_text
+    assert [t for c in deltas for t in c.choices[0].token_ids] == expected_ids
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert final.choices == [] and final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(ids), 10)
+
+
+def test_stop_string_truncates_and_finishes_with_stop(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    prompt = "Stop strings: "
+    full = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=24,
+        extra_body={"ignore_eos": True},
+        temperature=0,
+    )
+    full_text = full.choices[0].text
+    printable = [i for i, c in enumerate(full_text) if i >= 3 and c.isprintable() and c != "\ufffd"]
+    assert printable, full_text
+    stop = full_text[printable[0] : printable[0] + 2]
+    expected = full_text[: full_text.index(stop)]
+    cut = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=24,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+        temperature=0,
+    )
+    assert cut.choices[0].text == expected
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(
+            model=model_name,
+            prompt=prompt,
+            max_tokens=24,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            temperature=0,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_choices_are_independent_requests(client: openai.OpenAI, model_name: str) -> None:
+    whole = client.completions.create(
+        model=model_name, prompt=[1, 2, 3, 4], max_tokens=5, n=3, extra_body=EXACT, temperature=0
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in whole.choices}) == 1
+    assert whole.usage is not None and whole.usage.completion_tokens == 15
+    chunks = client.chat.completions.create(
+        messages=MESSAGES,
+        model=whole.model,
+        max_tokens=4,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        temperature=0,
+    )
+    texts = {0: "", 1: ""}
+    reasons = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert texts[0] == texts[1]
+    assert reasons == {0: "length", 1: "length"}
+
+
+def test_models_lists_exactly_the_served_model(client: openai.OpenAI, model_name: str) -> None:
+    assert [m.id for m in client.models.list()] == [model_name]
+    assert client.models.retrieve(model_name).owned_by == "swaserve"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_another_model_name_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert err.value.code == "model_not_found"
+    assert err.value.param == "model"
+
+
+def test_a_sessions_second_turn_reports_cached_tokens(
+    two_workers: ServedCluster, client: openai.OpenAI, model_name: str
+) -> None:
+    tokenizer = two_workers.cluster.tokenizer
+    assert tokenizer is not None
+    turn1 = tokenizer.encode("Quokka: you are a terse assistant.\nUser: sliding windows?\n")
+    first = client.completions.create(
+        model=model_name,
+        prompt=turn1,
+        max_tokens=12,
+        user="http-session-1",
+        extra_body=EXACT,
+        temperature=0,
+    )
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens < 3  # at most BOS + a letter
+    answer = first.choices[0].token_ids
+    wait_idle(two_workers)
+    turn2 = turn1 + answer + tokenizer.encode("\nUser: and the radix cache?\n")[1:]
+    second = client.completions.create(
+        model=model_name,
+        prompt=turn2,
+        max_tokens=8,
+        user="http-session-1",
+        extra_body=EXACT,
+        temperature=0,
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    # all of turn 1 but its last answer token, which was sampled and never computed
+    assert second.usage.prompt_tokens_details.cached_tokens == len(turn1) + len(answer) - 1
+    wait_idle(two_workers)
+
+
+def test_any_user_string_is_a_session_key(client: openai.OpenAI, model_name: str) -> None:
+    """OpenAI's `user` is free text (an e-mail address, say): not a valid id, so it is hashed
+    into one instead of being refused; `session_id` (the gRPC rule) is checked."""
+    for user in ("someone@example.com", "x" * 500):
+        out = client.completions.create(model=model_name, prompt=[1, 2], max_tokens=1, user=user)
+        assert out.usage is not None and out.usage.completion_tokens == 1
+
+
+BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | str, str | None]] = [
+    ("missing messages", "chat", {}, "messages"),
+    ("empty messages", "chat", {"messages": []}, "messages"),
+    ("role tool", "chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (
+        "image content part",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content",
+    ),
+    ("temperature -1", "completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("top_p 0", "completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("max_tokens 0", "completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("n 0", "completions", {"prompt": "x", "n": 0}, "n"),
+    ("seed 2**63", "completions", {"prompt": "x", "seed": 2**63}, "seed"),
+    ("unknown field", "completions", {"prompt": "x", "best_friend": 1}, "best_friend"),
+    ("logprobs", "chat", {"messages": MESSAGES, "logprobs": True}, "logprobs"),
+    ("echo", "completions", {"prompt": "x", "echo": True}, "echo"),
+    (
+        "presence_penalty",
+        "completions",
+        {"prompt": "x", "presence_penalty": 0.5},
+        "presence_penalty",
+    ),
+    ("tools", "chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    (
+        "json response_format",
+        "chat",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    ("ids outside the vocabulary", "completions", {"prompt": [1, 288]}, "prompt"),
+    ("empty prompt", "completions", {"prompt": []}, "prompt"),
+    ("prompt of a number", "completions", {"prompt": 7}, "prompt"),
+    ("batch of two prompts", "completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("over-long prompt", "completions", {"prompt": [1] * 4096}, "prompt"),
+    (
+        "prompt + max_tokens over the pool",
+        "completions",
+        {"prompt": [1] * 100, "max_tokens": 2000},
+        "max_tokens",
+    ),
+    (
+        "17 stop strings",
+        "completions",
+        {"prompt": "x", "stop": [f"s{i}" for i in range(17)]},
+        "stop",
+    ),
+    ("empty stop string", "completions", {"prompt": "x", "stop": [""]}, "stop"),
+    (
+        "stop token outside",
+        "completions",
+        {"prompt": "x", "stop_token_ids": [999]},
+        "stop_token_ids",
+    ),
+    ("session id with a slash", "completions", {"prompt": "x", "session_id": "a/b"}, "session_id"),
+    (
+        "stream_options without stream",
+        "completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    (
+        "max_tokens and max_completion_tokens differ",
+        "chat",
+        {"messages": MESSAGES, "max_tokens": 3, "max_completion_tokens": 4},
+        "max_tokens",
+    ),
+    ("not JSON", "completions", "{", None),
+    ("not an object", "completions", "[1, 2]", None),
+]
+
+
+@pytest.mark.parametrize(
+    "name,endpoint,body,param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS]
+)
+def test_bad_requests_get_400_in_openai_shape(
+    base_url: str,
+    client: openai.OpenAI,
+    model_name: str,
+    name: str,
+    endpoint: str,
+    body: dict[str, Any] | str,
+    param: str | None,
+) -> None:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    if isinstance(body, str):
+        reply = requests.post(
+            base_url + path, data=body, headers={"Content-Type": "application/json"}, timeout=30
+        )
+    else:
+        reply = requests.post(base_url + path, json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
+    again = client.completions.create(
+        model=model_name,
+        prompt=[7, 8, 9],
+        max_tokens=2,
+        extra_body={"ignore_eos": True},
+        temperature=0,
+    )
+    assert again.choices[0].finish_reason == "length"  # the server serves on
+    assert again.usage is not None and again.usage.completion_tokens == 2
+
+
+def test_the_openai_client_sees_unsupported_fields_as_bad_requests(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            messages=MESSAGES, model=model_name, logprobs=True, top_logprobs=2
+        )
+    assert err.value.status_code == 400
+    assert "logprobs" in err.value.message and "top_logprobs" in err.value.message
+    assert err.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="x", frequency_penalty=1.0)
+    assert err.value.param == "frequency_penalty"
+
+
+def test_health(base_url: str) -> None:
+    reply = requests.get(base_url + "/health", timeout=10)
+    assert (reply.status_code, reply.json()) == (200, {"status": "serving"})
+
+
+def test_api_key_is_required_when_configured(two_workers: ServedCluster, model_name: str) -> None:
+    server = start_http(two_workers, api_key="s3cret")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.completions.create(model=model_name, prompt="x", max_tokens=1)
+        assert err.value.code == "invalid_api_key"
+        reply = requests.get(base + "/v1/models", timeout=10)  # no header at all
+        assert reply.status_code == 401
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+        assert reply.headers["WWW-Authenticate"] == "Bearer"
+        assert requests.get(base + "/metrics", timeout=10).status_code == 401
+        assert requests.get(base + "/health", timeout=10).status_code == 200  # probes need none
+        right = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in right.models.list()] == [model_name]
+        out = right.completions.create(model=model_name, prompt=[1, 2], max_tokens=2, temperature=0)
+        assert out.usage is not None and out.usage.prompt_tokens == 2
+    finally:
+        two_workers.loop.run(server.stop())
+
+
+def metric_samples(base_url: str) -> dict[str, dict[str, float]]:
+    """family name → sample name → the sum over its label sets."""
+    reply = requests.get(base_url + "/metrics", timeout=10)
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(reply.text):
+        samples = out.setdefault(family.name, {})
+        for s in family.samples:
+            samples[s.name] = samples.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_metrics_list_design_names_and_count_requests(
+    two_workers: ServedCluster, base_url: str, client: openai.OpenAI, model_name: str
+) -> None:
+    client.completions.create(
+        model=model_name, prompt=[3, 4, 5], max_tokens=2, temperature=0
+    )  # a routing decision
+    wait_idle(two_workers)
+    time.sleep(0.2)  # a report after the request reaches the router
+    before = metric_samples(base_url)
+    assert set(before) >= DESIGN_METRICS
+    assert "swaserve:router_queue_len" in before
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    out = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+        temperature=0,
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 3
+    wait_idle(two_workers)
+    deadline = time.monotonic() + 10
+    while True:
+        after = metric_samples(base_url)
+        queries = "swaserve:prefix_cache_queries"
+        grown = after[queries][f"{queries}_total"] - before[queries][f"{queries}_total"]
+        if grown or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grown == len(prompt)
+    ttft = "swaserve:time_to_first_token_seconds"
+    assert after[ttft][f"{ttft}_count"] == before[ttft][f"{ttft}_count"] + 1
+    e2e = "swaserve:e2e_request_latency_seconds"
+    assert after[e2e][f"{e2e}_count"] == before[e2e][f"{e2e}_count"] + 1
+    itl = "swaserve:inter_token_latency_seconds"
+    assert after[itl][f"{itl}_count"] == before[itl][f"{itl}_count"] + 2  # 3 tokens, 2 gaps
+
+
+@pytest.mark.parametrize("how", ["stream", "whole"])
+def test_a_client_that_leaves_frees_its_kv(
+    two_workers: ServedCluster, client: openai.OpenAI, base_url: str, model_name: str, how: str
+) -> None:
+    before = kv_in_use(wait_idle(two_workers))
+    assert before == {"worker-0": (0, 0), "worker-1": (0, 0)}
+    body = {"prompt": list(range(30, 90)), "max_tokens": 1800, "ignore_eos": True}
+    held: dict[str, tuple[int, int]] = {}
+    if how == "stream":
+        chunks = client.completions.create(
+            model=model_name,
+            prompt=body["prompt"],
+            max_tokens=1800,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            temperature=0,
+        )
+        for n, _ in enumerate(chunks):
+            if n == 3:
+                held = kv_in_use(two_workers.load())
+                chunks.close()
+                break
+        assert max(full for full, _ in held.values()) > 0  # the request did hold KV
+    else:
+        with pytest.raises(requests.Timeout):
+            requests.post(base_url + "/v1/completions", json=body | {"temperature": 0}, timeout=1.0)
+    assert kv_in_use(wait_idle(two_workers)) == before
+
+
+def test_an_error_after_the_stream_began_is_a_last_event(
+    two_workers: ServedCluster, base_url: str
+) -> None:
+    """A request aborted on the server (gRPC Abort of its id) mid-stream: an error event, then
+    [DONE]; the engine's "abort" is never an OpenAI finish reason."""
+    body = {"prompt": [5] * 20, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    events: list[Any] = []
+    with requests.post(base_url + "/v1/completions", json=body, stream=True, timeout=60) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        for line in reply.iter_lines():
+            if not line:
+                continue
+            assert line.startswith(b"data: ")
+            data = line[len(b"data: ") :]
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+            if len(events) == 2:
+                aborted = two_workers.stub().Abort(
+                    pb.AbortRequest(request_id=events[0]["id"]), timeout=10
+                )
+                assert aborted.aborted
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == "service_unavailable" and error["type"] == "server_error"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+    wait_idle(two_workers)
+
+
+HTTP_LISTEN = re.compile(r"^swaserve: OpenAI-compatible HTTP API on (http://127\.0\.0\.1:\d+)/v1$")
+
+
+def test_serve_command_with_http_port_and_sigterm_drain(
+    ray_session: str, cluster_model: Path, tmp_path: Path
+) -> None:
+    env = dict(os.environ, SWASERVE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    process = ServeProcess(
+        [
+            "--ray-address",
+            ray_session,
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "4096",
+            "--model",
+            str(cluster_model),
+        ],
+        env,
+    )
+    try:
+        model_name, _ = process.wait_listening()
+        deadline = time.monotonic() + 30
+        while not (urls := [m[1] for line in process.lines if (m := HTTP_LISTEN.match(line))]):
+            assert time.monotonic() < deadline, "\n".join(process.lines[-20:])
+            time.sleep(0.1)
+        base = urls[0]
+        assert any(
+            line.startswith(f"try:  curl {base}/v1/chat/completions") for line in process.lines
+        )
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].finish_reason == "length" and out.model == model_name
+
+        chunks: list[Any] = []
+        started = threading.Event()
+
+        def long_stream() -> None:
+            for chunk in client.completions.create(
+                model=model_name,
+                prompt=[5] * 10,
+                max_tokens=300,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                chunks.append(chunk)
+                started.set()
+
+        streaming = threading.Thread(target=long_stream)
+        streaming.start()
+        assert started.wait(60)
+        process.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while requests.get(base + "/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "health never turned 503"
+            time.sleep(0.02)
+        assert requests.get(base + "/health", timeout=5).json() == {"status": "draining"}
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model=model_name, prompt=[1, 2], max_tokens=2)
+        assert err.value.status_code == 503
+        streaming.join(120)
+        assert chunks[-1].choices[0].finish_reason == "length"  # the open stream drained
+        assert process.proc.wait(60) == 0
+        process._reader.join(10)
+        assert process.lines[-1] == "swaserve: stopped"
+        assert any(re.search(r"request cmpl-\w+: 10 prompt tokens", line) for line in process.lines)
+    finally:
+        process.stop()
