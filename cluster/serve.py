@@ -1,0 +1,407 @@
+"""The Ray Serve application: `serve run swaserve.cluster.serve:build_app model=DIR replicas=2`.
+
+    SwaIngress (FastAPI: OpenAI API, /health, /metrics; Serve's gRPC proxy: swaserve.v1.Inference)
+      │  route(request) ──► SwaRouter   (one replica: the cluster's Router, fed by worker reports)
+      │  ◄── worker id
+      └─ generate(..., worker_id=…) ──► SwaWorker × replicas   (PinnedRequestRouter sends it there)
+             one Serve replica = one TP worker group: placement_group_bundles (one per rank,
+             STRICT_PACK); the replica is rank 0, ranks 1.. are RankWorker actors in its bundles
+
+swaserve's router, not Serve's power-of-two default, places every request: the ingress asks
+the SwaRouter deployment first (prefix, SWA window, headroom; its queue and its refusals become
+HTTP 429 / RESOURCE_EXHAUSTED before the request enters Serve's queues), then calls the worker
+deployment with the chosen worker id, and `PinnedRequestRouter` — a Serve `RequestRouter` that
+only honours that choice — hands it to that replica. One router instance holds the one KV-event
+view of the fleet; a `RequestRouter` alone runs in every handle's process and would need it in
+each. The ingress code is `swaserve serve`'s: the same `RoutedCluster` logic, OpenAI app and
+gRPC service, only the worker transport differs (`ServeCluster`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from swaserve.cluster.engine_loop import WORKER_LOST, EngineLoop, GenerateChunk
+from swaserve.cluster.grpc_server import InferenceService, RpcFailure
+from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
+from swaserve.cluster.routed import ModelInfo, RoutedCluster, WorkerLost
+from swaserve.cluster.router_actor import RouterActor
+from swaserve.cluster.worker_group import EngineWorker, RankWorker, WorkerInfo
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.router import RouterConfig
+from swaserve.worker import EngineConfig, SamplingParams
+from swaserve.worker.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+WORKER_ID_KWARG = "worker_id"
+ANY_WORKER = "*"  # routing="serve": whichever replica Serve picks
+INGRESS_NAME, ROUTER_NAME, WORKER_NAME = "SwaIngress", "SwaRouter", "SwaWorker"
+
+
+class PinnedRequestRouter(RequestRouter):
+    """Sends a request to the replica named by its `worker_id` keyword argument (the choice
+    of swaserve's router). Without one, or when that replica is not running, any replica:
+    the worker then answers that it was not the one chosen, and the ingress routes again."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        wanted = pending_request.kwargs.get(WORKER_ID_KWARG) if pending_request else None
+        for replica in candidate_replicas:
+            if replica.replica_id.unique_id == wanted:
+                return [[replica]]
+        return [candidate_replicas]
+
+
+class ServeAppArgs(BaseModel):
+    """`build_app`'s arguments (from `serve run ... key=value` or a config file's `args`):
+    the Serve knobs, then every `EngineConfig` field by its name and every `RouterConfig`
+    field as `router_<name>`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: str | None = Field(None, description="HF model dir (default: the demo model)")
+    replicas: int = Field(1, ge=1, description="worker replicas, each one TP group")
+    served_model_name: str | None = None
+    use_gpu: bool | None = Field(None, description="GPU bundles (default: if Ray has GPUs)")
+    max_ongoing_requests: int = Field(256, ge=1, description="per worker replica")
+    ingress_replicas: int = Field(1, ge=1)
+    report_interval_s: float = Field(0.1, gt=0, le=1.0)
+    retry_after_s: float = Field(1.0, gt=0)
+    api_key: str | None = Field(None, description="bearer token the HTTP API requires")
+    routing: Literal["swaserve", "serve"] = Field(
+        "swaserve",
+        description="swaserve: the router places requests; serve: Serve's default "
+        "power-of-two routing (the baseline of bench/serve_load.py)",
+    )
+
+    def engine_config(self) -> EngineConfig:
+        from swaserve.cluster.serve_command import ensure_demo_model
+
+        extra = dict(self.model_extra or {})
+        engine = {k: v for k, v in extra.items() if k in EngineConfig.model_fields}
+        model = self.model or str(ensure_demo_model())
+        return EngineConfig(model=model, **engine)
+
+    def router_config(self) -> RouterConfig:
+        extra = dict(self.model_extra or {})
+        fields = {k[len("router_") :]: v for k, v in extra.items() if k.startswith("router_")}
+        return RouterConfig(**fields)
+
+    def check_extra(self) -> None:
+        for key in self.model_extra or {}:
+            known = key in EngineConfig.model_fields or (
+                key.startswith("router_") and key[len("router_") :] in RouterConfig.model_fields
+            )
+            if not known:
+                raise ValueError(f"unknown argument {key!r} for swaserve's Serve app")
+
+
+class SwaRouter(RouterActor):
+    """The router as a Serve deployment (one replica)."""
+
+
+class SwaWorker(EngineWorker):
+    """One TP worker group as one Serve replica: the replica is rank 0; it starts ranks
+    1..tp-1 in the other bundles of its placement group."""
+
+    def __init__(self, config: EngineConfig, router: Any, report_interval_s: float) -> None:
+        worker_id = serve.get_replica_context().replica_id.unique_id
+        ranks = []
+        if config.tp_size > 1:
+            group = get_current_placement_group()
+            if group is None:
+                raise RuntimeError("a TP worker replica needs placement_group_bundles")
+            use_gpu = config.device.startswith("cuda")
+            resources = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
+            ranks = [
+                ray.remote(RankWorker)
+                .options(
+                    max_restarts=0,
+                    max_concurrency=2,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=rank
+                    ),
+                    **resources,
+                )
+                .remote()
+                for rank in range(1, config.tp_size)
+            ]
+        super().__init__(worker_id, config, ranks, router, report_interval_s)
+        self.start_sync()
+
+    async def info_of(self) -> WorkerInfo:
+        assert self.info is not None
+        return self.info
+
+    async def generate_on(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        worker_id: str,
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        if worker_id not in (self.worker_id, ANY_WORKER):  # Serve could not reach it
+            yield GenerateChunk(
+                request_id,
+                finished=True,
+                finish_reason=WORKER_LOST,
+                error=f"worker {worker_id} is not running",
+            )
+            return
+        async for item in self.generate(request_id, token_ids, params):
+            yield item
+
+    async def abort_on(self, request_id: str, worker_id: str) -> None:
+        if worker_id == self.worker_id:
+            await self.abort(request_id)
+
+    def __del__(self) -> None:
+        """Serve calls it when the replica stops: end the loop, the engine and its ranks."""
+        loop: EngineLoop | None = getattr(self, "loop", None)
+        if loop is None:
+            return
+        self.loop = None
+        loop.stop()
+        try:
+            loop.wait(10.0)
+        except BaseException:
+            logger.warning("worker %s ended with an error", self.worker_id, exc_info=True)
+        loop.engine.shutdown()
+
+
+class ServeCluster(RoutedCluster):
+    """`RoutedCluster` over the SwaRouter and SwaWorker deployments (handles)."""
+
+    def __init__(self, router: Any, workers: Any, args: ServeAppArgs) -> None:
+        super().__init__(args.retry_after_s)
+        self.router = router
+        self.workers = workers
+        self.args = args
+        self.engine = args.engine_config()
+        tokenizer_dir = Path(self.engine.tokenizer or self.engine.model)
+        if (tokenizer_dir / "tokenizer.json").is_file():
+            self.tokenizer = TextTokenizer(tokenizer_dir)
+        self._known: set[str] = set()
+
+    async def ready(self) -> None:
+        known: ModelInfo | None = getattr(self, "model_info", None)
+        if known is not None:
+            return
+        await self.load()
+        info: WorkerInfo = await self.workers.info_of.remote()
+        engine = self.engine
+        self.model_info = ModelInfo(
+            model_name=self.args.served_model_name or Path(engine.model).name,
+            model_path=engine.model,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            sliding_window_size=info.sliding_window_size,
+            page_size=info.page_size,
+            tp_size=info.tp_size,
+            eos_token_ids=info.eos_token_ids,
+            has_tokenizer=self.tokenizer is not None,
+            full_pool_tokens=info.full_pool_tokens,
+            max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str | None = None,
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        await self.ready()
+        async for chunk in super().generate(request_id, token_ids, params, session_id=session_id):
+            yield chunk
+
+    def _stream(
+        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        return self._stream_from(worker_id, request_id, token_ids, params)
+
+    async def _stream_from(
+        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        stream = self.workers.options(stream=True).generate_on.remote(
+            request_id, token_ids, params, worker_id=worker_id
+        )
+        try:
+            async for item in stream:
+                yield item
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+            raise WorkerLost(str(exc)) from exc
+
+    def _abort_on(self, worker_id: str, request_id: str) -> None:
+        if worker_id == ANY_WORKER:  # no way to name the replica: ask every one
+            for replica in sorted(self._known):
+                self.workers.abort_on.remote(request_id, worker_id=replica)
+        else:
+            self.workers.abort_on.remote(request_id, worker_id=worker_id)
+
+    async def _route(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None,
+    ) -> str:
+        if self.args.routing == "serve":
+            return ANY_WORKER
+        return await super()._route(request_id, token_ids, params, session_id)
+
+    def _worker_alive(self, worker_id: str) -> bool:
+        return worker_id not in self.lost
+
+    def _lose(self, worker_id: str, why: str) -> None:
+        if worker_id in self.lost or worker_id == ANY_WORKER:
+            return
+        logger.error("worker %s lost (%s); serving on the others", worker_id, why)
+        self.lost[worker_id] = why
+        self.router.remove_worker.remote(worker_id)
+
+    @property
+    def live_workers(self) -> list[str]:
+        return sorted(self._known - set(self.lost))
+
+    async def load(self) -> list[Any]:
+        statuses = await super().load()
+        timeout = self.router_config_timeout_s
+        fresh = [s for s in statuses if s.report_age_s <= timeout]
+        self._known = {s.worker_id for s in fresh}
+        return fresh
+
+    @property
+    def router_config_timeout_s(self) -> float:
+        return self.args.router_config().report_timeout_s
+
+
+@serve.ingress()
+class SwaIngress:
+    """HTTP (OpenAI API) and gRPC (through Serve's proxy) in front of the cluster."""
+
+    def __init__(self, router: Any, workers: Any, args: ServeAppArgs) -> None:
+        self.cluster = ServeCluster(router, workers, args)
+        model_name = args.served_model_name or Path(self.cluster.engine.model).name
+        self.metrics = ServingMetrics(model_name)
+        self.service = InferenceService(self.cluster, self.metrics)
+        self.openai = OpenAIServer(self.cluster, self.metrics, args.api_key)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """Serve asks for the HTTP app once the constructor ran: the OpenAI app over this
+        replica's cluster."""
+        app = build_openai_app()
+        app.state.openai = self.openai
+        return app
+
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: Any = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for item in self.service.generate(request):
+                yield item
+        except RpcFailure as failure:
+            _fail(grpc_context, failure)
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> pb.AbortResponse:
+        try:
+            return await self.service.abort(request)
+        except RpcFailure as failure:
+            _fail(grpc_context, failure)
+            return pb.AbortResponse()
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, grpc_context: Any = None
+    ) -> pb.ModelInfo:
+        return await self.service.model_info(request)
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, grpc_context: Any = None
+    ) -> pb.LoadResponse:
+        return await self.service.load(request)
+
+
+def _fail(grpc_context: Any, failure: RpcFailure) -> None:
+    if grpc_context is None:
+        raise failure
+    grpc_context.set_code(failure.code)
+    grpc_context.set_details(failure.details)
+    if failure.trailing:
+        grpc_context.set_trailing_metadata(list(failure.trailing))
+
+
+GRPC_SERVICER_FUNCTION = (
+    "swaserve.proto.swaserve.v1.inference_pb2_grpc.add_InferenceServicer_to_server"
+)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application (see the module docstring); `args` as `ServeAppArgs`."""
+    try:
+        parsed = ServeAppArgs(**args)
+        parsed.check_extra()
+        engine = parsed.engine_config()
+        router_config = parsed.router_config()
+    except (ValidationError, ValueError) as exc:
+        raise ValueError(f"swaserve Serve app: bad arguments: {exc}") from exc
+    use_gpu = parsed.use_gpu
+    if use_gpu is None:
+        use_gpu = engine.device.startswith("cuda") or (
+            engine.device == "auto"
+            and ray.is_initialized()
+            and ray.cluster_resources().get("GPU", 0) > 0
+        )
+    if engine.device == "auto":
+        engine = engine.model_copy(update={"device": "cuda" if use_gpu else "cpu"})
+    bundle = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    actor_options = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
+    routing: dict[str, Any] = {}
+    if parsed.routing == "swaserve":
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=f"{__name__}.{PinnedRequestRouter.__name__}"  # type: ignore[arg-type]
+        )
+    router = serve.deployment(
+        name=ROUTER_NAME,
+        num_replicas=1,
+        max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0},
+    )(SwaRouter)
+    workers = serve.deployment(
+        name=WORKER_NAME,
+        num_replicas=parsed.replicas,
+        max_ongoing_requests=parsed.max_ongoing_requests,
+        ray_actor_options=actor_options,
+        placement_group_bundles=[dict(bundle) for _ in range(engine.tp_size)],
+        placement_group_strategy="STRICT_PACK",
+        **routing,
+    )(SwaWorker)
+    ingress = serve.deployment(
+        name=INGRESS_NAME,
+        num_replicas=parsed.ingress_replicas,
+        max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0},
+    )(SwaIngress)
+    router_app = router.bind(router_config)
+    worker_app = workers.bind(engine, router_app, parsed.report_interval_s)
+    return ingress.bind(router_app, worker_app, parsed)
+
+
+__all__ = ["GRPC_SERVICER_FUNCTION", "PinnedRequestRouter", "ServeAppArgs", "build_app"]

@@ -1,0 +1,243 @@
+"""The Ray Serve application on the session's Ray: the stock `openai` client over Serve's HTTP
+proxy, the gRPC API through Serve's gRPC proxy, the router's placement, 429, and /metrics."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import yaml
+from cluster_harness import reference_tokens
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+from ray.serve.config import gRPCOptions
+from ray.serve.schema import ServeDeploySchema
+
+from swaserve.cluster.serve import GRPC_SERVICER_FUNCTION, ServeAppArgs, build_app
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[3]
+APP = "swaserve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeApp:
+    def __init__(self, http_port: int, grpc_port: int, model: Path) -> None:
+        self.http_port, self.grpc_port, self.model = http_port, grpc_port, model
+
+    def client(self, prefix: str = "") -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.http_port}{prefix}/v1",
+            api_key="unused",
+            max_retries=0,
+        )
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics").read()
+        out = {}
+        for family in text_string_to_metric_families(text.decode()):
+            for s in family.samples:
+                out[s.name, tuple(sorted(s.labels.items()))] = s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def serve_app(ray_session: str, cluster_model: Path) -> Iterator[ServeApp]:
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
+    )
+    try:
+        args = {"model": str(cluster_model), "replicas": "2", "tp_size": "1", "device": "cpu"}
+        serve.run(build_app({**args, "max_total_tokens": "2048"}), name=APP, route_prefix="/")
+        tight = {**args, "replicas": 1, "max_total_tokens": 512, "router_max_queue_len": 0}
+        serve.run(build_app(tight), name="tight", route_prefix="/tight")
+        yield ServeApp(http_port, grpc_port, cluster_model)
+    finally:
+        serve.shutdown()
+
+
+def test_openai_client_streams_chat_and_completion_with_the_engines_tokens(
+    serve_app: ServeApp,
+) -> None:
+    client = serve_app.client()
+    model = serve_app.model.name
+    assert [m.id for m in client.models.list().data] == [model]
+    prompt = [3, 14, 15, 92, 65, 35]
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert text == whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 6
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello there"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+    # the same prompt over Serve's gRPC proxy gives the engine's tokens
+    with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(
+            token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=6, temperature=0)
+        )
+        items = list(stub.Generate(request, metadata=[("application", APP)], timeout=60))
+        load = stub.GetLoad(pb.GetLoadRequest(), metadata=[("application", APP)], timeout=30)
+    ids = [t for item in items for t in item.token_ids]
+    assert ids == reference_tokens(serve_app.model, [prompt], [6])[0]
+    assert items[-1].finish_reason == "length"
+    assert len(load.workers) == 2
+    assert all(w.full_total_tokens == 2048 for w in load.workers)
+
+
+def test_second_turn_through_serve_reuses_the_first_turns_cache(serve_app: ServeApp) -> None:
+    client = serve_app.client()
+    model = serve_app.model.name
+    turn1 = [(5 * i + 7) % 250 for i in range(40)]
+    first = client.completions.create(
+        model=model, prompt=turn1, max_tokens=8, temperature=0, user="session-7"
+    )
+    answer = reference_tokens(serve_app.model, [turn1], [8])[0]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = [*turn1, *answer, 1, 2, 3]
+    second = client.completions.create(
+        model=model, prompt=turn2, max_tokens=4, temperature=0, user="session-7"
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens == len(turn1) + len(answer) - 1
+
+
+def test_malformed_requests_get_openai_errors(serve_app: ServeApp) -> None:
+    client = serve_app.client()
+    model = serve_app.model.name
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    assert err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=[1, 999], max_tokens=3)
+    assert "vocabulary" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="another-model", prompt="x", max_tokens=3)
+
+
+def test_a_request_the_router_cannot_place_gets_429(serve_app: ServeApp) -> None:
+    client = serve_app.client("/tight")
+    model = serve_app.model.name
+    started = threading.Event()
+    done: list[str] = []
+
+    def hold() -> None:
+        stream = client.completions.create(
+            model=model,
+            prompt=[1, 2, 3],
+            max_tokens=450,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            started.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                done.append(chunk.choices[0].finish_reason)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert started.wait(60)
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(
+                model=model, prompt=[4, 5, 6], max_tokens=450, extra_body={"ignore_eos": True}
+            )
+        assert err.value.response.headers["retry-after"] == "1"
+        assert err.value.body["type"] == "rate_limit_error" or err.value.status_code == 429
+    finally:
+        holder.join(120)
+    assert done == ["length"]
+
+
+def test_metrics_list_the_names_and_follow_the_requests(serve_app: ServeApp) -> None:
+    client = serve_app.client()
+    model = serve_app.model.name
+    before = serve_app.metrics()
+    client.completions.create(model=model, prompt=[9, 8, 7, 6], max_tokens=3, temperature=0)
+    after = serve_app.metrics()
+    names = {name for name, _ in after}
+    for name in (
+        "swaserve:num_requests_running",
+        "swaserve:num_requests_waiting",
+        "swaserve:token_usage",
+        "swaserve:swa_token_usage",
+        "swaserve:swa_tombstoned_tokens",
+        "swaserve:prefix_cache_queries_total",
+        "swaserve:prefix_cache_hits_total",
+        "swaserve:time_to_first_token_seconds_count",
+        "swaserve:inter_token_latency_seconds_count",
+        "swaserve:e2e_request_latency_seconds_count",
+        "swaserve:router_decisions_total",
+    ):
+        assert name in names, name
+
+    def total(samples: dict, name: str, **labels: str) -> float:
+        return sum(
+            v
+            for (n, ls), v in samples.items()
+            if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
+        )
+
+    for name in (
+        "swaserve:time_to_first_token_seconds_count",
+        "swaserve:prefix_cache_queries_total",
+    ):
+        assert total(after, name) > total(before, name), name
+    routed = total(after, "swaserve:router_decisions_total", policy="prefix", outcome="routed")
+    assert routed > total(
+        before, "swaserve:router_decisions_total", policy="prefix", outcome="routed"
+    )
+    workers = {dict(ls)["worker"] for n, ls in after if n == "swaserve:num_requests_running"}
+    assert len(workers) == 2
+
+
+def test_serve_yaml_parses_and_names_the_builder_with_args_it_accepts() -> None:
+    config = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    schema = ServeDeploySchema(**config)
+    app = schema.applications[0]
+    assert app.import_path == "swaserve.cluster.serve:build_app"
+    assert config["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER_FUNCTION]
+    args = ServeAppArgs(**app.args)
+    args.check_extra()
+    assert args.replicas == 2
+    assert args.router_config().policy == "prefix"
+
+
+def test_build_app_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown argument"):
+        build_app({"no_such_knob": 1})
+    with pytest.raises(ValueError, match="replicas"):
+        build_app({"replicas": 0})
+    with pytest.raises(ValueError, match="policy"):
+        build_app({"router_policy": "random-ish"})
