@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
+from ray.util.placement_group import placement_group_table
 
 from swaserve.cluster.serve import GRPC_SERVICER_FUNCTION, ServeAppArgs, build_app
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
@@ -241,3 +242,44 @@ def test_build_app_rejects_bad_arguments() -> None:
         build_app({"replicas": 0})
     with pytest.raises(ValueError, match="policy"):
         build_app({"router_policy": "random-ish"})
+
+
+def test_a_tp2_worker_replica_holds_both_ranks_in_its_placement_group(serve_app: ServeApp) -> None:
+    args = {
+        "model": str(serve_app.model),
+        "replicas": 1,
+        "tp_size": 2,
+        "device": "cpu",
+        "max_total_tokens": 2048,
+    }
+    serve.run(build_app(args), name="tp2", route_prefix="/tp2")
+    try:
+        client = serve_app.client("/tp2")
+        prompt = [21, 22, 23, 24, 25]
+        out = client.completions.create(
+            model=serve_app.model.name, prompt=prompt, max_tokens=6, temperature=0
+        )
+        assert out.usage.completion_tokens == 6
+        status = serve.status().applications["tp2"].deployments["SwaWorker"]
+        assert status.replica_states == {"RUNNING": 1}
+        groups = [
+            g
+            for g in placement_group_table().values()
+            if g["state"] == "CREATED" and g["strategy"] == "STRICT_PACK"
+        ]
+        assert [{"CPU": 1.0}, {"CPU": 1.0}] in [list(g["bundles"].values()) for g in groups]
+        with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(
+                token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=6, temperature=0)
+            )
+            items = list(stub.Generate(request, metadata=[("application", "tp2")], timeout=60))
+            info = stub.GetModelInfo(
+                pb.GetModelInfoRequest(), metadata=[("application", "tp2")], timeout=30
+            )
+        assert [t for i in items for t in i.token_ids] == reference_tokens(
+            serve_app.model, [prompt], [6]
+        )[0]
+        assert info.tp_size == 2
+    finally:
+        serve.delete("tp2")
