@@ -72,8 +72,8 @@ class HttpServer:
         return self.port
 
     async def stop(self) -> None:
-        """Stop accepting, give open responses a second, then close them (their requests are
-        aborted)."""
+        """Stop accepting; open responses get a second to end, then their tasks are cancelled
+        (which aborts their requests). Drain, or stop the cluster, first to end them cleanly."""
         server, task = self._server, self._task
         self._server = self._task = None
         if server is None or task is None:

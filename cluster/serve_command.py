@@ -242,10 +242,12 @@ async def serve(
         if not drained:
             logger.warning("drain timed out with %d open streams; stopping", cluster.num_open)
     finally:
-        if http is not None:
-            await http.stop()
         await server.stop()
-        await cluster.shutdown()
+        try:
+            await cluster.shutdown()  # streams still open end: over HTTP with an error event
+        finally:
+            if http is not None:
+                await http.stop()
     print("swaserve: stopped", flush=True)
     return 0
 

@@ -614,34 +614,58 @@ def test_an_error_after_the_stream_began_is_a_last_event(
 HTTP_LISTEN = re.compile(r"^swaserve: OpenAI-compatible HTTP API on (http://127\.0\.0\.1:\d+)/v1$")
 
 
+class HttpServeProcess(ServeProcess):
+    """`swaserve serve --http-port 0` on the session's Ray; `start()` waits for both ports."""
+
+    def __init__(self, ray_session: str, model: Path, tmp_path: Path, *more: str) -> None:
+        env = dict(os.environ, SWASERVE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+        args = ["--ray-address", ray_session, "--grpc-port", "0", "--http-port", "0"]
+        args += ["--device", "cpu", "--max-total-tokens", "4096", "--model", str(model), *more]
+        super().__init__(args, env)
+
+    def start(self) -> tuple[str, str]:
+        """(served model name, base URL of the HTTP API)."""
+        model_name, _ = self.wait_listening()
+        deadline = time.monotonic() + 30
+        while not (urls := [m[1] for line in self.lines if (m := HTTP_LISTEN.match(line))]):
+            assert time.monotonic() < deadline, "\n".join(self.lines[-20:])
+            time.sleep(0.1)
+        return model_name, urls[0]
+
+
+class LongStream(threading.Thread):
+    """A streamed completion in a thread: its chunks, and the error it ended with (if any)."""
+
+    def __init__(self, client: openai.OpenAI, model_name: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.client, self.model_name, self.max_tokens = client, model_name, max_tokens
+        self.chunks: list[Any] = []
+        self.error: openai.APIError | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for chunk in self.client.completions.create(
+                model=self.model_name,
+                prompt=[5] * 10,
+                max_tokens=self.max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                self.chunks.append(chunk)
+                self.started.set()
+        except openai.APIError as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+
 def test_serve_command_with_http_port_and_sigterm_drain(
     ray_session: str, cluster_model: Path, tmp_path: Path
 ) -> None:
-    env = dict(os.environ, SWASERVE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    process = ServeProcess(
-        [
-            "--ray-address",
-            ray_session,
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--device",
-            "cpu",
-            "--max-total-tokens",
-            "4096",
-            "--model",
-            str(cluster_model),
-        ],
-        env,
-    )
+    process = HttpServeProcess(ray_session, cluster_model, tmp_path)
     try:
-        model_name, _ = process.wait_listening()
-        deadline = time.monotonic() + 30
-        while not (urls := [m[1] for line in process.lines if (m := HTTP_LISTEN.match(line))]):
-            assert time.monotonic() < deadline, "\n".join(process.lines[-20:])
-            time.sleep(0.1)
-        base = urls[0]
+        model_name, base = process.start()
         assert any(
             line.startswith(f"try:  curl {base}/v1/chat/completions") for line in process.lines
         )
@@ -651,23 +675,9 @@ def test_serve_command_with_http_port_and_sigterm_drain(
         )
         assert out.choices[0].finish_reason == "length" and out.model == model_name
 
-        chunks: list[Any] = []
-        started = threading.Event()
-
-        def long_stream() -> None:
-            for chunk in client.completions.create(
-                model=model_name,
-                prompt=[5] * 10,
-                max_tokens=300,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                chunks.append(chunk)
-                started.set()
-
-        streaming = threading.Thread(target=long_stream)
+        streaming = LongStream(client, model_name, 300)
         streaming.start()
-        assert started.wait(60)
+        assert streaming.started.wait(60)
         process.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
         while requests.get(base + "/health", timeout=5).status_code != 503:
@@ -678,10 +688,35 @@ def test_serve_command_with_http_port_and_sigterm_drain(
             client.completions.create(model=model_name, prompt=[1, 2], max_tokens=2)
         assert err.value.status_code == 503
         streaming.join(120)
-        assert chunks[-1].choices[0].finish_reason == "length"  # the open stream drained
+        assert streaming.error is None
+        assert streaming.chunks[-1].choices[0].finish_reason == "length"  # it drained
         assert process.proc.wait(60) == 0
         process._reader.join(10)
         assert process.lines[-1] == "swaserve: stopped"
         assert any(re.search(r"request cmpl-\w+: 10 prompt tokens", line) for line in process.lines)
+    finally:
+        process.stop()
+
+
+def test_serve_command_ends_a_stream_that_outlives_the_drain_with_an_error_event(
+    ray_session: str, cluster_model: Path, tmp_path: Path
+) -> None:
+    process = HttpServeProcess(ray_session, cluster_model, tmp_path, "--drain-timeout-s", "0.5")
+    try:
+        model_name, base = process.start()
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        streaming = LongStream(client, model_name, 3000)
+        streaming.start()
+        assert streaming.started.wait(60)
+        process.proc.send_signal(signal.SIGTERM)
+        streaming.join(60)
+        assert not streaming.is_alive()
+        assert streaming.error is not None  # the stream's last event was an error
+        assert "aborted" in streaming.error.message
+        assert all(c.choices[0].finish_reason is None for c in streaming.chunks)
+        assert process.proc.wait(60) == 0
+        process._reader.join(10)
+        assert process.lines[-1] == "swaserve: stopped"
+        assert not [line for line in process.lines if "Traceback" in line or "ASGI" in line]
     finally:
         process.stop()
