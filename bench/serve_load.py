@@ -1,0 +1,467 @@
+"""Multi-turn chat over the OpenAI API against the Ray Serve app (`swaserve.cluster.serve`,
+2 worker replicas × TP 1): swaserve's router placing the requests (`routing="swaserve"`)
+against Serve's default power-of-two routing (`routing="serve"`), in the same process.
+
+Workload (drawn once per seed, replayed for every run): S sessions share a system message;
+turn k of a session sends the messages of turns 1..k-1, each followed by the assistant's
+answer as streamed back, plus a new user message (random lowercase words, 1/2 to 3/2 of
+`--user-tokens` characters; the tiny model's tokenizer has one token per byte), so that each
+prompt extends the previous one through the chat template. N clients (the stock `openai`
+AsyncOpenAI, one event loop) each take the next session and send its turns one after another
+(`stream=True`, `stream_options={"include_usage": True}`, `user=<session id>`, greedy,
+`ignore_eos`): at most N requests are in flight.
+
+Each run deploys the app fresh as its own Serve application (cold prefix caches; its own name
+and route prefix, deleted after the run) on one Serve instance, sends one warm-up request per
+worker (a system message no workload prompt shares beyond the template's first 2 tokens),
+then the workload. Runs alternate serve / swaserve for `--repeats` rounds, so that a busy
+machine slows both alike; the median of each figure over the rounds counts.
+
+Per run: completion tokens / s over the run, TTFT p50 / p99 (send → first chunk with a
+content delta), cached-token share (Σ usage.prompt_tokens_details.cached_tokens / Σ
+usage.prompt_tokens), wall time; also "hist hit" (of the turns k >= 2, those whose cached
+tokens cover all of turn k-1's prompt: they found the session's history, in effect on the
+worker that served turn k-1), requests per worker (the app's /metrics: the ingress's
+end-to-end latency count per worker, warm-up excluded) and whether every answer equals the
+first run's (greedy: neither cache hits nor the worker may change the text).
+
+Read the figures with two effects in mind: Serve's power-of-two routing takes the less loaded
+of the 2 replicas for every request, so a session's next turn finds its history about half
+the time (the shared system message is cached on both), and it balances the requests, which
+sticky sessions do not (see "requests per worker"). And the tiny random model's answers are
+random bytes, mostly invalid UTF-8: they come back as U+FFFD, which the next turn's prompt
+encodes as 3 other bytes, so an answer's own KV is seldom reused, only the history before it
+(a real model's text round-trips).
+
+    python bench/serve_load.py [--json] [--sessions 10] [--turns 6] [--concurrency 5]
+        [--max-tokens 16] [--repeats 3] [--hidden 256] [--layers 4] [--window 32] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import string
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import ray
+from cluster_load import percentile
+from openai.types import CompletionUsage
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from swaserve.cluster.serve import build_app
+from swaserve.worker.models.tiny import make_tiny_model
+
+BASELINE, CANDIDATE = "serve", "swaserve"
+REPLICAS = 2
+REQUEST_TIMEOUT_S = 600.0
+E2E_COUNT = "swaserve:e2e_request_latency_seconds_count"
+MODEL_NAME = "tiny-gpt-oss"  # the model dir in the temp dir; the app serves it by this name
+
+
+@dataclass(frozen=True, slots=True)
+class ChatWorkload:
+    system: str
+    users: list[list[str]]  # [session][turn] -> the new user message of that turn
+    max_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(turns) for turns in self.users)
+
+
+def words(rng: random.Random, num_chars: int) -> str:
+    """Random lowercase words, `num_chars` characters (one token each for the tiny model)."""
+    out = ""
+    while len(out) < num_chars:
+        out += "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))) + " "
+    return out[:num_chars]
+
+
+def make_workload(args: argparse.Namespace) -> ChatWorkload:
+    rng = random.Random(args.seed)
+    low, high = max(1, args.user_tokens // 2), args.user_tokens + args.user_tokens // 2
+    return ChatWorkload(
+        system=words(rng, args.system_tokens),
+        users=[
+            [words(rng, rng.randint(low, high)) for _ in range(args.turns)]
+            for _ in range(args.sessions)
+        ],
+        max_tokens=args.max_tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    session: int
+    turn: int
+    prompt_tokens: int  # usage.prompt_tokens
+    cached_tokens: int  # usage.prompt_tokens_details.cached_tokens
+    completion_tokens: int  # usage.completion_tokens
+    answer: str
+    finish_reason: str | None
+    ttft_s: float
+    latency_s: float
+
+
+async def send(
+    client: openai.AsyncOpenAI, messages: list[dict[str, str]], user: str, max_tokens: int
+) -> tuple[str, CompletionUsage, str | None, float, float]:
+    """One streamed chat completion: the answer, the usage, the finish reason, TTFT and
+    end-to-end seconds."""
+    start = time.perf_counter()
+    first_s: float | None = None
+    parts: list[str] = []
+    usage, finish_reason = None, None
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        user=user,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content is not None:
+                if first_s is None:
+                    first_s = time.perf_counter() - start
+                parts.append(choice.delta.content)
+            finish_reason = choice.finish_reason or finish_reason
+    if usage is None or first_s is None:
+        raise RuntimeError(f"{user}: the stream ended without content or usage")
+    return "".join(parts), usage, finish_reason, first_s, time.perf_counter() - start
+
+
+async def client_loop(
+    client: openai.AsyncOpenAI, work: ChatWorkload, sessions: list[int], out: list[TurnResult]
+) -> None:
+    """Take sessions from `sessions` (shared by the clients) until none is left."""
+    while sessions:
+        i = sessions.pop(0)
+        messages = [{"role": "system", "content": work.system}]
+        for k, user in enumerate(work.users[i]):
+            messages.append({"role": "user", "content": user})
+            answer, usage, reason, ttft_s, latency_s = await send(
+                client, messages, f"session-{i}", work.max_tokens
+            )
+            details = usage.prompt_tokens_details
+            out.append(
+                TurnResult(
+                    i,
+                    k,
+                    usage.prompt_tokens,
+                    details.cached_tokens if details is not None else 0,
+                    usage.completion_tokens,
+                    answer,
+                    reason,
+                    ttft_s,
+                    latency_s,
+                )
+            )
+            messages.append({"role": "assistant", "content": answer})
+
+
+async def warm_up(client: openai.AsyncOpenAI) -> None:
+    """One request per worker, sent together; their system message ("warm-up", with capitals
+    and a dash) starts no workload prompt beyond the template's first tokens."""
+    await asyncio.gather(
+        *(
+            send(client, [{"role": "system", "content": f"Warm-up {i}"}], f"warmup-{i}", 4)
+            for i in range(REPLICAS)
+        )
+    )
+
+
+async def drive(
+    client: openai.AsyncOpenAI, work: ChatWorkload, concurrency: int
+) -> tuple[list[TurnResult], float]:
+    """The workload on `concurrency` clients: its results and wall seconds."""
+    results: list[TurnResult] = []
+    sessions = list(range(len(work.users)))
+    start = time.perf_counter()
+    await asyncio.gather(
+        *(client_loop(client, work, sessions, results) for _ in range(concurrency))
+    )
+    return results, time.perf_counter() - start
+
+
+def requests_per_worker(base_url: str) -> dict[str, float]:
+    """The app's /metrics: requests its ingress saw end, per worker."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == E2E_COUNT:
+                worker = sample.labels.get("worker", "")
+                out[worker] = out.get(worker, 0.0) + sample.value
+    return out
+
+
+def run_routing(
+    routing: str,
+    app_name: str,
+    http_port: int,
+    model_dir: str,
+    work: ChatWorkload,
+    args: argparse.Namespace,
+) -> tuple[list[TurnResult], float, dict[str, int]]:
+    """A fresh Serve application for one run, deleted whatever happens; the results, the wall
+    seconds, and the requests per worker over the workload (warm-up excluded)."""
+    app_args = {
+        "model": model_dir,
+        "replicas": REPLICAS,
+        "tp_size": 1,
+        "device": "cpu",
+        "max_total_tokens": args.max_total_tokens,
+        "seed": 0,
+        "routing": routing,
+    }
+    serve.run(build_app(app_args), name=app_name, route_prefix=f"/{app_name}")
+    try:
+        base_url = f"http://127.0.0.1:{http_port}/{app_name}"
+
+        async def go() -> tuple[list[TurnResult], float, dict[str, float], dict[str, float]]:
+            client = openai.AsyncOpenAI(
+                base_url=f"{base_url}/v1",
+                api_key="unused",
+                max_retries=0,
+                timeout=REQUEST_TIMEOUT_S,
+            )
+            async with client:
+                await warm_up(client)
+                before = await asyncio.to_thread(requests_per_worker, base_url)
+                results, wall_s = await drive(client, work, args.concurrency)
+                after = await asyncio.to_thread(requests_per_worker, base_url)
+            return results, wall_s, before, after
+
+        results, wall_s, before, after = asyncio.run(go())
+    finally:
+        serve.delete(app_name)
+    per_worker = {
+        w: round(n - before.get(w, 0.0)) for w, n in sorted(after.items()) if n > before.get(w, 0)
+    }
+    return results, wall_s, per_worker
+
+
+def metrics(
+    results: list[TurnResult],
+    wall_s: float,
+    per_worker: dict[str, int],
+    reference: dict[tuple[int, int], str] | None,
+) -> dict:
+    """The figures of one run; `reference`: (session, turn) -> answer of the first run."""
+    by_turn = {(r.session, r.turn): r for r in results}
+    followups = [r for r in results if r.turn > 0]
+    history = sum(
+        r.cached_tokens >= by_turn[r.session, r.turn - 1].prompt_tokens for r in followups
+    )
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    cached_tokens = sum(r.cached_tokens for r in results)
+    completion_tokens = sum(r.completion_tokens for r in results)
+    ttft_ms = [1e3 * r.ttft_s for r in results]
+    agree = (
+        sum(reference.get(key) == r.answer for key, r in by_turn.items()) / len(by_turn)
+        if reference is not None
+        else 1.0
+    )
+    return {
+        "requests": len(results),
+        "finished": sum(r.finish_reason == "length" for r in results),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_share": cached_tokens / max(prompt_tokens, 1),
+        "tok_s": completion_tokens / wall_s,
+        "ttft_p50_ms": percentile(ttft_ms, 0.50),
+        "ttft_p99_ms": percentile(ttft_ms, 0.99),
+        "latency_p50_ms": percentile([1e3 * r.latency_s for r in results], 0.50),
+        "wall_s": wall_s,
+        "history_hit_share": history / max(len(followups), 1),
+        "requests_per_worker": per_worker,
+        "answers_equal_first_run": agree,
+    }
+
+
+def run_all(
+    http_port: int, model_dir: str, work: ChatWorkload, args: argparse.Namespace
+) -> list[dict]:
+    runs: list[dict] = []
+    reference: dict[tuple[int, int], str] | None = None
+    print(HEADER, flush=True)
+    for round_ in range(args.repeats):
+        for routing in (BASELINE, CANDIDATE):
+            app_name = f"{routing}-{round_ + 1}"
+            results, wall_s, per_worker = run_routing(
+                routing, app_name, http_port, model_dir, work, args
+            )
+            m = metrics(results, wall_s, per_worker, reference)
+            if reference is None:
+                reference = {(r.session, r.turn): r.answer for r in results}
+            runs.append({"round": round_ + 1, "routing": routing, **m})
+            print_row(runs[-1])
+    return runs
+
+
+HEADER = (
+    f"{'round':>5} {'routing':<9} {'wall s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+    f"{'cached':>7} {'hist hit':>8} {'done':>5}  requests per worker"
+)
+
+
+def print_row(run: dict) -> None:
+    per_worker = " ".join(str(n) for n in run["requests_per_worker"].values())
+    print(
+        f"{run['round']!s:>5} {run['routing']:<9} {run['wall_s']:>7.2f} {run['tok_s']:>7.1f} "
+        f"{run['ttft_p50_ms']:>7.0f}ms {run['ttft_p99_ms']:>7.0f}ms "
+        f"{run['cached_share']:>7.3f} {run['history_hit_share']:>8.2f} {run['finished']:>5}  "
+        f"{per_worker}",
+        flush=True,
+    )
+
+
+def summarize(runs: list[dict]) -> dict[str, dict]:
+    """Per routing, the median over its rounds of each figure."""
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "cached_share", "wall_s", "history_hit_share")
+    return {
+        routing: {k: statistics.median(r[k] for r in runs if r["routing"] == routing) for k in keys}
+        for routing in (BASELINE, CANDIDATE)
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=5, help="clients, sessions in flight")
+    parser.add_argument("--max-tokens", type=int, default=16, help="answer tokens per turn")
+    parser.add_argument("--system-tokens", type=int, default=384, help="shared system message")
+    parser.add_argument("--user-tokens", type=int, default=128, help="mean tokens per user turn")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
+    parser.add_argument("--max-total-tokens", type=int, default=32768, help="KV per worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args(argv)
+    for name in ("sessions", "turns", "concurrency", "max_tokens", "repeats", "user_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.system_tokens < 1:
+        parser.error("--system-tokens must be at least 1")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_on_serve(work: ChatWorkload, args: argparse.Namespace) -> list[dict]:
+    """Every run, on a local Ray and a Serve instance started here and shut down whatever
+    happens (Serve's gRPC proxy stays off: no servicer functions)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        address="local",  # a new Ray of our own, never one that RAY_ADDRESS names
+        num_cpus=8,  # logical: 2 workers + router + ingress fit on a 2-core machine
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        http_port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                model_dir = make_tiny_model(
+                    Path(tmp) / MODEL_NAME,
+                    arch="gpt-oss",
+                    num_layers=args.layers,
+                    sliding_window_size=args.window,
+                    hidden_size=args.hidden,
+                    num_heads=8,
+                    num_kv_heads=2,
+                    seed=0,
+                )
+                return run_all(http_port, str(model_dir), work, args)
+        finally:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = make_workload(args)
+    load_before = os.getloadavg()[0]
+    print(
+        f"serve_load: Serve app, {REPLICAS} worker replicas × TP 1 (CPU), {args.sessions} "
+        f"sessions × {args.turns} turns, {args.concurrency} clients (openai, streaming chat), "
+        f"system message {args.system_tokens} tokens, user ~{args.user_tokens}, answers "
+        f"{args.max_tokens}; model hidden {args.hidden}, {args.layers} layers, W = "
+        f"{args.window} (load average {load_before:.2f})",
+        flush=True,
+    )
+    runs = run_on_serve(work, args)
+    load_after = os.getloadavg()[0]
+    median = summarize(runs)
+    base, cand = median[BASELINE], median[CANDIDATE]
+    ratios = {
+        "tok_s": cand["tok_s"] / base["tok_s"],
+        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
+        "cached_share": cand["cached_share"] / max(base["cached_share"], 1e-9),
+        "wall": cand["wall_s"] / base["wall_s"],
+    }
+    agree = min(r["answers_equal_first_run"] for r in runs)
+    print(
+        f"median of {args.repeats}: {CANDIDATE} / {BASELINE}: throughput {ratios['tok_s']:.2f}x, "
+        f"TTFT p50 {ratios['ttft_p50']:.2f}x, p99 {ratios['ttft_p99']:.2f}x, wall "
+        f"{ratios['wall']:.2f}x; cached share {cand['cached_share']:.3f} vs "
+        f"{base['cached_share']:.3f} ({ratios['cached_share']:.2f}x); answers equal to the "
+        f"first run's: {agree:.0%} of requests in the worst run (load average "
+        f"{load_before:.2f} before, {load_after:.2f} after)",
+        flush=True,
+    )
+    if args.json:
+        report = {
+            "replicas": REPLICAS,
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "workload_requests": work.num_requests,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "median": median,
+            "ratios": ratios,
+            "answers_equal_first_run": agree,
+            "runs": runs,
+        }
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
