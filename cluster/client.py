@@ -15,10 +15,9 @@ from pathlib import Path
 
 import grpc
 
+from swaserve.cluster.defaults import AUTH_TOKEN_ENV
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
-
-AUTH_TOKEN_ENV = "SWASERVE_AUTH_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ gRPC service, only the worker transport differs (`ServeCluster`).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from swaserve.cluster.defaults import API_KEY_ENV
 from swaserve.cluster.engine_loop import WORKER_LOST, EngineLoop, GenerateChunk
 from swaserve.cluster.grpc_server import InferenceService, RpcFailure
 from swaserve.cluster.metrics import ServingMetrics
@@ -84,11 +86,23 @@ class ServeAppArgs(BaseModel):
     report_interval_s: float = Field(0.1, gt=0, le=1.0)
     retry_after_s: float = Field(1.0, gt=0)
     api_key: str | None = Field(None, description="bearer token the HTTP API requires")
+    api_key_file: str | None = Field(
+        None, description="file holding that token (e.g. a mounted Secret); else $SWASERVE_API_KEY"
+    )
     routing: Literal["swaserve", "serve"] = Field(
         "swaserve",
         description="swaserve: the router places requests; serve: Serve's default "
         "power-of-two routing (the baseline of bench/serve_load.py)",
     )
+
+    def resolved_api_key(self) -> str | None:
+        """`api_key`, else the contents of `api_key_file`, else `$SWASERVE_API_KEY` (so a
+        Kubernetes Secret never has to appear in the Serve config)."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            return Path(self.api_key_file).read_text().strip() or None
+        return os.environ.get(API_KEY_ENV, "").strip() or None
 
     def engine_config(self) -> EngineConfig:
         from swaserve.cluster.serve_command import ensure_demo_model
@@ -303,7 +317,7 @@ class SwaIngress:
         model_name = args.served_model_name or Path(self.cluster.engine.model).name
         self.metrics = ServingMetrics(model_name)
         self.service = InferenceService(self.cluster, self.metrics)
-        self.openai = OpenAIServer(self.cluster, self.metrics, args.api_key)
+        self.openai = OpenAIServer(self.cluster, self.metrics, args.resolved_api_key())
 
     def __serve_build_asgi_app__(self) -> Any:
         """Serve asks for the HTTP app once the constructor ran: the OpenAI app over this

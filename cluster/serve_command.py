@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from swaserve.cluster.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from swaserve.cluster.defaults import (
+    API_KEY_ENV,
+    AUTH_TOKEN_ENV,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+)
 from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
 from swaserve.cluster.local_ray import LocalRay, set_auth_mode
 from swaserve.router import RouterConfig
@@ -38,8 +43,6 @@ logger = logging.getLogger("swaserve.serve")
 
 ROUTER_FLAGS = tuple(RouterConfig.model_fields)
 DEMO_MODEL_NAME = "demo-gpt-oss"
-AUTH_TOKEN_ENV = "SWASERVE_AUTH_TOKEN"
-API_KEY_ENV = "SWASERVE_API_KEY"
 
 
 def cache_dir() -> Path:

@@ -283,3 +283,16 @@ def test_a_tp2_worker_replica_holds_both_ranks_in_its_placement_group(serve_app:
         assert info.tp_size == 2
     finally:
         serve.delete("tp2")
+
+
+def test_the_http_api_key_comes_from_args_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SWASERVE_API_KEY", raising=False)
+    assert ServeAppArgs().resolved_api_key() is None
+    secret = tmp_path / "key"
+    secret.write_text("from-file\n")
+    assert ServeAppArgs(api_key_file=str(secret)).resolved_api_key() == "from-file"
+    monkeypatch.setenv("SWASERVE_API_KEY", "from-env")
+    assert ServeAppArgs().resolved_api_key() == "from-env"
+    assert ServeAppArgs(api_key="inline").resolved_api_key() == "inline"
