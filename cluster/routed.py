@@ -14,10 +14,11 @@ methods are called as `await handle.method.remote(...)`: a Ray actor or a Serve 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +168,28 @@ class RoutedCluster:
         Closing the iterator early aborts the request on its worker and frees its KV."""
         if self.draining or self._closing:
             raise Unavailable("the server is draining; retry on another replica")
+        await self.ready()
         self.check_request(token_ids, params)
+        if request_id in self._open:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self._open[request_id] = ""  # held from here: a duplicate is refused, not mixed in
+        try:
+            # aclosing: a caller that leaves early closes the attempt at once (abort, KV freed)
+            attempts = self._attempts(request_id, token_ids, params, session_id)
+            async with contextlib.aclosing(attempts) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._open.pop(request_id, None)
+
+    async def _attempts(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None,
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Route and stream; route again after losing a worker that streamed nothing."""
         attempts = 0
         while True:
             worker: str | None = None
@@ -204,7 +226,6 @@ class RoutedCluster:
                 logger.warning("request %s: retrying after losing %s", request_id, worker)
             finally:
                 # Also when the caller left while the request was queued in the router.
-                self._open.pop(request_id, None)
                 self.router.finish.remote(request_id)
                 if worker is not None and not finished and self._worker_alive(worker):
                     self._abort_on(worker, request_id)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -234,18 +234,6 @@ class ServeCluster(RoutedCluster):
             full_pool_tokens=info.full_pool_tokens,
             max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
         )
-
-    async def generate(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        session_id: str | None = None,
-    ) -> AsyncGenerator[GenerateChunk, None]:
-        await self.ready()
-        async for chunk in super().generate(request_id, token_ids, params, session_id=session_id):
-            yield chunk
 
     def _stream(
         self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -250,7 +251,9 @@ class WorkerGroup:
         tp = config.tp_size
         bundle = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
         self.placement_group: PlacementGroup = placement_group(
-            [dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=f"swaserve-{worker_id}"
+            [dict(bundle) for _ in range(tp)],
+            strategy="STRICT_PACK",
+            name=f"swaserve-{worker_id}-{uuid.uuid4().hex[:8]}",
         )
         resources = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
 

@@ -141,6 +141,15 @@ class TPGroup:
         return tensor
 
 
+RENDEZVOUS_TIMEOUT_S = 120.0  # ranks start (spawn or actor, import torch) before they join
+
+
+def rendezvous_timeout_s(tp_timeout_s: float) -> float:
+    """How long a group may take to form: rank processes may take far longer to start than a
+    collective may take (`tp_timeout_s` bounds the collectives)."""
+    return max(tp_timeout_s, RENDEZVOUS_TIMEOUT_S)
+
+
 def create_store(world_size: int, timeout_s: float = DEFAULT_TP_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0's rendezvous store on 127.0.0.1, port chosen by the OS (`store.port`)."""
     return dist.TCPStore(
@@ -167,10 +176,12 @@ def init_tp_group(
     timeout_s: float = DEFAULT_TP_TIMEOUT_S,
     name: str = "tp",
 ) -> TPGroup:
-    """Build this rank's device and control groups over `store` (every rank calls it)."""
+    """Build this rank's device and control groups over `store` (every rank calls it). The
+    groups form within `rendezvous_timeout_s(timeout_s)` (ranks may still be starting); each
+    collective then waits at most `timeout_s` (`TPGroup`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a group of {world_size}")
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=rendezvous_timeout_s(timeout_s))
     control = dist.ProcessGroupGloo(
         dist.PrefixStore(f"{name}/control", store), rank, world_size, timeout
     )

@@ -39,6 +39,7 @@ from swaserve.worker.parallel import (
     connect_store,
     create_store,
     init_tp_group,
+    rendezvous_timeout_s,
 )
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def run_worker_rank(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dtype = resolve_dtype(config.dtype, base)
-        store = connect_store(store_host, store_port, world_size, timeout_s)
+        store = connect_store(store_host, store_port, world_size, rendezvous_timeout_s(timeout_s))
         tp = init_tp_group(store, rank, world_size, device, timeout_s)
         model_config = load_model_config(config.model)
         runner = ModelRunner(
@@ -212,7 +213,7 @@ class TPLauncher:
         self.world_size = config.tp_size
         self.timeout_s = config.tp_timeout_s
         self.ranks: RankHandles = ranks or ProcessRanks(self.world_size)
-        self._store = create_store(self.world_size, self.timeout_s)
+        self._store = create_store(self.world_size, rendezvous_timeout_s(self.timeout_s))
         self.closed = False
         self._in_step = False  # rank 0 is inside a step's collectives
         try:
