@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,12 +27,13 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
     WorkerLost,
+    load_tokenizer,
+    model_info_of,
 )
 from swaserve.cluster.router_actor import RouterActor
-from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup, WorkerInfo
+from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,27 +111,9 @@ class Cluster(RoutedCluster):
         for group in self.groups.values():
             await self.router.add_worker.remote(group.worker_id)
             self._watchers[group.worker_id] = asyncio.create_task(self._watch(group))
-        self.model_info = self._model_info(engine, infos[0])
-        tokenizer_dir = Path(engine.tokenizer or engine.model)
-        if (tokenizer_dir / "tokenizer.json").is_file():
-            self.tokenizer = TextTokenizer(tokenizer_dir)
+        self.model_info = model_info_of(engine, infos[0], config.served_model_name)
+        self.tokenizer = load_tokenizer(engine)
         await self._wait_reported()
-
-    def _model_info(self, engine: EngineConfig, info: WorkerInfo) -> ModelInfo:
-        return ModelInfo(
-            model_name=self.config.served_model_name or Path(engine.model).name,
-            model_path=engine.model,
-            architecture=info.architecture,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            sliding_window_size=info.sliding_window_size,
-            page_size=info.page_size,
-            tp_size=info.tp_size,
-            eos_token_ids=info.eos_token_ids,
-            has_tokenizer=(Path(engine.tokenizer or engine.model) / "tokenizer.json").is_file(),
-            full_pool_tokens=info.full_pool_tokens,
-            max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
-        )
 
     async def _wait_reported(self, timeout_s: float = 30.0) -> None:
         """Until every worker's first report reached the router (so the first request routes)."""

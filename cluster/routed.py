@@ -20,13 +20,17 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from swaserve.cluster.engine_loop import WORKER_LOST, GenerateChunk
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.kv_rules import page_ceil
-from swaserve.worker import SamplingParams
+from swaserve.worker import EngineConfig, SamplingParams
 from swaserve.worker.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from swaserve.cluster.worker_group import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,32 @@ class ModelInfo:
     has_tokenizer: bool
     full_pool_tokens: int
     max_unchunked_prompt_tokens: int | None
+
+
+def load_tokenizer(engine: EngineConfig) -> TextTokenizer | None:
+    """The engine's tokenizer (its `tokenizer` dir, else the model dir), if it has one."""
+    root = Path(engine.tokenizer or engine.model)
+    return TextTokenizer(root) if (root / "tokenizer.json").is_file() else None
+
+
+def model_info_of(
+    engine: EngineConfig, info: WorkerInfo, served_model_name: str | None
+) -> ModelInfo:
+    """What the ingresses tell clients and check requests against, from a worker's report."""
+    return ModelInfo(
+        model_name=served_model_name or Path(engine.model).name,
+        model_path=engine.model,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        sliding_window_size=info.sliding_window_size,
+        page_size=info.page_size,
+        tp_size=info.tp_size,
+        eos_token_ids=info.eos_token_ids,
+        has_tokenizer=(Path(engine.tokenizer or engine.model) / "tokenizer.json").is_file(),
+        full_pool_tokens=info.full_pool_tokens,
+        max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
+    )
 
 
 def check_request(info: ModelInfo, token_ids: list[int], params: SamplingParams) -> None:

@@ -38,13 +38,18 @@ from swaserve.cluster.engine_loop import WORKER_LOST, EngineLoop, GenerateChunk
 from swaserve.cluster.grpc_server import InferenceService, RpcFailure
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
-from swaserve.cluster.routed import ModelInfo, RoutedCluster, WorkerLost
+from swaserve.cluster.routed import (
+    ModelInfo,
+    RoutedCluster,
+    WorkerLost,
+    load_tokenizer,
+    model_info_of,
+)
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import EngineWorker, RankWorker, WorkerInfo
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +213,7 @@ class ServeCluster(RoutedCluster):
         self.workers = workers
         self.args = args
         self.engine = args.engine_config()
-        tokenizer_dir = Path(self.engine.tokenizer or self.engine.model)
-        if (tokenizer_dir / "tokenizer.json").is_file():
-            self.tokenizer = TextTokenizer(tokenizer_dir)
+        self.tokenizer = load_tokenizer(self.engine)
         self._known: set[str] = set()
 
     async def ready(self) -> None:
@@ -219,21 +222,7 @@ class ServeCluster(RoutedCluster):
             return
         await self.load()
         info: WorkerInfo = await self.workers.info_of.remote()
-        engine = self.engine
-        self.model_info = ModelInfo(
-            model_name=self.args.served_model_name or Path(engine.model).name,
-            model_path=engine.model,
-            architecture=info.architecture,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            sliding_window_size=info.sliding_window_size,
-            page_size=info.page_size,
-            tp_size=info.tp_size,
-            eos_token_ids=info.eos_token_ids,
-            has_tokenizer=self.tokenizer is not None,
-            full_pool_tokens=info.full_pool_tokens,
-            max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
-        )
+        self.model_info = model_info_of(self.engine, info, self.args.served_model_name)
 
     def _stream(
         self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
