@@ -307,7 +307,7 @@ class Engine:
             return self._fail(batch, exc)
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
-        outputs = self._outputs(batch, finished)
+        outputs = self._outputs(batch, next_tokens, finished)
         timer.lap("postprocess")
         return outputs
 
@@ -318,8 +318,11 @@ class Engine:
         return self.runner.forward(model_input)
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
-        tokens: list[int] = []
-        for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
+        nd = batch.num_decodes
+        tokens = [r.output_ids[-1] for r in batch.reqs[:nd]]  # a decode reads its last token
+        for req, start, n in zip(
+            batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True
+        ):
             tokens += req.token_slice(start, start + n)
         return build_model_input(
             token_ids=tokens,
@@ -335,17 +338,25 @@ class Engine:
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
         """`logits` has one row per sampling request, in batch order."""
+        if all(batch.samples):  # every row samples (a pure decode step)
+            reqs = batch.reqs
+            out: list[int | None] = self._sample_rows(logits, reqs)  # type: ignore[assignment]
+            self.stats.generated_tokens += len(reqs)
+            return out
         rows = [i for i, s in enumerate(batch.samples) if s]
-        out: list[int | None] = [None] * len(batch.reqs)
+        out = [None] * len(batch.reqs)
         if rows:
-            reqs = [batch.reqs[i] for i in rows]
-            tokens = self.sampler.sample(
-                logits, [r.params for r in reqs], [r.generator for r in reqs]
-            )
-            for i, token in zip(rows, tokens.tolist(), strict=True):
+            tokens = self._sample_rows(logits, [batch.reqs[i] for i in rows])
+            for i, token in zip(rows, tokens, strict=True):
                 out[i] = token
             self.stats.generated_tokens += len(rows)
         return out
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        if all(r.greedy for r in reqs):
+            return self.sampler.greedy(logits).tolist()
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return tokens.tolist()
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         message = f"{type(exc).__name__}: {exc}"
@@ -361,26 +372,29 @@ class Engine:
                     req.request_id, [], True, FinishReason.ERROR.value, req.cached_tokens, message
                 )
             )
-            req.new_token_ids = []
             self._requests.pop(req.request_id, None)
         self._collect_events()
         return outputs
 
-    def _outputs(self, batch: ScheduledBatch, finished: list[Request]) -> list[RequestOutput]:
+    def _outputs(
+        self, batch: ScheduledBatch, next_tokens: list[int | None], finished: list[Request]
+    ) -> list[RequestOutput]:
+        """One output per request that sampled; a request that did not (a prefill chunk)
+        neither advanced nor finished."""
         outputs = []
-        for req in batch.reqs:
-            if not req.new_token_ids and not req.finished:
+        for req, token in zip(batch.reqs, next_tokens, strict=True):
+            if token is None:
                 continue
+            reason = req.finish_reason  # set in this step if it finished, else None
             outputs.append(
                 RequestOutput(
                     req.request_id,
-                    req.new_token_ids,
-                    req.finished,
-                    req.finish_reason.value if req.finish_reason else None,
+                    [token],
+                    reason is not None,
+                    None if reason is None else reason.value,
                     req.cached_tokens,
                 )
             )
-            req.new_token_ids = []
         for req in finished:
             self._requests.pop(req.request_id, None)
             self.stats.finished_requests += 1
@@ -482,6 +496,7 @@ class Engine:
             self.tree.check()
         self.allocator.check(owned=torch.cat(owned))
         self.kv.check(self.scheduler.running)
+        self.scheduler.check()
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (no request may be running)."""

@@ -12,6 +12,3 @@ import torch
 def int_tensor(values: Sequence[int]) -> torch.Tensor:  # [n] int64 CPU
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
-
-def bool_tensor(values: Sequence[bool]) -> torch.Tensor:  # [n] bool CPU
-    return torch.from_numpy(np.asarray(values, dtype=np.bool_))

@@ -128,13 +128,16 @@ class KVCacheManager:
         """One slot per decoding request, at position `num_computed` ([B] int64), or None."""
         p = self.page_size
         seq = [r.num_computed for r in reqs]
-        new_pages = sum(1 for s in seq if s % p == 0)
+        new_pages = len(seq) if p == 1 else sum(1 for s in seq if s % p == 0)
         if not self._make_room(new_pages * p):
             return None
         rows = int_tensor([r.row for r in reqs])  # [B] int64
         pos = int_tensor(seq)  # [B] int64
         table = self.slot_table.slots
-        out = self.allocator.alloc_decode(pos + 1, table[rows, pos - 1])
+        if p == 1:  # each new token is a page of its own: nothing continues a last slot
+            out = self.allocator.alloc(len(seq))
+        else:
+            out = self.allocator.alloc_decode(pos + 1, table[rows, pos - 1])
         if out is None:
             return None
         table[rows, pos] = out
@@ -166,6 +169,7 @@ class KVCacheManager:
         assert isinstance(self.allocator, SWATokenAllocator)
         radix = self.tree is not None
         parts = []
+        swa_unlocks: list[PrefixLock] = []
         for req in reqs:
             if req.num_computed == 0:
                 continue
@@ -184,8 +188,8 @@ class KVCacheManager:
                 parts.append(due)
             holds_swa_lock = self.tree is not None and lock is not None and not lock.swa_released
             if holds_swa_lock and req.num_computed - w >= state.cache_protected_len:
-                assert self.tree is not None and lock is not None
-                self.tree.release_request_swa(lock)
+                assert lock is not None
+                swa_unlocks.append(lock)
                 holds_swa_lock = False
             # The free boundary never passes num_computed - W, and the SWA lock goes once the
             # window leaves the cached prefix: nothing is due before the smaller of the two.
@@ -194,6 +198,9 @@ class KVCacheManager:
             if holds_swa_lock:
                 next_due = min(next_due, state.cache_protected_len + w)
             state.next_check_len = next_due
+        if swa_unlocks:
+            assert self.tree is not None
+            self.tree.release_requests_swa(swa_unlocks)
         if parts:
             freed = torch.cat(parts) if len(parts) > 1 else parts[0]
             self.allocator.free_swa(freed)

@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from swaserve.worker.host_tensors import bool_tensor, int_tensor
+from swaserve.worker.host_tensors import int_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,23 +111,30 @@ def build_model_input(
     `token_ids` are the new tokens of all requests in batch order; `translate` maps full → SWA
     ids (two pools) or is None (one pool); `samples[i]`: request i samples a token this step.
     """
-    prefix = int_tensor(prefix_lens)  # [B] int64
-    extend = int_tensor(extend_lens)  # [B] int64
+    # numpy on the host: each op costs a microsecond where a small torch op costs several.
+    prefix = np.asarray(prefix_lens, dtype=np.int64)  # [B] int64
     num_tokens = len(token_ids)
-    ends = torch.cumsum(extend, 0)  # [B] int64
-    positions = torch.repeat_interleave(
-        prefix - (ends - extend), extend, output_size=num_tokens
-    ) + torch.arange(num_tokens)  # [T] int64
+    if num_tokens == len(extend_lens):  # one new token each (decodes): no repeat needed
+        extend = np.ones(num_tokens, dtype=np.int64)  # [B] int64
+        positions = prefix  # [T] int64
+        ends = np.arange(1, num_tokens + 1, dtype=np.int64)  # [B] int64
+    else:
+        extend = np.asarray(extend_lens, dtype=np.int64)  # [B] int64
+        ends = np.cumsum(extend)  # [B] int64
+        positions = np.repeat(prefix - (ends - extend), extend) + np.arange(num_tokens)  # [T]
+    last_rows = ends - 1  # [B] int64 token row of each request's last new token
     return ModelInput(
         input_ids=int_tensor(token_ids),  # [T] int64
-        positions=positions,
+        positions=torch.from_numpy(positions),
         req_rows=int_tensor(req_rows),  # [B] int64
-        prefix_lens=prefix,
-        seq_lens=prefix + extend,
+        prefix_lens=torch.from_numpy(prefix),
+        seq_lens=torch.from_numpy(prefix + extend),
         out_full_loc=out_full_loc,
         out_swa_loc=None if translate is None else translate(out_full_loc),
         writes=writes,
-        logits_indices=(ends - 1)[bool_tensor(samples)],  # [N] int64
+        logits_indices=torch.from_numpy(
+            last_rows if all(samples) else last_rows[np.asarray(samples, dtype=np.bool_)]
+        ),  # [N] int64
         sliding_window_size=sliding_window_size,
     )
 

@@ -66,6 +66,10 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] any float → [B] int64
+        """The argmax of every row (a batch whose requests all sample greedily)."""
+        return torch.argmax(logits, dim=-1)
+
     def sample(
         self,
         logits: torch.Tensor,  # [B, V] any float dtype

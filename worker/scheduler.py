@@ -47,6 +47,7 @@ class ScheduledBatch:
     extend_lens: list[int]
     samples: list[bool]
     out_full_loc: torch.Tensor  # [sum(extend_lens)] int64
+    num_decodes: int = 0  # reqs[:num_decodes] are decodes: one token each, and each samples
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +98,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = limits.init_new_token_ratio
+        # `running` split into (decoding, prefilling), kept between steps; None after anything
+        # that changes it (a request joins, leaves, or samples its first token after a prefill).
+        self._split: tuple[list[Request], list[Request]] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -111,13 +115,21 @@ class Scheduler:
 
     # ---- commands ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        params = req.params
+        req.stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            req.stop_ids |= self.eos_token_ids
+        req.max_output_len = min(
+            params.max_new_tokens, self.limits.max_model_len - len(req.prompt_ids)
+        )
+        req.greedy = params.greedy
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is; everything it held goes back."""
         if req in self.running:
             self.kv.release(req)
-            self.running.remove(req)
+            self._leave(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.ABORTED
@@ -130,10 +142,7 @@ class Scheduler:
         extends: list[int] = []
         locs: list[torch.Tensor] = []
 
-        decoding: list[Request] = []
-        prefilling: list[Request] = []
-        for r in self.running:
-            (decoding if r.is_decoding else prefilling).append(r)
+        decoding, prefilling = self._partition()
         decodes = self._allocate_decodes(decoding)
         if decodes is not None:
             batch_reqs, out = decodes
@@ -162,11 +171,27 @@ class Scheduler:
             lim.min_new_token_ratio, self.new_token_ratio - lim.new_token_ratio_decay
         )
         prefix_lens = [r.num_computed for r in reqs]
-        samples = [
+        samples = [True] * num_decodes
+        samples += [
             r.num_computed + n == len(r.prompt_ids) + len(r.output_ids)
-            for r, n in zip(reqs, extends, strict=True)
+            for r, n in zip(reqs[num_decodes:], extends[num_decodes:], strict=True)
         ]
-        return ScheduledBatch(reqs, prefix_lens, extends, samples, torch.cat(locs))
+        out_full_loc = locs[0] if len(locs) == 1 else torch.cat(locs)
+        return ScheduledBatch(reqs, prefix_lens, extends, samples, out_full_loc, num_decodes)
+
+    def _partition(self) -> tuple[list[Request], list[Request]]:
+        """(decoding, prefilling) running requests, in running order (cached between steps)."""
+        if self._split is None:
+            decoding: list[Request] = []
+            prefilling: list[Request] = []
+            for r in self.running:
+                (decoding if r.is_decoding else prefilling).append(r)
+            self._split = decoding, prefilling
+        return self._split
+
+    def _leave(self, req: Request) -> None:
+        self.running.remove(req)
+        self._split = None
 
     def process_results(
         self, batch: ScheduledBatch, next_tokens: list[int | None]
@@ -175,8 +200,17 @@ class Scheduler:
 
         A prompt enters the prefix cache as soon as its prefill ends (locked while the request
         runs), so requests that arrive while it decodes reuse it."""
-        finished = []
-        for req, n, token in zip(batch.reqs, batch.extend_lens, next_tokens, strict=True):
+        finished: list[Request] = []
+        nd = batch.num_decodes
+        for req, token in zip(batch.reqs[:nd], next_tokens[:nd], strict=True):
+            req.num_computed += 1
+            out = req.output_ids
+            out.append(token)  # type: ignore[arg-type]  # every decode samples
+            if token in req.stop_ids or len(out) >= req.max_output_len:
+                self._finish(req, token, finished)  # type: ignore[arg-type]
+        for req, n, token in zip(
+            batch.reqs[nd:], batch.extend_lens[nd:], next_tokens[nd:], strict=True
+        ):
             prefilling = n > 1 or not req.output_ids
             req.num_computed += n
             if token is None:
@@ -184,20 +218,22 @@ class Scheduler:
                     self.stats.prefill_chunks += 1
                     self.kv.cache_unfinished(req)
                 continue
+            self._split = None  # it decodes from now on
             if prefilling:
                 self.kv.cache_unfinished(req)
             req.output_ids.append(token)
-            req.new_token_ids.append(token)
             if n > 1:  # a prefill just ended: drop what its chunk left out of the window
                 self.kv.free_out_of_window([req], 0)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                req.finish_reason = reason
-                req.status = RequestStatus.FINISHED
-                self.kv.cache_finished(req)
-                self.running.remove(req)
-                finished.append(req)
+            if token in req.stop_ids or len(req.output_ids) >= req.max_output_len:
+                self._finish(req, token, finished)
         return finished
+
+    def _finish(self, req: Request, token: int, finished: list[Request]) -> None:
+        req.finish_reason = FinishReason.STOP if token in req.stop_ids else FinishReason.LENGTH
+        req.status = RequestStatus.FINISHED
+        self.kv.cache_finished(req)
+        self._leave(req)
+        finished.append(req)
 
     def fail(self, batch: ScheduledBatch, message: str) -> None:
         """End every request of a batch whose step raised: finish reason `error`, everything
@@ -207,7 +243,7 @@ class Scheduler:
                 continue
             self.kv.release(req)
             if req in self.running:
-                self.running.remove(req)
+                self._leave(req)
             req.status = RequestStatus.FINISHED
             req.finish_reason = FinishReason.ERROR
             req.error = message
@@ -236,7 +272,7 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         self.kv.release(req)
-        self.running.remove(req)
+        self._leave(req)
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self.waiting.append(req)
@@ -293,6 +329,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
+            self._split = None
             req.status = RequestStatus.RUNNING
             if req.num_retractions == 0:
                 req.cached_tokens = hit.num_tokens
@@ -341,16 +378,13 @@ class Scheduler:
         if due:
             self.kv.free_out_of_window(due, self.limits.swa_eviction_interval)
 
-    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
-        params = req.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            return FinishReason.STOP
-        num_out = len(req.output_ids)
-        if (
-            num_out >= params.max_new_tokens
-            or len(req.prompt_ids) + num_out >= self.limits.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None
+    # ---- integrity -----------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if the kept (decoding, prefilling) split disagrees with the running requests."""
+        if self._split is None:
+            return
+        decoding, prefilling = self._split
+        if [r for r in self.running if r.is_decoding] != decoding or [
+            r for r in self.running if not r.is_decoding
+        ] != prefilling:
+            raise RuntimeError("scheduler: the kept decode / prefill split is stale")

@@ -102,6 +102,8 @@ class TokenAllocator:
         return pages
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:  # a page is its slot (a copy: `pages` may view the free list)
+            return pages.clone()
         offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)  # [len(pages)*P] int64
 

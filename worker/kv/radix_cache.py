@@ -200,6 +200,10 @@ class SWARadixCache(RadixTree):
     def dec_swa_lock_only(self, node: RadixNode, handle: LockHandle) -> None:
         """Release only the SWA part of a lock (decode moved past the window); the full lock
         stays. A leaf left without SWA lock frees its SWA KV now and becomes a tombstone."""
+        self._dec_swa_lock(node, handle)
+        self._flush()
+
+    def _dec_swa_lock(self, node: RadixNode, handle: LockHandle) -> None:
         for x in self._up(node) if handle.holds_swa else ():
             self._expect_lock(x, x.swa_lock, "SWA")
             x.swa_lock -= 1
@@ -210,7 +214,6 @@ class SWARadixCache(RadixTree):
                     self._tombstone(x)
             if handle.swa_lock_id is not None and x.lock_id == handle.swa_lock_id:
                 break
-        self._flush()
 
     def reset(self) -> None:
         """Drop every node and give all its slots back to the allocator. Raises RuntimeError
@@ -266,9 +269,16 @@ class SWARadixCache(RadixTree):
 
     def release_request_swa(self, lock: PrefixLock) -> None:
         """Release the SWA part of a request's lock once (decode moved past the window)."""
-        if not lock.swa_released:
-            self.dec_swa_lock_only(lock.node, lock.handle)
-            lock.swa_released = True
+        self.release_requests_swa([lock])
+
+    def release_requests_swa(self, locks: list[PrefixLock]) -> None:
+        """`release_request_swa` for many requests, with one free of the SWA KV they leave
+        unlocked (the decodes of a batch pass their windows together)."""
+        for lock in locks:
+            if not lock.swa_released:
+                self._dec_swa_lock(lock.node, lock.handle)
+                lock.swa_released = True
+        self._flush()
 
     # ---- internals -----------------------------------------------------------------------
     def _walk(self, key: list[int]) -> tuple[list[RadixNode], int]:
