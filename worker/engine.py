@@ -318,17 +318,22 @@ class Engine:
         return self.runner.forward(model_input)
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
-        nd = batch.num_decodes
-        tokens = [r.output_ids[-1] for r in batch.reqs[:nd]]  # a decode reads its last token
-        for req, start, n in zip(
-            batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True
-        ):
-            tokens += req.token_slice(start, start + n)
+        decode, nd = batch.decode, batch.num_decodes
+        if decode is not None and batch.pure_decode:  # the batch's arrays as they are
+            tokens, rows = decode.last_tokens.copy(), decode.rows.copy()  # [B] int64 each
+        else:
+            tokens = [] if decode is None else decode.last_tokens.tolist()
+            rows = [] if decode is None else decode.rows.tolist()
+            for req, start, n in zip(
+                batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True
+            ):
+                tokens += req.token_slice(start, start + n)
+                rows.append(req.row)
         return build_model_input(
             token_ids=tokens,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,
-            req_rows=[r.row for r in batch.reqs],
+            req_rows=rows,
             samples=batch.samples,
             out_full_loc=batch.out_full_loc,
             writes=self.kv.take_writes(),
@@ -338,10 +343,11 @@ class Engine:
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
         """`logits` has one row per sampling request, in batch order."""
-        if all(batch.samples):  # every row samples (a pure decode step)
-            reqs = batch.reqs
-            out: list[int | None] = self._sample_rows(logits, reqs)  # type: ignore[assignment]
-            self.stats.generated_tokens += len(reqs)
+        if batch.decode is not None and batch.pure_decode:
+            self.stats.generated_tokens += len(batch.reqs)
+            out: list[int | None] = self._sample_rows(  # type: ignore[assignment]
+                logits, batch.reqs, all_greedy=batch.decode.all_greedy
+            )
             return out
         rows = [i for i, s in enumerate(batch.samples) if s]
         out = [None] * len(batch.reqs)
@@ -352,8 +358,10 @@ class Engine:
             self.stats.generated_tokens += len(rows)
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        if all(r.greedy for r in reqs):
+    def _sample_rows(
+        self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool | None = None
+    ) -> list[int]:
+        if all_greedy if all_greedy is not None else all([r.greedy for r in reqs]):
             return self.sampler.greedy(logits).tolist()
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         return tokens.tolist()
@@ -381,6 +389,23 @@ class Engine:
     ) -> list[RequestOutput]:
         """One output per request that sampled; a request that did not (a prefill chunk)
         neither advanced nor finished."""
+        decode = batch.decode
+        if decode is not None and batch.pure_decode:  # from the batch's lists, no request read
+            outputs = list(
+                map(
+                    RequestOutput,
+                    decode.request_ids,
+                    [[t] for t in next_tokens],
+                    itertools.repeat(False),
+                    itertools.repeat(None),
+                    decode.cached_tokens,
+                )
+            )
+            for i in decode.done.tolist():
+                out, reason = outputs[i], decode.reqs[i].finish_reason
+                out.finished, out.finish_reason = True, None if reason is None else reason.value
+            self._forget(finished)
+            return outputs
         outputs = []
         for req, token in zip(batch.reqs, next_tokens, strict=True):
             if token is None:
@@ -395,11 +420,14 @@ class Engine:
                     req.cached_tokens,
                 )
             )
+        self._forget(finished)
+        return outputs
+
+    def _forget(self, finished: list[Request]) -> None:
         for req in finished:
             self._requests.pop(req.request_id, None)
             self.stats.finished_requests += 1
         self._collect_events()
-        return outputs
 
     def _on_idle(self) -> None:
         self._collect_events()

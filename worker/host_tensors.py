@@ -11,4 +11,3 @@ import torch
 
 def int_tensor(values: Sequence[int]) -> torch.Tensor:  # [n] int64 CPU
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
-

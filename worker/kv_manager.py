@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from swaserve.proto.kv_rules import cdiv, page_floor
-from swaserve.worker.host_tensors import int_tensor
+from swaserve.worker.decode_batch import DecodeBatch
 from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
@@ -124,26 +125,27 @@ class KVCacheManager:
             self._set_slots(req, start, out, record=False)
         return out
 
-    def allocate_decodes(self, reqs: list[Request]) -> torch.Tensor | None:
-        """One slot per decoding request, at position `num_computed` ([B] int64), or None."""
+    def allocate_decodes(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """One slot per decoding request, at position `num_computed` ([B] int64), written to
+        its slot-table row; None (nothing changed) when the pools are short. The requests'
+        `num_slots` count the new slot once the step's results are in (`Scheduler`), or when
+        a failed step releases them."""
         p = self.page_size
-        seq = [r.num_computed for r in reqs]
-        new_pages = len(seq) if p == 1 else sum(1 for s in seq if s % p == 0)
+        seq = batch.seq_lens  # [B] int64
+        new_pages = len(seq) if p == 1 else int(np.count_nonzero(seq % p == 0))
         if not self._make_room(new_pages * p):
             return None
-        rows = int_tensor([r.row for r in reqs])  # [B] int64
-        pos = int_tensor(seq)  # [B] int64
-        table = self.slot_table.slots
+        rows, table = batch.rows, self.slot_table.slots_host
         if p == 1:  # each new token is a page of its own: nothing continues a last slot
-            out = self.allocator.alloc(len(seq))
+            out = self.allocator.alloc_host(len(seq))
         else:
-            out = self.allocator.alloc_decode(pos + 1, table[rows, pos - 1])
+            last = torch.from_numpy(table[rows, seq - 1])  # [B] int64
+            slots = self.allocator.alloc_decode(torch.from_numpy(seq + 1), last)
+            out = None if slots is None else slots.numpy()
         if out is None:
             return None
-        table[rows, pos] = out
-        for r, s in zip(reqs, seq, strict=True):
-            r.num_slots = s + 1
-        return out
+        table[rows, seq] = out
+        return torch.from_numpy(out)
 
     def _make_room(self, num_tokens: int) -> bool:
         """Evict from the prefix cache until both pools (the SWA one only when hybrid) have
@@ -168,7 +170,8 @@ class KVCacheManager:
             return
         assert isinstance(self.allocator, SWATokenAllocator)
         radix = self.tree is not None
-        parts = []
+        table = self.slot_table.slots_host  # rows read as numpy views: no torch op per request
+        parts: list[np.ndarray] = []
         swa_unlocks: list[PrefixLock] = []
         for req in reqs:
             if req.num_computed == 0:
@@ -177,7 +180,7 @@ class KVCacheManager:
             interval = decode_interval if req.is_decoding else 0
             due = take_out_of_window_range(
                 state,
-                req.slots,
+                table[req.row],
                 req.num_computed,
                 sliding_window_size=w,
                 page_size=self.page_size,
@@ -202,9 +205,9 @@ class KVCacheManager:
             assert self.tree is not None
             self.tree.release_requests_swa(swa_unlocks)
         if parts:
-            freed = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self.allocator.free_swa(freed)
-            self.stats.swa_freed_tokens += freed.numel()
+            freed = np.concatenate(parts)  # [n] int64, a copy of the rows' slots
+            self.allocator.free_swa(torch.from_numpy(freed))
+            self.stats.swa_freed_tokens += len(freed)
 
     # ---- caching and release -------------------------------------------------------------
     def cache_unfinished(self, req: Request) -> None:

@@ -15,7 +15,7 @@ are translated from full ids here, once per batch, on the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,11 +96,11 @@ class ModelInput:
 
 def build_model_input(
     *,
-    token_ids: list[int],
-    prefix_lens: list[int],
-    extend_lens: list[int],
-    req_rows: list[int],
-    samples: list[bool],
+    token_ids: Sequence[int],
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    req_rows: Sequence[int],
+    samples: Sequence[bool],
     out_full_loc: torch.Tensor,
     writes: SlotWrites,
     translate: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -108,6 +108,7 @@ def build_model_input(
 ) -> ModelInput:
     """Rank 0: one step's `ModelInput` from the scheduled batch, in a handful of batched ops.
 
+    The sequences are lists or int64 arrays (an array becomes its tensor without a copy).
     `token_ids` are the new tokens of all requests in batch order; `translate` maps full → SWA
     ids (two pools) or is None (one pool); `samples[i]`: request i samples a token this step.
     """

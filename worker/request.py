@@ -60,7 +60,7 @@ class Request:
     row_slots: torch.Tensor = field(default_factory=lambda: _NO_SLOTS)  # [L] int64 view of the row
     num_slots: int = 0  # positions of row_slots that hold slots
     # Derived once when the request is queued (`Scheduler.add`), read by every step:
-    stop_ids: frozenset[int] = frozenset()  # sampling one ends it: stop_token_ids, EOS unless ignored
+    stop_ids: frozenset[int] = frozenset()  # sampling one ends it: stop ids, EOS unless ignored
     max_output_len: int = 0  # output tokens it may make: max_new_tokens, capped by the context
     greedy: bool = False  # its params take the argmax (no draw)
 

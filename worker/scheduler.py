@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from swaserve.proto.kv_rules import swa_tokens_for_extend
+from swaserve.worker.decode_batch import DecodeBatch
 from swaserve.worker.kv_manager import KVCacheManager
 from swaserve.worker.request import FinishReason, Request, RequestStatus
 from swaserve.worker.stats import EngineStats
@@ -47,11 +49,19 @@ class ScheduledBatch:
     extend_lens: list[int]
     samples: list[bool]
     out_full_loc: torch.Tensor  # [sum(extend_lens)] int64
-    num_decodes: int = 0  # reqs[:num_decodes] are decodes: one token each, and each samples
+    decode: DecodeBatch | None = None  # reqs[:len(decode)]: decodes, one token each, all sample
 
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode is None else len(self.decode)
+
+    @property
+    def pure_decode(self) -> bool:
+        return self.decode is not None and len(self.decode) == len(self.reqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +110,7 @@ class Scheduler:
         self.new_token_ratio = limits.init_new_token_ratio
         # `running` split into (decoding, prefilling), kept between steps; None after anything
         # that changes it (a request joins, leaves, or samples its first token after a prefill).
-        self._split: tuple[list[Request], list[Request]] | None = None
+        self._split: tuple[DecodeBatch, list[Request]] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -141,14 +151,16 @@ class Scheduler:
         reqs: list[Request] = []
         extends: list[int] = []
         locs: list[torch.Tensor] = []
+        prefix_lens: list[int] = []
 
-        decoding, prefilling = self._partition()
-        decodes = self._allocate_decodes(decoding)
-        if decodes is not None:
-            batch_reqs, out = decodes
-            reqs += batch_reqs
-            extends += [1] * len(batch_reqs)
+        decode = self._allocate_decodes()
+        if decode is not None:
+            db, out = decode
+            reqs += db.reqs
+            extends += [1] * len(db)
             locs.append(out)
+            prefix_lens += db.seq_lens.tolist()
+        prefilling = self._partition()[1]
 
         num_decodes = len(reqs)
         budget = self.limits.chunked_prefill_size or self.limits.max_prefill_tokens
@@ -170,23 +182,23 @@ class Scheduler:
         self.new_token_ratio = max(
             lim.min_new_token_ratio, self.new_token_ratio - lim.new_token_ratio_decay
         )
-        prefix_lens = [r.num_computed for r in reqs]
         samples = [True] * num_decodes
-        samples += [
-            r.num_computed + n == len(r.prompt_ids) + len(r.output_ids)
-            for r, n in zip(reqs[num_decodes:], extends[num_decodes:], strict=True)
-        ]
+        for r, n in zip(reqs[num_decodes:], extends[num_decodes:], strict=True):
+            prefix_lens.append(r.num_computed)
+            samples.append(r.num_computed + n == len(r.prompt_ids) + len(r.output_ids))
         out_full_loc = locs[0] if len(locs) == 1 else torch.cat(locs)
-        return ScheduledBatch(reqs, prefix_lens, extends, samples, out_full_loc, num_decodes)
+        return ScheduledBatch(
+            reqs, prefix_lens, extends, samples, out_full_loc, None if decode is None else db
+        )
 
-    def _partition(self) -> tuple[list[Request], list[Request]]:
-        """(decoding, prefilling) running requests, in running order (cached between steps)."""
+    def _partition(self) -> tuple[DecodeBatch, list[Request]]:
+        """(decoding, prefilling) running requests, in running order (kept between steps)."""
         if self._split is None:
             decoding: list[Request] = []
             prefilling: list[Request] = []
             for r in self.running:
                 (decoding if r.is_decoding else prefilling).append(r)
-            self._split = decoding, prefilling
+            self._split = DecodeBatch(decoding), prefilling
         return self._split
 
     def _leave(self, req: Request) -> None:
@@ -202,12 +214,17 @@ class Scheduler:
         runs), so requests that arrive while it decodes reuse it."""
         finished: list[Request] = []
         nd = batch.num_decodes
-        for req, token in zip(batch.reqs[:nd], next_tokens[:nd], strict=True):
-            req.num_computed += 1
-            out = req.output_ids
-            out.append(token)  # type: ignore[arg-type]  # every decode samples
-            if token in req.stop_ids or len(out) >= req.max_output_len:
-                self._finish(req, token, finished)  # type: ignore[arg-type]
+        if batch.decode is not None:
+            db = batch.decode
+            tokens: list[int] = next_tokens[:nd]  # type: ignore[assignment]  # decodes sample
+            done = db.advance(np.asarray(tokens, dtype=np.int64))
+            for req, append, n, token in zip(
+                db.reqs, db.appends, db.seq_lens.tolist(), tokens, strict=True
+            ):
+                req.num_computed = req.num_slots = n  # the step's slot is now computed KV
+                append(token)
+            for i in done.tolist():
+                self._finish(db.reqs[i], tokens[i], finished)
         for req, n, token in zip(
             batch.reqs[nd:], batch.extend_lens[nd:], next_tokens[nd:], strict=True
         ):
@@ -238,6 +255,8 @@ class Scheduler:
     def fail(self, batch: ScheduledBatch, message: str) -> None:
         """End every request of a batch whose step raised: finish reason `error`, everything
         it holds released (nothing of the failed step is cached)."""
+        for req in batch.reqs[: batch.num_decodes]:
+            req.num_slots = req.num_computed + 1  # the slot allocated for the step goes too
         for req in batch.reqs:
             if req.finished:
                 continue
@@ -256,18 +275,13 @@ class Scheduler:
             self.tree.reset()
 
     # ---- decode --------------------------------------------------------------------------
-    def _allocate_decodes(
-        self, decoding: list[Request]
-    ) -> tuple[list[Request], torch.Tensor] | None:
+    def _allocate_decodes(self) -> tuple[DecodeBatch, torch.Tensor] | None:
         """One new slot per decoding request, retracting the newest until they fit."""
-        decodes = decoding[: self.limits.max_running_requests]
-        while decodes:
-            out = self.kv.allocate_decodes(decodes)
+        while len(batch := self._partition()[0]):
+            out = self.kv.allocate_decodes(batch)
             if out is not None:
-                return decodes, out
-            victim = max(self.running, key=lambda r: r.arrival)
-            self._retract(victim)
-            decodes = [r for r in decodes if r is not victim]
+                return batch, out
+            self._retract(max(self.running, key=lambda r: r.arrival))
         return None
 
     def _retract(self, req: Request) -> None:
@@ -374,9 +388,13 @@ class Scheduler:
         prefill chunks give back everything out of the window."""
         if not self.hybrid:
             return
-        due = [r for r in self.running if r.num_computed >= r.swa.next_check_len]
+        decoding, prefilling = self._partition()
+        idx = decoding.due_for_swa_check()  # [k] int64
+        due = [decoding.reqs[i] for i in idx.tolist()]
+        due += [r for r in prefilling if r.num_computed >= r.swa.next_check_len]
         if due:
             self.kv.free_out_of_window(due, self.limits.swa_eviction_interval)
+            decoding.refresh_next_check(idx)
 
     # ---- integrity -----------------------------------------------------------------------
     def check(self) -> None:
@@ -384,7 +402,8 @@ class Scheduler:
         if self._split is None:
             return
         decoding, prefilling = self._split
-        if [r for r in self.running if r.is_decoding] != decoding or [
+        if [r for r in self.running if r.is_decoding] != decoding.reqs or [
             r for r in self.running if not r.is_decoding
         ] != prefilling:
             raise RuntimeError("scheduler: the kept decode / prefill split is stale")
+        decoding.check()

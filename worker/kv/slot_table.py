@@ -26,6 +26,7 @@ class RequestSlotTable:
         self.num_rows = num_rows
         self.max_len = max_len
         self.slots = torch.zeros(num_rows, max_len, dtype=torch.int64)  # [R, L] int64
+        self.slots_host = self.slots.numpy()  # the same memory, for numpy's cheaper small ops
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def num_free_rows(self) -> int:

@@ -16,10 +16,14 @@ before it keep their SWA KV. In both modes it never reaches the page holding tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from swaserve.worker.kv.allocator import SWATokenAllocator
+
+SlotsT = TypeVar("SlotsT", torch.Tensor, np.ndarray)
 
 
 @dataclass(slots=True)
@@ -87,24 +91,25 @@ def free_swa_out_of_window_slots(
 
 def take_out_of_window_range(
     state: SWAFreeState,
-    token_indices: torch.Tensor,
+    token_indices: SlotsT,
     pre_len: int,
     *,
     sliding_window_size: int,
     page_size: int,
     radix_cache: bool,
     min_free_tokens: int = 0,
-) -> torch.Tensor | None:
+) -> SlotsT | None:
     """The full slots whose SWA KV is due to be freed (see `free_swa_out_of_window_slots`), with
     `state.swa_evicted_seqlen` already moved past them; None when nothing is due. The caller
-    frees them (several requests' at once: one `free_swa` call)."""
+    frees them (several requests' at once: one `free_swa` call). `token_indices` is a tensor
+    or a host array (then so is the result, a view of it)."""
     if state.cache_protected_len % page_size:
         raise ValueError(
             f"cache_protected_len={state.cache_protected_len} is not page-aligned (P={page_size})"
         )
-    if token_indices.numel() < pre_len:
+    if len(token_indices) < pre_len:
         raise ValueError(
-            f"token_indices holds {token_indices.numel()} slots, fewer than pre_len={pre_len}"
+            f"token_indices holds {len(token_indices)} slots, fewer than pre_len={pre_len}"
         )
     start = max(state.swa_evicted_seqlen, state.cache_protected_len)
     boundary = swa_free_boundary(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,7 +217,7 @@ def test_check_catches_a_planted_double_free() -> None:
     alloc = SWATokenAllocator(8, 8, page_size=1)
     idx = alloc.alloc(2)
     assert idx is not None
-    alloc.full._free_pages = torch.cat((alloc.full._free_pages, alloc.full._free_pages[:1]))
+    alloc.full._free_pages = np.concatenate((alloc.full._free_pages, alloc.full._free_pages[:1]))
     with pytest.raises(AllocatorCorrupted, match="double free"):
         alloc.check()
 
