@@ -1,15 +1,18 @@
 """DecodeBatch: the running requests that decode, as host arrays kept from step to step.
 
 A decode step should cost a handful of array ops over the batch, not a pass over every request
-object (each pass after a forward misses the cache once per request). The scheduler builds a
-`DecodeBatch` when the set of decoding requests changes and keeps it while that set holds; the
-`Request` objects stay the source of truth and the arrays mirror them:
+object (each pass after a forward misses the cache once per request). The scheduler keeps one
+`DecodeBatch` for the life of the engine and edits it as requests join (their prefill ended)
+and leave (finished, aborted, retracted), as SGLang's running batch is filtered and merged. The
+`Request` objects stay the source of truth; the arrays mirror them:
 
-    # rows[i]         req.row                           (fixed while it runs)
-    # seq_lens[i]     req.num_computed                  (+1 per step)
-    # last_tokens[i]  req.output_ids[-1]                (this step's input token)
-    # next_check[i]   req.swa.next_check_len            (refreshed when SWA freeing visits it)
-    # limits[i]       len(prompt) + max_output_len - 1  (LENGTH once seq_lens reaches it)
+    # rows[i]         req.row                               (fixed while it runs)
+    # seq_lens[i]     req.num_computed                      (+1 per step)
+    # last_tokens[i]  req.output_ids[-1]                    (this step's input token)
+    # next_check[i]   req.swa.next_check_len                (re-read when SWA freeing visits it)
+    # limits[i]       len(prompt) + max_output_len - 1      (LENGTH once seq_lens reaches it)
+    # new_ends[i]     len(prompt) + max_new_tokens - 1      (remaining new tokens = this - seq)
+    # stop_groups[i]  its stop-id set's group, -1 for none  (STOP when a step samples one)
 
 `check()` raises when a mirror disagrees with its request.
 """
@@ -17,63 +20,105 @@ object (each pass after a forward misses the cache once per request). The schedu
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from swaserve.worker.request import Request
 
+_NONE = np.empty(0, dtype=np.int64)  # [0] int64: no index (never written)
+_NO_GAP = 1 << 62
+_ARRAYS = ("rows", "seq_lens", "last_tokens", "next_check", "limits", "new_ends", "stop_groups")
+
 
 class DecodeBatch:
-    """The decoding requests (in running order) and their mirrored state."""
+    """The decoding requests and their mirrored state, in the order they joined."""
 
     __slots__ = (
+        "_group_of",
+        "_group_sizes",
+        "_groups",
         "_length_countdown",
-        "_stop_groups",
+        "_num_sampled",
         "_swa_countdown",
-        "all_greedy",
         "appends",
         "cached_tokens",
         "done",
         "last_tokens",
         "limits",
+        "new_ends",
         "next_check",
         "reqs",
         "request_ids",
         "rows",
         "seq_lens",
+        "stop_groups",
     )
 
-    def __init__(self, reqs: list[Request]) -> None:
-        self.reqs = reqs
-        self.request_ids = [r.request_id for r in reqs]
-        self.cached_tokens = [r.cached_tokens for r in reqs]
-        self.appends = [r.output_ids.append for r in reqs]  # each request's output list
+    def __init__(self, reqs: list[Request] | None = None) -> None:
+        self.reqs: list[Request] = []
+        self.request_ids: list[str] = []
+        self.cached_tokens: list[int] = []
+        self.appends: list = []  # each request's output_ids.append
+        for name in _ARRAYS:
+            setattr(self, name, _NONE.copy())  # [B] int64 each
+        self._groups: list[np.ndarray] = []  # sorted stop ids of each group
+        self._group_of: dict[frozenset[int], int] = {}
+        self._group_sizes: list[int] = []
+        self._num_sampled = 0  # requests that do not sample greedily
         self.done = _NONE  # [k] int64 indices of the requests the last step finished
-        self.rows = np.array([r.row for r in reqs], dtype=np.int64)  # [B] int64
-        self.seq_lens = np.array([r.num_computed for r in reqs], dtype=np.int64)  # [B] int64
-        self.last_tokens = np.array([r.output_ids[-1] for r in reqs], dtype=np.int64)  # [B] int64
-        self.next_check = np.array(
-            [r.swa.next_check_len for r in reqs], dtype=np.int64
-        )  # [B] int64
-        self.limits = np.array(
-            [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs], dtype=np.int64
-        )  # [B] int64
-        self.all_greedy = all(r.greedy for r in reqs)
-        groups: dict[frozenset[int], list[int]] = {}
-        for i, r in enumerate(reqs):
-            if r.stop_ids:
-                groups.setdefault(r.stop_ids, []).append(i)
-        self._stop_groups = [
-            (None if len(idx) == len(reqs) else np.array(idx, dtype=np.int64), _mask(stops))
-            for stops, idx in groups.items()
-        ]  # (indices of the group or None for all, its stop mask over token ids)
-        # Steps until the first request may be due (<= 0: check now); exact minima, so the
-        # arrays are compared only on the steps where something happens.
-        self._swa_countdown = _min_gap(self.next_check, self.seq_lens)
-        self._length_countdown = _min_gap(self.limits, self.seq_lens)
+        self._swa_countdown = self._length_countdown = _NO_GAP
+        if reqs:
+            self.extend(reqs)
 
     def __len__(self) -> int:
         return len(self.reqs)
 
+    @property
+    def all_greedy(self) -> bool:
+        return self._num_sampled == 0
+
+    # ---- membership ----------------------------------------------------------------------
+    def extend(self, reqs: list[Request]) -> None:
+        """Add requests that decode from now on (their last token sampled, not finished)."""
+        if not reqs:
+            return
+        self.reqs += reqs
+        self.request_ids += [r.request_id for r in reqs]
+        self.cached_tokens += [r.cached_tokens for r in reqs]
+        self.appends += [r.output_ids.append for r in reqs]
+        self._num_sampled += sum(not r.greedy for r in reqs)
+        new = {
+            "rows": [r.row for r in reqs],
+            "seq_lens": [r.num_computed for r in reqs],
+            "last_tokens": [r.output_ids[-1] for r in reqs],
+            "next_check": [r.swa.next_check_len for r in reqs],
+            "limits": [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs],
+            "new_ends": [len(r.prompt_ids) + r.params.max_new_tokens - 1 for r in reqs],
+            "stop_groups": [self._join_group(r.stop_ids) for r in reqs],
+        }
+        for name, values in new.items():
+            setattr(self, name, np.concatenate((getattr(self, name), values)).astype(np.int64))
+        self._recount()
+
+    def remove(self, idx: list[int]) -> None:
+        """Drop the requests at indices `idx` (distinct)."""
+        if not idx:
+            return
+        for i in sorted(idx, reverse=True):
+            req = self.reqs.pop(i)
+            del self.request_ids[i], self.cached_tokens[i], self.appends[i]
+            self._num_sampled -= not req.greedy
+        for g in self.stop_groups[idx].tolist():
+            if g >= 0:
+                self._group_sizes[g] -= 1
+        for name in _ARRAYS:
+            setattr(self, name, np.delete(getattr(self, name), idx))
+        if len(self._groups) > 8 and self._group_sizes.count(0) > len(self._groups) // 2:
+            self._compact_groups()
+        self._recount()
+
+    def index(self, req: Request) -> int:
+        return self.reqs.index(req)
+
+    # ---- a step --------------------------------------------------------------------------
     def due_for_swa_check(self) -> np.ndarray:  # [k] int64
         """Indices of the requests that may have out-of-window SWA to free."""
         if self._swa_countdown > 0:
@@ -93,18 +138,29 @@ class DecodeBatch:
         self.last_tokens[:] = tokens
         self._swa_countdown -= 1
         self._length_countdown -= 1
-        if not self._stop_groups and self._length_countdown > 0:
+        live = [g for g, size in enumerate(self._group_sizes) if size]
+        if not live and self._length_countdown > 0:
             self.done = _NONE
             return _NONE
         done = self.seq_lens >= self.limits  # [B] bool
-        for idx, mask in self._stop_groups:
-            if idx is None:
-                done |= mask[np.minimum(tokens, len(mask) - 1)]
+        for g in live:
+            stops = self._groups[g]  # [S] int64 sorted
+            if self._group_sizes[g] == len(self.reqs):
+                done |= _is_in(tokens, stops)
             else:
-                done[idx] |= mask[np.minimum(tokens[idx], len(mask) - 1)]
+                sel = self.stop_groups == g  # [B] bool
+                done[sel] |= _is_in(tokens[sel], stops)
         self.done = np.flatnonzero(done)
         return self.done
 
+    def reserved_tokens(self, new_token_ratio: float, clip: int, swa_step: int) -> tuple[int, int]:
+        """(full, SWA) tokens these requests' future decode steps are promised: per request
+        int(min(remaining, clip) × ratio) and min(remaining, swa_step)."""
+        remaining = self.new_ends - self.seq_lens  # [B] int64, >= 1 while decoding
+        full = np.floor(np.minimum(remaining, clip) * new_token_ratio)  # [B] float64
+        return int(full.sum()), int(np.minimum(remaining, swa_step).sum())
+
+    # ---- integrity -----------------------------------------------------------------------
     def check(self) -> None:
         """Raise if a mirrored array disagrees with its request."""
         reqs = self.reqs
@@ -113,33 +169,60 @@ class DecodeBatch:
             "seq_lens": [r.num_computed for r in reqs],
             "last_tokens": [r.output_ids[-1] if r.output_ids else -1 for r in reqs],
             "next_check": [r.swa.next_check_len for r in reqs],
+            "limits": [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs],
+            "new_ends": [len(r.prompt_ids) + r.params.max_new_tokens - 1 for r in reqs],
         }
-        if self.request_ids != [r.request_id for r in reqs] or self.cached_tokens != [
-            r.cached_tokens for r in reqs
-        ]:
-            raise RuntimeError("decode batch: request ids or cached tokens disagree")
         for name, truth in mirrors.items():
             if getattr(self, name).tolist() != truth:
                 raise RuntimeError(f"decode batch: {name} disagrees with the requests")
+        groups = [
+            frozenset(self._groups[g].tolist()) if g >= 0 else frozenset()
+            for g in self.stop_groups.tolist()
+        ]
+        if groups != [r.stop_ids for r in reqs]:
+            raise RuntimeError("decode batch: stop_groups disagrees with the requests")
+        if (
+            self.request_ids != [r.request_id for r in reqs]
+            or self.cached_tokens != [r.cached_tokens for r in reqs]
+            or self._num_sampled != sum(not r.greedy for r in reqs)
+        ):
+            raise RuntimeError("decode batch: ids, cached tokens or greedy count disagree")
         if not all(r.is_decoding for r in reqs):
             raise RuntimeError("decode batch: holds a request that does not decode")
 
+    # ---- internals -----------------------------------------------------------------------
+    def _join_group(self, stops: frozenset[int]) -> int:
+        if not stops:
+            return -1
+        g = self._group_of.get(stops)
+        if g is None:
+            g = self._group_of[stops] = len(self._groups)
+            self._groups.append(np.array(sorted(stops), dtype=np.int64))
+            self._group_sizes.append(0)
+        self._group_sizes[g] += 1
+        return g
 
-_NONE = np.empty(0, dtype=np.int64)  # [0] int64: no index (never written)
-_NO_GAP = 1 << 62
+    def _compact_groups(self) -> None:
+        """Forget the stop-id groups no request uses any more."""
+        keep = [g for g, size in enumerate(self._group_sizes) if size]
+        renumber = np.full(len(self._groups) + 1, -1, dtype=np.int64)  # [G+1]; [-1] stays -1
+        renumber[keep] = np.arange(len(keep))
+        self._groups = [self._groups[g] for g in keep]
+        self._group_sizes = [self._group_sizes[g] for g in keep]
+        self._group_of = {frozenset(s.tolist()): i for i, s in enumerate(self._groups)}
+        self.stop_groups = renumber[self.stop_groups]
+
+    def _recount(self) -> None:
+        self._swa_countdown = _min_gap(self.next_check, self.seq_lens)
+        self._length_countdown = _min_gap(self.limits, self.seq_lens)
 
 
-def _mask(stops: frozenset[int]) -> np.ndarray:  # [max(stops) + 2] bool
-    """True at each stop id; the last entry (False) stands for every larger token id."""
-    mask = np.zeros(max(stops) + 2, dtype=np.bool_)
-    mask[list(stops)] = True
-    return mask
+def _is_in(tokens: np.ndarray, stops: np.ndarray) -> np.ndarray:  # [n], [S] sorted → [n] bool
+    pos = np.minimum(np.searchsorted(stops, tokens), len(stops) - 1)
+    return stops[pos] == tokens
 
 
 def _min_gap(ends: np.ndarray, lens: np.ndarray) -> int:
+    """Steps until the first request reaches its end (<= 0: now); exact, so the arrays are
+    compared only on the steps where something happens."""
     return int((ends - lens).min()) if len(lens) else _NO_GAP
-
-
-def as_tensor(values: np.ndarray) -> torch.Tensor:  # [n] int64 CPU, a copy
-    """A CPU tensor of a mirror's current values (the mirror changes after the step)."""
-    return torch.from_numpy(values.copy())

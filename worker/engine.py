@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from swaserve.proto.kv_events import KVEvent, KVTombstoned
@@ -319,8 +321,10 @@ class Engine:
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
         decode, nd = batch.decode, batch.num_decodes
+        prefix_lens: Sequence[int] | np.ndarray = batch.prefix_lens
         if decode is not None and batch.pure_decode:  # the batch's arrays as they are
             tokens, rows = decode.last_tokens.copy(), decode.rows.copy()  # [B] int64 each
+            prefix_lens = decode.seq_lens.copy()  # [B] int64
         else:
             tokens = [] if decode is None else decode.last_tokens.tolist()
             rows = [] if decode is None else decode.rows.tolist()
@@ -331,7 +335,7 @@ class Engine:
                 rows.append(req.row)
         return build_model_input(
             token_ids=tokens,
-            prefix_lens=batch.prefix_lens,
+            prefix_lens=prefix_lens,
             extend_lens=batch.extend_lens,
             req_rows=rows,
             samples=batch.samples,
@@ -362,7 +366,8 @@ class Engine:
         self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool | None = None
     ) -> list[int]:
         if all_greedy if all_greedy is not None else all([r.greedy for r in reqs]):
-            return self.sampler.greedy(logits).tolist()
+            tokens = self.sampler.greedy(logits)
+            return (tokens.numpy() if tokens.device.type == "cpu" else tokens).tolist()
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         return tokens.tolist()
 

@@ -72,6 +72,7 @@ class KVCacheManager:
         self.hybrid = is_hybrid(allocator, sliding_window_size)
         self._writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, full slots)
         self._taken: list[tuple[int, int, torch.Tensor]] = []  # the last take_writes()
+        self._no_writes = SlotWrites.empty(self.hybrid)  # immutable, shared by idle steps
 
     # ---- queries -------------------------------------------------------------------------
     def available_tokens(self) -> tuple[int, int]:
@@ -269,7 +270,7 @@ class KVCacheManager:
         """The queued slot-table writes (translated to SWA ids now), emptying the queue."""
         if not self._writes:
             self._taken = []
-            return SlotWrites.empty(self.hybrid)
+            return self._no_writes
         writes, self._writes = self._writes, []
         self._taken = writes
         rows = torch.cat(

@@ -108,9 +108,10 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = limits.init_new_token_ratio
-        # `running` split into (decoding, prefilling), kept between steps; None after anything
-        # that changes it (a request joins, leaves, or samples its first token after a prefill).
-        self._split: tuple[DecodeBatch, list[Request]] | None = None
+        # `running` = the decode batch + the requests still prefilling, kept in step: a request
+        # joins as prefilling, moves to the decode batch when it samples, leaves either.
+        self._decode = DecodeBatch()
+        self._prefilling: list[Request] = []
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -192,18 +193,15 @@ class Scheduler:
         )
 
     def _partition(self) -> tuple[DecodeBatch, list[Request]]:
-        """(decoding, prefilling) running requests, in running order (kept between steps)."""
-        if self._split is None:
-            decoding: list[Request] = []
-            prefilling: list[Request] = []
-            for r in self.running:
-                (decoding if r.is_decoding else prefilling).append(r)
-            self._split = DecodeBatch(decoding), prefilling
-        return self._split
+        """(decoding, prefilling): the running requests, split."""
+        return self._decode, self._prefilling
 
     def _leave(self, req: Request) -> None:
         self.running.remove(req)
-        self._split = None
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        else:
+            self._decode.remove([self._decode.index(req)])
 
     def process_results(
         self, batch: ScheduledBatch, next_tokens: list[int | None]
@@ -223,8 +221,12 @@ class Scheduler:
             ):
                 req.num_computed = req.num_slots = n  # the step's slot is now computed KV
                 append(token)
-            for i in done.tolist():
-                self._finish(db.reqs[i], tokens[i], finished)
+            if len(done):
+                ended = done.tolist()
+                for i in ended:
+                    self._finish(db.reqs[i], tokens[i], finished)
+                db.remove(ended)
+        joined: list[Request] = []
         for req, n, token in zip(
             batch.reqs[nd:], batch.extend_lens[nd:], next_tokens[nd:], strict=True
         ):
@@ -235,21 +237,26 @@ class Scheduler:
                     self.stats.prefill_chunks += 1
                     self.kv.cache_unfinished(req)
                 continue
-            self._split = None  # it decodes from now on
             if prefilling:
                 self.kv.cache_unfinished(req)
             req.output_ids.append(token)
             if n > 1:  # a prefill just ended: drop what its chunk left out of the window
                 self.kv.free_out_of_window([req], 0)
+            self._prefilling.remove(req)
             if token in req.stop_ids or len(req.output_ids) >= req.max_output_len:
                 self._finish(req, token, finished)
+            else:
+                joined.append(req)  # it decodes from now on
+        self._decode.extend(joined)
         return finished
 
     def _finish(self, req: Request, token: int, finished: list[Request]) -> None:
+        """End a request that sampled its last token (the caller drops it from its part of
+        the split)."""
         req.finish_reason = FinishReason.STOP if token in req.stop_ids else FinishReason.LENGTH
         req.status = RequestStatus.FINISHED
         self.kv.cache_finished(req)
-        self._leave(req)
+        self.running.remove(req)
         finished.append(req)
 
     def fail(self, batch: ScheduledBatch, message: str) -> None:
@@ -343,7 +350,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
-            self._split = None
+            self._prefilling.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_retractions == 0:
                 req.cached_tokens = hit.num_tokens
@@ -375,9 +382,10 @@ class Scheduler:
     def reserved_tokens(self) -> tuple[int, int]:
         """(full, SWA) tokens promised to running requests' future decode steps."""
         step = self.limits.swa_eviction_interval + self.limits.page_size
-        full = sum(self._full_reserve(r) for r in self.running)
-        swa = sum(min(r.remaining_new_tokens, step) for r in self.running) if self.hybrid else 0
-        return full, swa
+        full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, step)
+        full += sum(self._full_reserve(r) for r in self._prefilling)
+        swa += sum(min(r.remaining_new_tokens, step) for r in self._prefilling)
+        return full, swa if self.hybrid else 0
 
     def _full_reserve(self, req: Request) -> int:
         return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
@@ -399,11 +407,12 @@ class Scheduler:
     # ---- integrity -----------------------------------------------------------------------
     def check(self) -> None:
         """Raise if the kept (decoding, prefilling) split disagrees with the running requests."""
-        if self._split is None:
-            return
-        decoding, prefilling = self._split
-        if [r for r in self.running if r.is_decoding] != decoding.reqs or [
-            r for r in self.running if not r.is_decoding
-        ] != prefilling:
+        decoding, prefilling = self._decode, self._prefilling
+        split = [{id(r) for r in part} for part in (decoding.reqs, prefilling)]
+        if (
+            len(decoding) + len(prefilling) != len(self.running)
+            or split[0] != {id(r) for r in self.running if r.is_decoding}
+            or split[1] != {id(r) for r in self.running if not r.is_decoding}
+        ):
             raise RuntimeError("scheduler: the kept decode / prefill split is stale")
         decoding.check()

@@ -390,9 +390,9 @@ class SWATokenAllocator:
     def _free_swa(self, full_idx: np.ndarray) -> None:
         if full_idx.size == 0:
             return
-        pages = np.unique(self.full._pages_of(full_idx))
-        if self.page_size > 1:
-            full_idx = self.full._slots_of_pages(pages)
+        pages = self.full._pages_of(full_idx)  # raises InvalidFree for ids out of range
+        if self.page_size > 1:  # whole pages
+            full_idx = self.full._slots_of_pages(np.unique(pages))
         swa_idx = self._map[full_idx]
         live = swa_idx[swa_idx > 0]
         if live.size:

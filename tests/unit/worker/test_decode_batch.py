@@ -69,8 +69,14 @@ def test_each_request_finishes_at_its_own_stop_ids_and_length(model_dir: Path) -
         {99_999},
     ]
     max_new = [40, 30, 12, 17, 40, 25]
+    # Requests with stop sets of their own that never match, ending one after another: the
+    # batch's groups of stop ids are compacted once most of them are unused.
+    for k in range(10):
+        full.append(full[k % len(PROMPTS)])
+        stop_sets.append({70_000 + k})
+        max_new.append(3 + 2 * k)
     engine = make_engine(model_dir)
-    for k, prompt in enumerate(PROMPTS):
+    for k, prompt in enumerate(PROMPTS + [PROMPTS[k % len(PROMPTS)] for k in range(10)]):
         params = SamplingParams(
             temperature=0,
             max_new_tokens=max_new[k],
@@ -80,12 +86,15 @@ def test_each_request_finishes_at_its_own_stop_ids_and_length(model_dir: Path) -
         engine.add_request(prompt, params, request_id=str(k))
     got: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
+    group_counts = []
     while engine.has_unfinished_requests():
         for out in step_checked(engine):
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
-    for k in range(len(PROMPTS)):
+        group_counts.append(len(engine.scheduler._decode._groups))
+    assert max(group_counts) >= 12 and group_counts[-1] < 8  # compacted on the way
+    for k in range(len(full)):
         tokens, reason = expected_cut(full[k], stop_sets[k], max_new[k])
         assert got[str(k)] == tokens
         assert reasons[str(k)] == reason
@@ -102,9 +111,12 @@ def test_mirrors_hold_through_joins_aborts_and_swa_freeing(model_dir: Path) -> N
         if step == 9:
             assert engine.abort("1")
         step_checked(engine)
-        split = engine.scheduler._split
-        if split is not None:
-            split[0].check()
+        sched = engine.scheduler
+        full_reserve = sum(
+            int(min(r.remaining_new_tokens, 4096) * sched.new_token_ratio) for r in sched.running
+        )
+        swa_reserve = sum(min(r.remaining_new_tokens, INTERVAL + P) for r in sched.running)
+        assert sched.reserved_tokens() == (full_reserve, swa_reserve)
         for r in engine.scheduler.running:
             # Out-of-window SWA is given back once the interval I piled up: a decode holds
             # at most the window, two partial pages and I - 1 more.
@@ -136,9 +148,9 @@ def test_check_catches_a_stale_mirror(model_dir: Path) -> None:
     engine.add_request(PROMPTS[1], params, request_id="b")
     while not engine.scheduler.running or not all(r.is_decoding for r in engine.scheduler.running):
         engine.step()
-    engine.step()  # the split is kept from here
+    engine.step()
     engine.check()
-    batch = engine.scheduler._split[0]  # type: ignore[index]
+    batch = engine.scheduler._decode
     assert isinstance(batch, DecodeBatch) and len(batch) == 2
     batch.seq_lens[1] += 1
     with pytest.raises(RuntimeError, match="seq_lens disagrees"):
@@ -159,7 +171,11 @@ def test_check_catches_a_stale_split(model_dir: Path) -> None:
         engine.step()
     engine.check()
     sched = engine.scheduler
-    decoding, prefilling = sched._split  # type: ignore[misc]
-    sched._split = (DecodeBatch([]), [*prefilling, *decoding.reqs])
+    decoding = sched._decode.reqs[0]
+    sched._prefilling.append(decoding)  # in both parts
+    with pytest.raises(RuntimeError, match="split is stale"):
+        engine.check()
+    sched._prefilling.remove(decoding)
+    sched._decode.remove([0])  # in neither
     with pytest.raises(RuntimeError, match="split is stale"):
         engine.check()
