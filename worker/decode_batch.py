@@ -38,13 +38,13 @@ class DecodeBatch:
         "_length_countdown",
         "_num_sampled",
         "_swa_countdown",
-        "appends",
         "cached_tokens",
         "done",
         "last_tokens",
         "limits",
         "new_ends",
         "next_check",
+        "outputs",
         "reqs",
         "request_ids",
         "rows",
@@ -56,7 +56,7 @@ class DecodeBatch:
         self.reqs: list[Request] = []
         self.request_ids: list[str] = []
         self.cached_tokens: list[int] = []
-        self.appends: list = []  # each request's output_ids.append
+        self.outputs: list[list[int]] = []  # each request's output_ids
         for name in _ARRAYS:
             setattr(self, name, _NONE.copy())  # [B] int64 each
         self._groups: list[np.ndarray] = []  # sorted stop ids of each group
@@ -83,7 +83,7 @@ class DecodeBatch:
         self.reqs += reqs
         self.request_ids += [r.request_id for r in reqs]
         self.cached_tokens += [r.cached_tokens for r in reqs]
-        self.appends += [r.output_ids.append for r in reqs]
+        self.outputs += [r.output_ids for r in reqs]
         self._num_sampled += sum(not r.greedy for r in reqs)
         new = {
             "rows": [r.row for r in reqs],
@@ -104,7 +104,7 @@ class DecodeBatch:
             return
         for i in sorted(idx, reverse=True):
             req = self.reqs.pop(i)
-            del self.request_ids[i], self.cached_tokens[i], self.appends[i]
+            del self.request_ids[i], self.cached_tokens[i], self.outputs[i]
             self._num_sampled -= not req.greedy
         for g in self.stop_groups[idx].tolist():
             if g >= 0:
@@ -133,9 +133,10 @@ class DecodeBatch:
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:  # [B] int64 → [k] int64
         """After a step that decoded every request: mirror the new token and length, and
-        return the indices of the requests that now finish (a stop id, or out of length)."""
+        return the indices of the requests that now finish (a stop id, or out of length).
+        Keeps `tokens` as the new `last_tokens` (the caller hands it over)."""
         self.seq_lens += 1
-        self.last_tokens[:] = tokens
+        self.last_tokens = tokens
         self._swa_countdown -= 1
         self._length_countdown -= 1
         live = [g for g, size in enumerate(self._group_sizes) if size]
@@ -185,8 +186,9 @@ class DecodeBatch:
             self.request_ids != [r.request_id for r in reqs]
             or self.cached_tokens != [r.cached_tokens for r in reqs]
             or self._num_sampled != sum(not r.greedy for r in reqs)
+            or any(out is not r.output_ids for out, r in zip(self.outputs, reqs, strict=True))
         ):
-            raise RuntimeError("decode batch: ids, cached tokens or greedy count disagree")
+            raise RuntimeError("decode batch: ids, cached tokens, outputs or greedy count disagree")
         if not all(r.is_decoding for r in reqs):
             raise RuntimeError("decode batch: holds a request that does not decode")
 

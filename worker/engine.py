@@ -406,7 +406,7 @@ class Engine:
                     decode.cached_tokens,
                 )
             )
-            for i in decode.done.tolist():
+            for i in decode.done.tolist() if len(decode.done) else ():
                 out, reason = outputs[i], decode.reqs[i].finish_reason
                 out.finished, out.finish_reason = True, None if reason is None else reason.value
             self._forget(finished)

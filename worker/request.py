@@ -51,6 +51,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0
+    num_slots: int = 0  # positions of row_slots that hold slots (next to num_computed: one line)
     lock: PrefixLock | None = None
     swa: SWAFreeState = field(default_factory=SWAFreeState)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
@@ -58,7 +59,6 @@ class Request:
     error: str | None = None  # why it ended with FinishReason.ERROR
     row: int = -1  # slot-table row while the request holds KV (KVCacheManager), else -1
     row_slots: torch.Tensor = field(default_factory=lambda: _NO_SLOTS)  # [L] int64 view of the row
-    num_slots: int = 0  # positions of row_slots that hold slots
     # Derived once when the request is queued (`Scheduler.add`), read by every step:
     stop_ids: frozenset[int] = frozenset()  # sampling one ends it: stop ids, EOS unless ignored
     max_output_len: int = 0  # output tokens it may make: max_new_tokens, capped by the context

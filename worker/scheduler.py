@@ -216,11 +216,11 @@ class Scheduler:
             db = batch.decode
             tokens: list[int] = next_tokens[:nd]  # type: ignore[assignment]  # decodes sample
             done = db.advance(np.asarray(tokens, dtype=np.int64))
-            for req, append, n, token in zip(
-                db.reqs, db.appends, db.seq_lens.tolist(), tokens, strict=True
+            for req, output, n, token in zip(
+                db.reqs, db.outputs, db.seq_lens.tolist(), tokens, strict=True
             ):
                 req.num_computed = req.num_slots = n  # the step's slot is now computed KV
-                append(token)
+                output.append(token)
             if len(done):
                 ended = done.tolist()
                 for i in ended:
