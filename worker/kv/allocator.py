@@ -129,11 +129,13 @@ class TokenAllocator:
         """
         self.free_host(host_ids(indices))
 
-    def free_host(self, indices: np.ndarray) -> None:
-        """`free` of a host array of slot ids."""
+    def free_host(self, indices: np.ndarray, *, distinct: bool = False) -> None:
+        """`free` of a host array of slot ids. `distinct`: the caller knows no page is in it
+        twice, so with P = 1 the sort that finds repeats is skipped."""
         if indices.size == 0:
             return
-        pages = np.unique(self._pages_of(indices))
+        pages = self._pages_of(indices)
+        pages = pages.copy() if distinct and self.page_size == 1 else np.unique(pages)
         already = self._page_is_free[pages]
         if already.any():
             bad = pages[already][:8].tolist()
@@ -393,10 +395,19 @@ class SWATokenAllocator:
         pages = self.full._pages_of(full_idx)  # raises InvalidFree for ids out of range
         if self.page_size > 1:  # whole pages
             full_idx = self.full._slots_of_pages(np.unique(pages))
-        swa_idx = self._map[full_idx]
-        live = swa_idx[swa_idx > 0]
-        if live.size:
-            self.swa.free_host(live)
+        swa_idx = self._map[full_idx]  # [n] int64, a copy
+        # Repeated full ids, found in O(n) instead of by a sort: each entry writes its own
+        # stamp (negative, never an id) and reads it back; a repeat reads a later entry's.
+        stamps = -2 - np.arange(len(full_idx), dtype=np.int64)  # [n] int64
+        self._map[full_idx] = stamps
+        distinct = bool(np.array_equal(self._map[full_idx], stamps))
+        live = swa_idx[swa_idx > 0]  # the mapping is one-to-one: distinct ids, distinct slots
+        try:
+            if live.size:
+                self.swa.free_host(live, distinct=distinct)
+        except InvalidFree:
+            self._map[full_idx] = swa_idx  # nothing freed, nothing changed
+            raise
         self._map[full_idx] = 0
 
     def _translate_last_loc(self, last: np.ndarray, filled_lens: np.ndarray) -> np.ndarray:

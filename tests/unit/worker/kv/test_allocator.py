@@ -249,3 +249,27 @@ def test_token_allocator_speaks_the_two_pool_contract() -> None:
     assert alloc.full_available_size() == alloc.swa_available_size() == 6
     assert alloc.full is alloc and alloc.full_size == 8
     alloc.check(owned=idx)
+
+
+def test_free_swa_with_repeated_ids_frees_each_swa_slot_once() -> None:
+    alloc = SWATokenAllocator(8, 8, page_size=1)
+    idx = alloc.alloc(4)
+    assert idx is not None
+    alloc.free_swa(torch.cat((idx[:3], idx[1:2], idx[2:3])))  # ids 1 and 2 twice
+    assert alloc.swa_available_size() == 4 + 3
+    assert alloc.translate(idx).tolist() == [0, 0, 0, int(alloc.translate(idx[3:])[0])]
+    alloc.check(owned=idx)
+    alloc.free(idx)
+    alloc.check(owned=torch.empty(0, dtype=torch.int64))
+    assert alloc.available_size() == 8
+
+
+def test_free_swa_of_an_already_free_swa_slot_raises_and_changes_nothing() -> None:
+    alloc = SWATokenAllocator(8, 8, page_size=1)
+    idx = alloc.alloc(3)
+    assert idx is not None
+    mapping = alloc.full_to_swa.clone()
+    alloc.swa.free(alloc.translate(idx[1:2]))  # plant: the SWA slot is freed behind the map
+    with pytest.raises(InvalidFree, match="double free"):
+        alloc.free_swa(idx)
+    assert torch.equal(alloc.full_to_swa, mapping)
