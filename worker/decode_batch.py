@@ -39,7 +39,6 @@ class DecodeBatch:
         "_num_sampled",
         "_swa_countdown",
         "cached_tokens",
-        "done",
         "last_tokens",
         "limits",
         "new_ends",
@@ -63,7 +62,6 @@ class DecodeBatch:
         self._group_of: dict[frozenset[int], int] = {}
         self._group_sizes: list[int] = []
         self._num_sampled = 0  # requests that do not sample greedily
-        self.done = _NONE  # [k] int64 indices of the requests the last step finished
         self._swa_countdown = self._length_countdown = _NO_GAP
         if reqs:
             self.extend(reqs)
@@ -141,7 +139,6 @@ class DecodeBatch:
         self._length_countdown -= 1
         live = [g for g, size in enumerate(self._group_sizes) if size]
         if not live and self._length_countdown > 0:
-            self.done = _NONE
             return _NONE
         done = self.seq_lens >= self.limits  # [B] bool
         for g in live:
@@ -151,8 +148,7 @@ class DecodeBatch:
             else:
                 sel = self.stop_groups == g  # [B] bool
                 done[sel] |= _is_in(tokens[sel], stops)
-        self.done = np.flatnonzero(done)
-        return self.done
+        return np.flatnonzero(done)
 
     def reserved_tokens(self, new_token_ratio: float, clip: int, swa_step: int) -> tuple[int, int]:
         """(full, SWA) tokens these requests' future decode steps are promised: per request

@@ -394,9 +394,12 @@ class Engine:
     ) -> list[RequestOutput]:
         """One output per request that sampled; a request that did not (a prefill chunk)
         neither advanced nor finished."""
+        self._forget(finished)
         decode = batch.decode
-        if decode is not None and batch.pure_decode:  # from the batch's lists, no request read
-            outputs = list(
+        if decode is not None and batch.pure_decode and not finished:
+            # Every request of the decode batch advanced and none left it: its lists are the
+            # outputs' fields as they are (no request is read).
+            return list(
                 map(
                     RequestOutput,
                     decode.request_ids,
@@ -406,11 +409,6 @@ class Engine:
                     decode.cached_tokens,
                 )
             )
-            for i in decode.done.tolist() if len(decode.done) else ():
-                out, reason = outputs[i], decode.reqs[i].finish_reason
-                out.finished, out.finish_reason = True, None if reason is None else reason.value
-            self._forget(finished)
-            return outputs
         outputs = []
         for req, token in zip(batch.reqs, next_tokens, strict=True):
             if token is None:
@@ -425,7 +423,6 @@ class Engine:
                     req.cached_tokens,
                 )
             )
-        self._forget(finished)
         return outputs
 
     def _forget(self, finished: list[Request]) -> None:

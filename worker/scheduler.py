@@ -49,19 +49,19 @@ class ScheduledBatch:
     extend_lens: list[int]
     samples: list[bool]
     out_full_loc: torch.Tensor  # [sum(extend_lens)] int64
-    decode: DecodeBatch | None = None  # reqs[:len(decode)]: decodes, one token each, all sample
+    # reqs[:num_decodes] are the decode batch as it was scheduled: one token each, all sample.
+    # (The batch itself changes once the results are in: finished requests leave it.)
+    decode: DecodeBatch | None = None
+    num_decodes: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
 
     @property
-    def num_decodes(self) -> int:
-        return 0 if self.decode is None else len(self.decode)
-
-    @property
     def pure_decode(self) -> bool:
-        return self.decode is not None and len(self.decode) == len(self.reqs)
+        """Only decodes: the decode batch's arrays are the step's whole input."""
+        return self.decode is not None and self.num_decodes == len(self.reqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +189,13 @@ class Scheduler:
             samples.append(r.num_computed + n == len(r.prompt_ids) + len(r.output_ids))
         out_full_loc = locs[0] if len(locs) == 1 else torch.cat(locs)
         return ScheduledBatch(
-            reqs, prefix_lens, extends, samples, out_full_loc, None if decode is None else db
+            reqs,
+            prefix_lens,
+            extends,
+            samples,
+            out_full_loc,
+            None if decode is None else db,
+            num_decodes,
         )
 
     def _partition(self) -> tuple[DecodeBatch, list[Request]]:
