@@ -28,6 +28,18 @@ _NO_GAP = 1 << 62
 _ARRAYS = ("rows", "seq_lens", "last_tokens", "next_check", "limits", "new_ends", "stop_groups")
 
 
+def _mirror(i: int) -> property:
+    """Row `i` of the batch's [7, B] state: a view to read or edit in place, or to assign."""
+
+    def get(self: DecodeBatch) -> np.ndarray:  # [B] int64 view
+        return self._state[i]
+
+    def put(self: DecodeBatch, values: np.ndarray) -> None:
+        self._state[i] = values
+
+    return property(get, put)
+
+
 class DecodeBatch:
     """The decoding requests and their mirrored state, in the order they joined."""
 
@@ -37,18 +49,16 @@ class DecodeBatch:
         "_groups",
         "_length_countdown",
         "_num_sampled",
+        "_state",
         "_swa_countdown",
         "cached_tokens",
-        "last_tokens",
-        "limits",
-        "new_ends",
-        "next_check",
         "outputs",
         "reqs",
         "request_ids",
-        "rows",
-        "seq_lens",
-        "stop_groups",
+    )
+    # One [7, B] array holds every mirror, so a join or a leave is one concatenate or delete.
+    rows, seq_lens, last_tokens, next_check, limits, new_ends, stop_groups = (
+        _mirror(i) for i in range(len(_ARRAYS))
     )
 
     def __init__(self, reqs: list[Request] | None = None) -> None:
@@ -56,8 +66,7 @@ class DecodeBatch:
         self.request_ids: list[str] = []
         self.cached_tokens: list[int] = []
         self.outputs: list[list[int]] = []  # each request's output_ids
-        for name in _ARRAYS:
-            setattr(self, name, _NONE.copy())  # [B] int64 each
+        self._state = np.empty((len(_ARRAYS), 0), dtype=np.int64)  # [7, B] int64
         self._groups: list[np.ndarray] = []  # sorted stop ids of each group
         self._group_of: dict[frozenset[int], int] = {}
         self._group_sizes: list[int] = []
@@ -83,17 +92,19 @@ class DecodeBatch:
         self.cached_tokens += [r.cached_tokens for r in reqs]
         self.outputs += [r.output_ids for r in reqs]
         self._num_sampled += sum(not r.greedy for r in reqs)
-        new = {
-            "rows": [r.row for r in reqs],
-            "seq_lens": [r.num_computed for r in reqs],
-            "last_tokens": [r.output_ids[-1] for r in reqs],
-            "next_check": [r.swa.next_check_len for r in reqs],
-            "limits": [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs],
-            "new_ends": [len(r.prompt_ids) + r.params.max_new_tokens - 1 for r in reqs],
-            "stop_groups": [self._join_group(r.stop_ids) for r in reqs],
-        }
-        for name, values in new.items():
-            setattr(self, name, np.concatenate((getattr(self, name), values)).astype(np.int64))
+        new = np.array(
+            [
+                [r.row for r in reqs],
+                [r.num_computed for r in reqs],
+                [r.output_ids[-1] for r in reqs],
+                [r.swa.next_check_len for r in reqs],
+                [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs],
+                [len(r.prompt_ids) + r.params.max_new_tokens - 1 for r in reqs],
+                [self._join_group(r.stop_ids) for r in reqs],
+            ],
+            dtype=np.int64,
+        )  # [7, k] int64, in _ARRAYS order
+        self._state = np.concatenate((self._state, new), axis=1)
         self._recount()
 
     def remove(self, idx: list[int]) -> None:
@@ -107,8 +118,7 @@ class DecodeBatch:
         for g in self.stop_groups[idx].tolist():
             if g >= 0:
                 self._group_sizes[g] -= 1
-        for name in _ARRAYS:
-            setattr(self, name, np.delete(getattr(self, name), idx))
+        self._state = np.delete(self._state, idx, axis=1)
         if len(self._groups) > 8 and self._group_sizes.count(0) > len(self._groups) // 2:
             self._compact_groups()
         self._recount()
@@ -131,8 +141,7 @@ class DecodeBatch:
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:  # [B] int64 → [k] int64
         """After a step that decoded every request: mirror the new token and length, and
-        return the indices of the requests that now finish (a stop id, or out of length).
-        Keeps `tokens` as the new `last_tokens` (the caller hands it over)."""
+        return the indices of the requests that now finish (a stop id, or out of length)."""
         self.seq_lens += 1
         self.last_tokens = tokens
         self._swa_countdown -= 1

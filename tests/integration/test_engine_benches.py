@@ -66,3 +66,18 @@ def test_capacity_bench(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_bench("capacity", [*argv, "--chunk", "64"], capsys)
     assert data["hybrid_peak_running"] > data["single_pool_peak_running"] > 0
     assert 0 < data["hybrid_of_bound"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("churn", [False, True], ids=["pure-decode", "churn"])
+def test_step_overhead_bench(capsys: pytest.CaptureFixture[str], churn: bool) -> None:
+    argv = ["--steps", "12", "--repeats", "1", "--batches", "1,6", *(["--churn"] if churn else [])]
+    data = run_bench("step_overhead", argv, capsys)
+    host_phases = ("schedule", "input", "sample", "postprocess")
+    for batch in ("1", "6"):
+        ms = data["ms_per_step"][batch]
+        assert min(ms[p] for p in (*host_phases, "model")) > 0
+        assert ms["host"] == pytest.approx(sum(ms[p] for p in host_phases))
+        assert data["host_over_model"][batch] == pytest.approx(ms["host"] / ms["model"])
+    if churn:  # 6 requests of 6-18 tokens over 12 measured steps: some finish and are replaced
+        assert data["ms_per_step"]["6"]["finished"] > 0
