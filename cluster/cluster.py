@@ -27,13 +27,13 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
     WorkerLost,
-    load_tokenizer,
     model_info_of,
 )
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
+from swaserve.worker.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Cluster(RoutedCluster):
             await self.router.add_worker.remote(group.worker_id)
             self._watchers[group.worker_id] = asyncio.create_task(self._watch(group))
         self.model_info = model_info_of(engine, infos[0], config.served_model_name)
-        self.tokenizer = load_tokenizer(engine)
+        self.tokenizer = load_tokenizer(engine.model, engine.tokenizer)
         await self._wait_reported()
 
     async def _wait_reported(self, timeout_s: float = 30.0) -> None:

@@ -27,7 +27,7 @@ from swaserve.cluster.engine_loop import WORKER_LOST, GenerateChunk
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.kv_rules import page_ceil
 from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
+from swaserve.worker.tokenizer import TextTokenizer, tokenizer_dir
 
 if TYPE_CHECKING:
     from swaserve.cluster.worker_group import WorkerInfo
@@ -81,12 +81,6 @@ class ModelInfo:
     max_unchunked_prompt_tokens: int | None
 
 
-def load_tokenizer(engine: EngineConfig) -> TextTokenizer | None:
-    """The engine's tokenizer (its `tokenizer` dir, else the model dir), if it has one."""
-    root = Path(engine.tokenizer or engine.model)
-    return TextTokenizer(root) if (root / "tokenizer.json").is_file() else None
-
-
 def model_info_of(
     engine: EngineConfig, info: WorkerInfo, served_model_name: str | None
 ) -> ModelInfo:
@@ -101,7 +95,7 @@ def model_info_of(
         page_size=info.page_size,
         tp_size=info.tp_size,
         eos_token_ids=info.eos_token_ids,
-        has_tokenizer=(Path(engine.tokenizer or engine.model) / "tokenizer.json").is_file(),
+        has_tokenizer=(tokenizer_dir(engine.model, engine.tokenizer) / "tokenizer.json").is_file(),
         full_pool_tokens=info.full_pool_tokens,
         max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
     )

@@ -42,7 +42,6 @@ from swaserve.cluster.routed import (
     ModelInfo,
     RoutedCluster,
     WorkerLost,
-    load_tokenizer,
     model_info_of,
 )
 from swaserve.cluster.router_actor import RouterActor
@@ -50,6 +49,7 @@ from swaserve.cluster.worker_group import EngineWorker, RankWorker, WorkerInfo
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
+from swaserve.worker.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class ServeCluster(RoutedCluster):
         self.workers = workers
         self.args = args
         self.engine = args.engine_config()
-        self.tokenizer = load_tokenizer(self.engine)
+        self.tokenizer = load_tokenizer(self.engine.model, self.engine.tokenizer)
         self._known: set[str] = set()
 
     async def ready(self) -> None:

@@ -91,7 +91,7 @@ class DecodeBatch:
         self.request_ids += [r.request_id for r in reqs]
         self.cached_tokens += [r.cached_tokens for r in reqs]
         self.outputs += [r.output_ids for r in reqs]
-        self._num_sampled += sum(not r.greedy for r in reqs)
+        self._num_sampled += sum(not r.params.greedy for r in reqs)
         new = np.array(
             [
                 [r.row for r in reqs],
@@ -114,7 +114,7 @@ class DecodeBatch:
         for i in sorted(idx, reverse=True):
             req = self.reqs.pop(i)
             del self.request_ids[i], self.cached_tokens[i], self.outputs[i]
-            self._num_sampled -= not req.greedy
+            self._num_sampled -= not req.params.greedy
         for g in self.stop_groups[idx].tolist():
             if g >= 0:
                 self._group_sizes[g] -= 1
@@ -190,7 +190,7 @@ class DecodeBatch:
         if (
             self.request_ids != [r.request_id for r in reqs]
             or self.cached_tokens != [r.cached_tokens for r in reqs]
-            or self._num_sampled != sum(not r.greedy for r in reqs)
+            or self._num_sampled != sum(not r.params.greedy for r in reqs)
             or any(out is not r.output_ids for out, r in zip(self.outputs, reqs, strict=True))
         ):
             raise RuntimeError("decode batch: ids, cached tokens, outputs or greedy count disagree")

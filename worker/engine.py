@@ -7,7 +7,6 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ from swaserve.worker.request import FinishReason, Request, RequestStatus
 from swaserve.worker.sampling import Sampler, SamplingParams, make_generator
 from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from swaserve.worker.stats import EngineStats
-from swaserve.worker.tokenizer import TextTokenizer
+from swaserve.worker.tokenizer import load_tokenizer
 from swaserve.worker.tp_worker import RankHandles, RankSpec, TPLauncher, rank_device
 
 logger = logging.getLogger(__name__)
@@ -139,10 +138,7 @@ class Engine:
             raise
         self._broken: str | None = None  # why the TP group can no longer run
         self.sampler = Sampler(device, config.seed)
-        tokenizer_dir = Path(config.tokenizer or config.model)
-        self.tokenizer = (
-            TextTokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
-        )
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._events: list[KVEvent] = []
@@ -356,16 +352,17 @@ class Engine:
         rows = [i for i, s in enumerate(batch.samples) if s]
         out = [None] * len(batch.reqs)
         if rows:
-            tokens = self._sample_rows(logits, [batch.reqs[i] for i in rows])
+            reqs = [batch.reqs[i] for i in rows]
+            tokens = self._sample_rows(logits, reqs, all(r.params.greedy for r in reqs))
             for i, token in zip(rows, tokens, strict=True):
                 out[i] = token
             self.stats.generated_tokens += len(rows)
         return out
 
     def _sample_rows(
-        self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool | None = None
+        self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool
     ) -> list[int]:
-        if all_greedy if all_greedy is not None else all([r.greedy for r in reqs]):
+        if all_greedy:
             tokens = self.sampler.greedy(logits)
             return (tokens.numpy() if tokens.device.type == "cpu" else tokens).tolist()
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])

@@ -62,7 +62,6 @@ class Request:
     # Derived once when the request is queued (`Scheduler.add`), read by every step:
     stop_ids: frozenset[int] = frozenset()  # sampling one ends it: stop ids, EOS unless ignored
     max_output_len: int = 0  # output tokens it may make: max_new_tokens, capped by the context
-    greedy: bool = False  # its params take the argmax (no draw)
 
     @property
     def slots(self) -> torch.Tensor:

@@ -133,7 +133,6 @@ class Scheduler:
         req.max_output_len = min(
             params.max_new_tokens, self.limits.max_model_len - len(req.prompt_ids)
         )
-        req.greedy = params.greedy
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
@@ -161,13 +160,10 @@ class Scheduler:
             extends += [1] * len(db)
             locs.append(out)
             prefix_lens += db.seq_lens.tolist()
-        prefilling = self._partition()[1]
 
         num_decodes = len(reqs)
         budget = self.limits.chunked_prefill_size or self.limits.max_prefill_tokens
-        for req in prefilling:
-            if req not in self.running:  # retracted to make room for the decodes
-                continue
+        for req in self._prefilling:  # a request retracted for the decodes has left it
             n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
             if n == 0 or (out := self.kv.allocate_extend(req, n)) is None:
                 continue
@@ -197,10 +193,6 @@ class Scheduler:
             None if decode is None else db,
             num_decodes,
         )
-
-    def _partition(self) -> tuple[DecodeBatch, list[Request]]:
-        """(decoding, prefilling): the running requests, split."""
-        return self._decode, self._prefilling
 
     def _leave(self, req: Request) -> None:
         self.running.remove(req)
@@ -290,7 +282,7 @@ class Scheduler:
     # ---- decode --------------------------------------------------------------------------
     def _allocate_decodes(self) -> tuple[DecodeBatch, torch.Tensor] | None:
         """One new slot per decoding request, retracting the newest until they fit."""
-        while len(batch := self._partition()[0]):
+        while len(batch := self._decode):
             out = self.kv.allocate_decodes(batch)
             if out is not None:
                 return batch, out
@@ -402,7 +394,7 @@ class Scheduler:
         prefill chunks give back everything out of the window."""
         if not self.hybrid:
             return
-        decoding, prefilling = self._partition()
+        decoding, prefilling = self._decode, self._prefilling
         idx = decoding.due_for_swa_check()  # [k] int64
         due = [decoding.reqs[i] for i in idx.tolist()]
         due += [r for r in prefilling if r.num_computed >= r.swa.next_check_len]

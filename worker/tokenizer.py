@@ -30,3 +30,15 @@ class TextTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def tokenizer_dir(model: str, tokenizer: str | None) -> Path:
+    """Where an engine's tokenizer lives: its `tokenizer` dir, else the model dir."""
+    return Path(tokenizer or model)
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> TextTokenizer | None:
+    """The tokenizer of `tokenizer_dir(model, tokenizer)`, or None when it has no
+    tokenizer.json."""
+    root = tokenizer_dir(model, tokenizer)
+    return TextTokenizer(root) if (root / "tokenizer.json").is_file() else None

@@ -92,11 +92,6 @@ class TokenAllocator:
         pages = self._take_pages(num_tokens // self.page_size)
         return None if pages is None else self._slots_of_pages(pages)
 
-    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
-        """Take `num_pages` whole pages; returns their page ids or None when short."""
-        pages = self._take_pages(num_pages)
-        return None if pages is None else self._out(pages.copy())
-
     def _take_pages(self, num_pages: int) -> np.ndarray | None:
         """[num_pages] int64 page ids taken from the queue (a view of it), or None."""
         if num_pages > self.free_page_count():
@@ -107,9 +102,6 @@ class TokenAllocator:
         self._free_pages = self._free_pages[num_pages:]
         self._page_is_free[pages] = False
         return pages
-
-    def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return self._out(self._slots_of_pages(host_ids(pages)))
 
     def _slots_of_pages(self, pages: np.ndarray) -> np.ndarray:  # [n] → [n * P] int64, a copy
         if self.page_size == 1:  # a page is its slot
