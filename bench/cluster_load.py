@@ -37,14 +37,20 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 import grpc
-import ray
+from multiturn import (
+    local_ray,
+    make_model,
+    medians,
+    parse_workload_args,
+    percentile,
+    workload_parser,
+)
 
 from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
@@ -52,7 +58,6 @@ from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig
-from swaserve.worker.models.tiny import make_tiny_model
 
 BASELINE, CANDIDATE = "round_robin", "prefix"
 REPLICAS = 2
@@ -215,11 +220,6 @@ async def run_policy(
     return results, wall_s, router
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def metrics(
     results: list[TurnResult], wall_s: float, router: dict[str, int], reference: dict | None
 ) -> dict:
@@ -291,66 +291,18 @@ def print_row(run: dict) -> None:
 def summarize(runs: list[dict]) -> dict[str, dict]:
     """Per policy, the median over its rounds of each figure."""
     keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "cached_share", "wall_s", "same_worker_share")
-    return {
-        policy: {k: statistics.median(r[k] for r in runs if r["policy"] == policy) for k in keys}
-        for policy in (BASELINE, CANDIDATE)
-    }
+    return medians(runs, "policy", (BASELINE, CANDIDATE), keys)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sessions", type=int, default=10)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--concurrency", type=int, default=5, help="clients, sessions in flight")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--system-tokens", type=int, default=384, help="shared system prompt")
-    parser.add_argument("--user-tokens", type=int, default=128, help="mean new tokens per turn")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
-    parser.add_argument("--max-total-tokens", type=int, default=32768, help="KV per worker")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    args = parser.parse_args(argv)
-    for name in ("sessions", "turns", "concurrency", "max_new_tokens", "repeats", "user_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.system_tokens < 0:
-        parser.error("--system-tokens must be at least 0")
-    return args
+    parser = workload_parser(__doc__, tokens_flag="--max-new-tokens", tokens_help="per turn")
+    return parse_workload_args(parser, argv, tokens_dest="max_new_tokens", min_system=0)
 
 
 def run_on_ray(work: Workload, args: argparse.Namespace) -> list[dict]:
     """Every run, on a local Ray started here (and shut down) unless one is up already."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    own_ray = not ray.is_initialized()
-    if own_ray:
-        ray.init(
-            address="local",  # a new Ray of our own, never one that RAY_ADDRESS names
-            num_cpus=8,  # logical: 2 workers + the router actor fit on a 2-core machine
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = make_tiny_model(
-                tmp,
-                arch="gpt-oss",
-                num_layers=args.layers,
-                sliding_window_size=args.window,
-                hidden_size=args.hidden,
-                num_heads=8,
-                num_kv_heads=2,
-                seed=0,
-            )
-            return asyncio.run(run_all(str(model_dir), work, args))
-    finally:
-        if own_ray:
-            ray.shutdown()
+    with local_ray(), tempfile.TemporaryDirectory() as tmp:
+        return asyncio.run(run_all(str(make_model(tmp, args)), work, args))
 
 
 def main(argv: list[str] | None = None) -> int:

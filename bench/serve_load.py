@@ -45,7 +45,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import string
 import tempfile
 import time
@@ -54,14 +53,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import ray
-from cluster_load import percentile
+from multiturn import (
+    local_ray,
+    make_model,
+    medians,
+    parse_workload_args,
+    percentile,
+    workload_parser,
+)
 from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from swaserve.cluster.serve import build_app
-from swaserve.worker.models.tiny import make_tiny_model
 
 BASELINE, CANDIDATE = "serve", "swaserve"
 REPLICAS = 2
@@ -339,36 +343,14 @@ def print_row(run: dict) -> None:
 def summarize(runs: list[dict]) -> dict[str, dict]:
     """Per routing, the median over its rounds of each figure."""
     keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "cached_share", "wall_s", "history_hit_share")
-    return {
-        routing: {k: statistics.median(r[k] for r in runs if r["routing"] == routing) for k in keys}
-        for routing in (BASELINE, CANDIDATE)
-    }
+    return medians(runs, "routing", (BASELINE, CANDIDATE), keys)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = workload_parser(
+        __doc__, tokens_flag="--max-tokens", tokens_help="answer tokens per turn"
     )
-    parser.add_argument("--sessions", type=int, default=10)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--concurrency", type=int, default=5, help="clients, sessions in flight")
-    parser.add_argument("--max-tokens", type=int, default=16, help="answer tokens per turn")
-    parser.add_argument("--system-tokens", type=int, default=384, help="shared system message")
-    parser.add_argument("--user-tokens", type=int, default=128, help="mean tokens per user turn")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
-    parser.add_argument("--max-total-tokens", type=int, default=32768, help="KV per worker")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    args = parser.parse_args(argv)
-    for name in ("sessions", "turns", "concurrency", "max_tokens", "repeats", "user_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.system_tokens < 1:
-        parser.error("--system-tokens must be at least 1")
-    return args
+    return parse_workload_args(parser, argv, tokens_dest="max_tokens", min_system=1)
 
 
 def free_port() -> int:
@@ -380,34 +362,15 @@ def free_port() -> int:
 def run_on_serve(work: ChatWorkload, args: argparse.Namespace) -> list[dict]:
     """Every run, on a local Ray and a Serve instance started here and shut down whatever
     happens (Serve's gRPC proxy stays off: no servicer functions)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        address="local",  # a new Ray of our own, never one that RAY_ADDRESS names
-        num_cpus=8,  # logical: 2 workers + router + ingress fit on a 2-core machine
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
+    with local_ray():
         http_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                model_dir = make_tiny_model(
-                    Path(tmp) / MODEL_NAME,
-                    arch="gpt-oss",
-                    num_layers=args.layers,
-                    sliding_window_size=args.window,
-                    hidden_size=args.hidden,
-                    num_heads=8,
-                    num_kv_heads=2,
-                    seed=0,
-                )
+                model_dir = make_model(Path(tmp) / MODEL_NAME, args)
                 return run_all(http_port, str(model_dir), work, args)
         finally:
             serve.shutdown()
-    finally:
-        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

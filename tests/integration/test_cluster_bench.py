@@ -5,14 +5,9 @@ robin on a multi-turn workload over 2 workers. No timing asserts."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_subprocess import run_bench_script
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "cluster_load.py"
 SESSIONS, TURNS, MAX_NEW_TOKENS = 4, 3, 8
 
 
@@ -30,17 +25,8 @@ def test_cluster_load_bench() -> None:
         "--window=8",
         "--max-total-tokens=4096",
         "--repeats=1",
-        "--json",
     ]
-    done = subprocess.run(
-        [sys.executable, str(BENCH), *argv],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=BENCH.parents[1],
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    data = json.loads(done.stdout.strip().splitlines()[-1])
+    data = run_bench_script("cluster_load", argv)
 
     requests = SESSIONS * TURNS
     assert data["workload_requests"] == requests

@@ -12,14 +12,9 @@ runs gave 0.64 / 0.65 / 0.59 against 0.50 / 0.46 / 0.44."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_subprocess import run_bench_script
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve_load.py"
 SESSIONS, TURNS, MAX_TOKENS = 6, 4, 8
 
 
@@ -37,17 +32,8 @@ def test_serve_load_bench() -> None:
         "--window=8",
         "--max-total-tokens=4096",
         "--repeats=1",
-        "--json",
     ]
-    done = subprocess.run(
-        [sys.executable, str(BENCH), *argv],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=BENCH.parents[1],
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    data = json.loads(done.stdout.strip().splitlines()[-1])
+    data = run_bench_script("serve_load", argv)
 
     requests = SESSIONS * TURNS
     assert data["workload_requests"] == requests

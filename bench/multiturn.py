@@ -1,0 +1,100 @@
+"""What the multi-turn load benches (`cluster_load.py`, `serve_load.py`) share: their options,
+percentiles, the per-variant medians, the tiny model they serve and a local Ray of their own."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import ray
+
+from swaserve.worker.models.tiny import make_tiny_model
+
+
+def workload_parser(
+    doc: str | None, *, tokens_flag: str, tokens_help: str
+) -> argparse.ArgumentParser:
+    """The options of a multi-turn run; `tokens_flag` names the answer length per turn."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=5, help="clients, sessions in flight")
+    parser.add_argument(tokens_flag, type=int, default=16, help=tokens_help)
+    parser.add_argument("--system-tokens", type=int, default=384, help="shared system prompt")
+    parser.add_argument("--user-tokens", type=int, default=128, help="mean tokens per user turn")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
+    parser.add_argument("--max-total-tokens", type=int, default=32768, help="KV per worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    return parser
+
+
+def parse_workload_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None, *, tokens_dest: str, min_system: int
+) -> argparse.Namespace:
+    """Parse, refusing counts below 1 and a system prompt shorter than `min_system`."""
+    args = parser.parse_args(argv)
+    for name in ("sessions", "turns", "concurrency", tokens_dest, "repeats", "user_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.system_tokens < min_system:
+        parser.error(f"--system-tokens must be at least {min_system}")
+    return args
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def medians(
+    runs: list[dict], by: str, variants: tuple[str, ...], keys: tuple[str, ...]
+) -> dict[str, dict]:
+    """Per variant (the runs' `by` field), the median over its rounds of each figure."""
+    return {
+        variant: {k: statistics.median(r[k] for r in runs if r[by] == variant) for k in keys}
+        for variant in variants
+    }
+
+
+def make_model(path: str | Path, args: argparse.Namespace) -> Path:
+    """The benches' tiny GPT-OSS model at `path`, sized by --layers, --window, --hidden."""
+    return make_tiny_model(
+        path,
+        arch="gpt-oss",
+        num_layers=args.layers,
+        sliding_window_size=args.window,
+        hidden_size=args.hidden,
+        num_heads=8,
+        num_kv_heads=2,
+        seed=0,
+    )
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A local Ray started here and shut down after, unless one is up already."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(
+            address="local",  # a new Ray of our own, never one that RAY_ADDRESS names
+            num_cpus=8,  # logical: 2 workers + router (+ ingress) fit on a 2-core machine
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    try:
+        yield
+    finally:
+        if own_ray:
+            ray.shutdown()
