@@ -112,27 +112,30 @@ class ServingMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name", "worker"]
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name,
+                doc,
+                ["model_name", "worker"],
+                buckets=buckets,
+                registry=self.registry,
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "time from request arrival to its first token",
-            labels,
-            buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
+            LATENCY_BUCKETS_S,
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+        self.itl = histogram(
+            "inter_token_latency_seconds",
             "time between two tokens of a request's stream",
-            labels,
-            buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
+            LATENCY_BUCKETS_S,
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
             "time from request arrival to its last token",
-            labels,
-            buckets=E2E_BUCKETS_S,
-            registry=self.registry,
+            E2E_BUCKETS_S,
         )
         self.snapshot = ClusterSnapshotCollector(model_name)
         self.registry.register(self.snapshot)
