@@ -10,6 +10,11 @@
 
   The radix cache (`SWARadixCache._walk`), the KV-event mirror (`KVEventMirror.match_length`)
   call it; the router's one-walk-for-all-workers bit-mask match is tested against it.
+- `prefix_reuse`: what a match lets a request skip once window repair is allowed (DESIGN §6): a
+  path whose full KV is cached but whose window before the end was freed may be resumed by
+  recomputing its last R = `window_repair_tokens(...)` tokens (their SWA KV only), where that
+  saves more than the plain match under the window rule. The radix cache, the KV-event mirror
+  and the router's cache view all answer with it.
 - `swa_tokens_for_extend`: the SWA slots a prefill chunk of n tokens needs (the chunk plus the
   window before it, plus a page of slack); admission on the worker and the router's headroom
   estimate both use it.
@@ -18,6 +23,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,6 +55,51 @@ def valid_match_length(runs: Iterable[tuple[int, bool]], sliding_window_size: in
         if live_run >= sliding_window_size:
             best = end
     return best
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReuse:
+    """A match of `match_len` tokens whose last `repair_len` tokens are recomputed (their SWA KV
+    only; 0 = a plain match). The request skips `saved_tokens` = match_len - repair_len."""
+
+    match_len: int
+    repair_len: int = 0
+
+    @property
+    def saved_tokens(self) -> int:
+        return self.match_len - self.repair_len
+
+
+def window_repair_tokens(num_swa_layers: int, sliding_window_size: int, page_size: int) -> int:
+    """R: the receptive field of a window, L_swa · W tokens, page-rounded up. Recomputing the R
+    tokens before a match end through all layers (full layers reading their cached KV, SWA
+    layers seeing only the recomputed range) makes the SWA KV of the last W of them exact: each
+    SWA layer moves the inexact left edge W tokens to the right."""
+    if num_swa_layers < 0 or sliding_window_size < 0 or page_size < 1:
+        raise ValueError(
+            f"bad arguments: num_swa_layers={num_swa_layers}, "
+            f"sliding_window_size={sliding_window_size}, page_size={page_size}"
+        )
+    return page_ceil(num_swa_layers * sliding_window_size, page_size)
+
+
+def prefix_reuse(
+    runs: Iterable[tuple[int, bool]], sliding_window_size: int, repair_tokens: int = 0
+) -> PrefixReuse:
+    """The best resume point of the matched path `runs` ((num_tokens, is_tombstone) in path
+    order; every run has full KV): the plain match under the window rule, or, when
+    `repair_tokens` R > 0, the whole path with its last R tokens repaired if that skips more
+    (R smaller than what it saves over the plain match)::
+
+        # runs [live 40][tomb 200][live 8], W = 32, R = 64
+        # plain: 40 (8 live tokens before 248 are not a window)   repaired: 248 - 64 = 184 saved
+    """
+    runs = list(runs)
+    valid = valid_match_length(runs, sliding_window_size)
+    full = sum(n for n, _ in runs)
+    if repair_tokens > 0 and full - repair_tokens > valid:
+        return PrefixReuse(full, repair_tokens)
+    return PrefixReuse(valid)
 
 
 def swa_tokens_for_extend(num_tokens: int, sliding_window_size: int, page_size: int) -> int:

@@ -15,6 +15,19 @@ leave as leaves) and frees full + SWA KV; SWA eviction frees only SWA KV and tom
 nodes near the root first. A lock protects full KV up to the root and SWA KV only up to the
 node that completes W tokens.
 
+Window checkpoints. When a decode leaves the window of its cached prompt, the prompt's last
+C = ceil_P(W) + P tokens keep their SWA KV (a resume at the prompt's end or one page before it
+stays valid) and only the interior is tombstoned; the window before every branch point and
+before a finished sequence's end is kept the same way. Checkpoints are cache: unlocked, counted
+as evictable, and SWA eviction takes them only after every other live node (an LRU of their own):
+
+    # prompt [0, 320), W = 32, P = 1, decode left the window:
+    # [0, 287) tombstone (interior)   [287, 320) live checkpoint
+
+Window repair (`match_prefix(key, allow_repair=True)`, R = `window_repair_tokens`): a path whose
+full KV is cached but that has no live window before its end may be resumed by recomputing the
+SWA KV of its last R tokens, where that saves more than the plain match (`prefix_reuse`).
+
 Frees are batched: every public mutating method gives slots back to the allocator once, at
 its end.
 """
@@ -26,7 +39,7 @@ import itertools
 import torch
 
 from swaserve.proto.kv_events import KVCleared, KVRevived, KVTombstoned
-from swaserve.proto.kv_rules import valid_match_length
+from swaserve.proto.kv_rules import page_ceil, prefix_reuse
 from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
 from swaserve.worker.kv.swa_freeing import SWAFreeState
@@ -36,6 +49,8 @@ class SWARadixCache(RadixTree):
     """Prefix cache over full slot ids with SWA tombstones, two LRUs and window-bounded locks.
 
     Sizes, `total_size`, `cached_indices`, `take_events` and `check` come from `RadixTree`.
+    `window_repair_tokens` (R, 0 = off) is what `match_prefix(..., allow_repair=True)` may
+    recompute; the engine passes `window_repair_tokens(L_swa, W, P)`.
     """
 
     def __init__(
@@ -45,26 +60,36 @@ class SWARadixCache(RadixTree):
         page_size: int = 1,
         *,
         enable_kv_events: bool = True,
+        window_repair_tokens: int = 0,
     ) -> None:
         if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
             raise ValueError(
                 f"sliding_window_size must be a positive int, got {sliding_window_size!r}"
             )
+        if window_repair_tokens < 0 or window_repair_tokens % page_size:
+            raise ValueError(
+                f"window_repair_tokens={window_repair_tokens} is not a non-negative multiple "
+                f"of P={page_size}"
+            )
         super().__init__(allocator, page_size, enable_kv_events=enable_kv_events)
         self.sliding_window_size = sliding_window_size
+        self.window_repair_tokens = 0 if self.hollow_tombstones else window_repair_tokens
+        self.checkpoint_tokens = page_ceil(sliding_window_size, page_size) + page_size
         self._lock_ids = itertools.count(1)
 
     # ---- queries -------------------------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest reusable prefix of `key` (cut to whole pages) under the window rule.
+    def match_prefix(self, key: list[int], *, allow_repair: bool = False) -> MatchResult:
+        """Longest reusable prefix of `key` (cut to whole pages) under the window rule; with
+        `allow_repair`, the whole cached path instead when repairing its window saves more
+        (then `repair_len` = R and only `saved_tokens` are skipped).
 
         Mutates only the LRU order and may split the node where the match ends. Indices are
         valid while `last_node` is locked; lock it before the next evict.
         """
-        path, num_valid = self._walk(key)
-        last = path[num_valid - 1] if num_valid else self.root
+        path, num_used, repair_len = self._walk(key, allow_repair)
+        last = path[num_used - 1] if num_used else self.root
         self._touch(last)
-        return MatchResult(self._values(path[:num_valid]), last)
+        return MatchResult(self._values(path[:num_used]), last, repair_len)
 
     # ---- commands ------------------------------------------------------------------------
     def insert(
@@ -84,6 +109,16 @@ class SWARadixCache(RadixTree):
         a live leaf. Slots past the page-aligned length are left to the caller. Both lengths
         must be multiples of P.
         """
+        cached, _ = self._insert(key, value, prev_prefix_len, swa_evicted_seqlen)
+        self._flush()
+        return cached
+
+    def _insert(
+        self, key: list[int], value: torch.Tensor, prev_prefix_len: int, swa_evicted_seqlen: int
+    ) -> tuple[int, RadixNode]:
+        """`insert` without the final flush; also returns the node that ends the inserted
+        path (the root when nothing page-aligned was inserted). A new branch keeps the window
+        before its branch point as a checkpoint."""
         n = len(key) // self.page_size * self.page_size
         self._check_insert_args(n, value, prev_prefix_len, swa_evicted_seqlen)
         value = value.to(torch.int64)
@@ -106,29 +141,32 @@ class SWARadixCache(RadixTree):
             else:
                 self._pending_full.append(value[own:end])
             node, pos = child, end
-        cached = pos
+        cached, end = pos, node
         if pos < n:
             tomb_end = min(max(swa_evicted_seqlen, pos), n)
             if tomb_end == n:  # no SWA KV left at all: a leaf may not be a tombstone
                 self._pending_full.append(value[pos:n])
             else:
+                branch = node is not self.root and bool(node.children)
                 tomb = (
                     self._add_child(node, key[pos:tomb_end], value[pos:tomb_end], True)
                     if tomb_end > pos
                     else None
                 )
-                self._add_child(tomb or node, key[tomb_end:n], value[tomb_end:n], False)
+                end = self._add_child(tomb or node, key[tomb_end:n], value[tomb_end:n], False)
                 if tomb is not None:
                     self._settle(tomb)
-        self._flush()
-        return cached
+                if branch:
+                    self._keep_window(node)
+        return cached, end
 
     def evict(self, full_tokens: int, swa_tokens: int = 0) -> tuple[int, int]:
         """Free at least `full_tokens` full and `swa_tokens` SWA slots if the tree can.
 
         Full phase: LRU unlocked leaves. SWA phase (counting SWA already freed): LRU node
-        without SWA lock; an internal or full-locked one becomes a tombstone, an unlocked leaf
-        is removed. Returns (full slots freed, SWA slots freed).
+        without SWA lock, window checkpoints only once no other live node is left; an internal
+        or full-locked one becomes a tombstone, an unlocked leaf is removed. Returns (full
+        slots freed, SWA slots freed).
         """
         full_freed = swa_freed = 0
         while full_freed < full_tokens:
@@ -139,6 +177,8 @@ class SWARadixCache(RadixTree):
             full_freed, swa_freed = full_freed + full, swa_freed + swa
         while swa_freed < swa_tokens:
             node = next((x for x in self._swa_lru if x.swa_lock == 0), None)
+            if node is None:
+                node = next((x for x in self._ckpt_lru if x.swa_lock == 0), None)
             if node is None:
                 break
             if node.children or node.full_lock > 0:
@@ -199,7 +239,8 @@ class SWARadixCache(RadixTree):
 
     def dec_swa_lock_only(self, node: RadixNode, handle: LockHandle) -> None:
         """Release only the SWA part of a lock (decode moved past the window); the full lock
-        stays. A leaf left without SWA lock frees its SWA KV now and becomes a tombstone."""
+        stays. The last `checkpoint_tokens` before `node`'s end stay live as a window
+        checkpoint; a leaf left without SWA lock tombstones the rest of its run now."""
         self._dec_swa_lock(node, handle)
         self._flush()
 
@@ -210,10 +251,31 @@ class SWARadixCache(RadixTree):
             if x.swa_lock == 0:
                 self._swa_protected -= len(x.key)
                 self._swa_evictable += len(x.key)
-                if not x.children:
-                    self._tombstone(x)
             if handle.swa_lock_id is not None and x.lock_id == handle.swa_lock_id:
                 break
+        if not handle.holds_swa or node.parent is None or node.tombstone:
+            return
+        keep = self.checkpoint_tokens
+        if not node.children and node.swa_lock == 0 and len(node.key) > keep:
+            self._tombstone(self._split(node, len(node.key) - keep))  # the interior
+        self._keep_window(node)
+
+    def _keep_window(self, end: RadixNode) -> None:
+        """Mark the live nodes of the last `checkpoint_tokens` before `end`'s end as window
+        checkpoints (splitting the topmost at the boundary); stops at a tombstone. Newly
+        marked nodes join the checkpoint LRU parents first, as `_touch` orders them."""
+        need, x, marked = self.checkpoint_tokens, end, []
+        while need > 0 and x.parent is not None and not x.tombstone:
+            if not x.checkpoint:
+                if len(x.key) > need:
+                    self._split(x, len(x.key) - need)  # x keeps the last `need` tokens
+                marked.append(x)
+            need -= len(x.key)
+            x = x.parent
+        for x in reversed(marked):
+            del self._swa_lru[x]
+            x.checkpoint = True
+            self._ckpt_lru[x] = None
 
     def reset(self) -> None:
         """Drop every node and give all its slots back to the allocator. Raises RuntimeError
@@ -233,12 +295,16 @@ class SWARadixCache(RadixTree):
         unaligned tail, release its lock. `kv_indices[i]` is the full slot of token i."""
         n = self._check_request(token_ids, kv_indices)
         aligned = n // self.page_size * self.page_size
-        self.insert(
+        _, end = self._insert(
             token_ids,
             kv_indices[:aligned],
             state.cache_protected_len,
             min(state.swa_evicted_seqlen, aligned),
         )
+        for resume in (lock.node, end):  # the prompt's end (its last cached point), the sequence's
+            if resume.parent is not None and not resume.tombstone:
+                self._keep_window(resume)
+        self._flush()
         self.allocator.free(kv_indices[aligned:n])
         self.dec_lock_ref(lock.node, lock.handle, skip_swa=lock.swa_released)
 
@@ -259,7 +325,7 @@ class SWARadixCache(RadixTree):
         self.insert(
             token_ids, kv_indices[:aligned], state.cache_protected_len, state.swa_evicted_seqlen
         )
-        path, _ = self._walk(token_ids)
+        path, _, _ = self._walk(token_ids)
         new_node = path[-1] if path else self.root
         self._touch(new_node)
         new_lock = PrefixLock(new_node, self.inc_lock_ref(new_node))
@@ -281,9 +347,12 @@ class SWARadixCache(RadixTree):
         self._flush()
 
     # ---- internals -----------------------------------------------------------------------
-    def _walk(self, key: list[int]) -> tuple[list[RadixNode], int]:
-        """Nodes matching `key` from the root (the last one split to end at the match), and how
-        many of them form the longest match that satisfies the window rule."""
+    def _walk(
+        self, key: list[int], allow_repair: bool = False
+    ) -> tuple[list[RadixNode], int, int]:
+        """Nodes matching `key` from the root (the last one split to end at the match), how
+        many of them the match uses (`prefix_reuse`: the longest end under the window rule, or
+        all with a repair) and the repair length (0 = none)."""
         n = len(key) // self.page_size * self.page_size
         node, pos = self.root, 0
         path: list[RadixNode] = []
@@ -297,14 +366,16 @@ class SWARadixCache(RadixTree):
             path.append(child)
             pos += matched
             node = child
-        valid = valid_match_length(
-            ((len(c.key), c.tombstone) for c in path), self.sliding_window_size
+        reuse = prefix_reuse(
+            [(len(c.key), c.tombstone) for c in path],
+            self.sliding_window_size,
+            self.window_repair_tokens if allow_repair else 0,
         )
-        num_valid, end = 0, 0
-        while num_valid < len(path) and end + len(path[num_valid].key) <= valid:
-            end += len(path[num_valid].key)
-            num_valid += 1
-        return path, num_valid
+        num_used, end = 0, 0
+        while num_used < len(path) and end + len(path[num_used].key) <= reuse.match_len:
+            end += len(path[num_used].key)
+            num_used += 1
+        return path, num_used, reuse.repair_len
 
     def _revive(self, node: RadixNode, incoming: torch.Tensor) -> None:
         """Give a tombstone SWA KV again from `incoming` (the caller's slots for the same
@@ -321,16 +392,16 @@ class SWARadixCache(RadixTree):
             mapping[incoming] = 0
             self._pending_full.append(incoming)
         node.tombstone = False
-        self._swa_lru[node] = None
+        self._live_lru(node)[node] = None
         self._swa_evictable += len(node.key)
         self._emit(KVRevived(tuple(node.page_hashes)))
 
     def _tombstone(self, node: RadixNode) -> int:
         """Free the SWA KV of a live node without SWA lock; returns the SWA slots freed."""
-        del self._swa_lru[node]
+        del self._live_lru(node)[node]
         self._swa_evictable -= len(node.key)
         self._pending_swa.append(node.value)
-        node.tombstone = True
+        node.tombstone, node.checkpoint = True, False
         self._emit(KVTombstoned(tuple(node.page_hashes)))
         return len(node.key)
 

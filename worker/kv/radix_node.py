@@ -27,12 +27,15 @@ class RadixNode:
 
     `tombstone`: the SWA KV of the run was freed, its full KV stays. `hollow` (pure-SWA cache
     only): a tombstone that gave its full slots back too; `value` then holds padding slot 0.
+    `checkpoint`: a live run inside the window before a resume point (a prompt's end, a
+    sequence's end, a branch point), kept when the rest is tombstoned and evicted last.
     `full_lock` counts the locks that pass through the node (they run to the root); `swa_lock`
     those whose SWA window covers it, so `full_lock >= swa_lock`. `lock_id` names the topmost
     node of SWA locks that stop here (see `LockHandle`).
     """
 
     __slots__ = (
+        "checkpoint",
         "children",
         "full_lock",
         "hollow",
@@ -62,6 +65,7 @@ class RadixNode:
         self.children: dict[ChildKey, RadixNode] = {}
         self.tombstone = tombstone
         self.hollow = False
+        self.checkpoint = False
         self.full_lock = 0
         self.swa_lock = 0
         self.lock_id: int | None = None
@@ -80,6 +84,7 @@ class RadixNode:
     def __repr__(self) -> str:
         flags = "T" if self.tombstone else "L"
         flags += "H" if self.hollow else ""
+        flags += "C" if self.checkpoint else ""
         return (
             f"RadixNode(id={self.id}, key={self.key[:8]}{'...' if len(self.key) > 8 else ''}, "
             f"{flags}, full_lock={self.full_lock}, swa_lock={self.swa_lock})"
@@ -103,10 +108,17 @@ class LockHandle:
 class MatchResult:
     """`indices`: full slot ids of the reused prefix ([n] int64, tombstones included);
     `last_node`: the node that ends it (the root when nothing matched). The indices stay
-    valid while `last_node` is locked (`inc_lock_ref`)."""
+    valid while `last_node` is locked (`inc_lock_ref`). `repair_len` > 0: a window repair —
+    the last `repair_len` positions have full KV but their SWA KV must be recomputed
+    (DESIGN §6), so the match saves `saved_tokens` = n - repair_len."""
 
     indices: torch.Tensor
     last_node: RadixNode
+    repair_len: int = 0
+
+    @property
+    def saved_tokens(self) -> int:
+        return self.indices.numel() - self.repair_len
 
 
 @dataclass(slots=True)
@@ -120,7 +132,8 @@ class PrefixLock:
 
 
 class RadixTree:
-    """Nodes and their bookkeeping: two LRUs (full: every node, oldest first; SWA: live nodes),
+    """Nodes and their bookkeeping: LRUs (full: every node, oldest first; SWA: live nodes, the
+    checkpoints in an LRU of their own so that eviction takes them last),
     size counters, page hashes and events, and frees batched until `_flush`. The cache policy
     (matching, insert, eviction, locks) is `SWARadixCache`.
     """
@@ -144,7 +157,8 @@ class RadixTree:
     def _init_tree(self) -> None:
         self.root = RadixNode([], torch.empty(0, dtype=torch.int64), None)  # [0] int64
         self._full_lru: OrderedDict[RadixNode, None] = OrderedDict()  # oldest first
-        self._swa_lru: OrderedDict[RadixNode, None] = OrderedDict()  # live nodes only
+        self._swa_lru: OrderedDict[RadixNode, None] = OrderedDict()  # live, not checkpoints
+        self._ckpt_lru: OrderedDict[RadixNode, None] = OrderedDict()  # live checkpoints
         self._full_evictable = self._full_protected = 0
         self._swa_evictable = self._swa_protected = 0
         self._pending_full: list[torch.Tensor] = []  # freed (full + SWA) at the end of the call
@@ -208,10 +222,14 @@ class RadixTree:
             stack.extend(node.children.values())
         return out
 
+    def _live_lru(self, node: RadixNode) -> OrderedDict[RadixNode, None]:
+        """The SWA LRU a live node sits in."""
+        return self._ckpt_lru if node.checkpoint else self._swa_lru
+
     def _touch_one(self, node: RadixNode) -> None:
         self._full_lru.move_to_end(node)
         if not node.tombstone:
-            self._swa_lru.move_to_end(node)
+            self._live_lru(node).move_to_end(node)
 
     def _touch(self, node: RadixNode) -> None:
         """Make `node` and its ancestors most recent, children more recent than parents."""
@@ -239,6 +257,7 @@ class RadixTree:
             page_hashes=node.page_hashes[:pages],
         )
         upper.hollow, upper.full_lock, upper.swa_lock = node.hollow, node.full_lock, node.swa_lock
+        upper.checkpoint = node.checkpoint
         upper.lock_id, node.lock_id = node.lock_id, None
         node.key, node.value = node.key[length:], node.value[length:].clone()
         node.page_hashes = node.page_hashes[pages:]
@@ -248,8 +267,9 @@ class RadixTree:
         self._full_lru[upper] = None
         self._full_lru.move_to_end(node)
         if not node.tombstone:
-            self._swa_lru[upper] = None
-            self._swa_lru.move_to_end(node)
+            lru = self._live_lru(node)
+            lru[upper] = None
+            lru.move_to_end(node)
         return upper
 
     def _add_child(
@@ -282,7 +302,7 @@ class RadixTree:
             del self._full_lru[node]
             self._full_evictable -= node.full_slots
             if not node.tombstone:
-                del self._swa_lru[node]
+                del self._live_lru(node)[node]
                 self._swa_evictable -= len(node.key)
             if not node.hollow:
                 self._pending_full.append(node.value)
@@ -318,7 +338,7 @@ class RadixCacheCorrupted(KVError, AssertionError):
 def check_tree(cache: RadixTree) -> None:
     """Raise `RadixCacheCorrupted` on the first broken invariant of `cache` (see its `check`)."""
     root = cache.root
-    if root.key or root.parent is not None or root in cache._full_lru or root in cache._swa_lru:
+    if root.key or root.parent is not None or root in cache._full_lru or root in cache._swa_lru or root in cache._ckpt_lru:
         raise RadixCacheCorrupted("the root has a key or a parent, or sits in an LRU")
     sizes = [0, 0, 0, 0]  # full evictable, full protected, SWA evictable, SWA protected
     live: list[torch.Tensor] = []
@@ -338,9 +358,10 @@ def check_tree(cache: RadixTree) -> None:
                 live.append(node.value)
             elif not node.hollow:
                 tombstones.append(node.value)
-    if len(cache._full_lru) != num_nodes or len(cache._swa_lru) != num_live:
+    num_swa_lru = len(cache._swa_lru) + len(cache._ckpt_lru)
+    if len(cache._full_lru) != num_nodes or num_swa_lru != num_live:
         raise RadixCacheCorrupted(
-            f"LRUs hold {len(cache._full_lru)} / {len(cache._swa_lru)} nodes, the tree has "
+            f"LRUs hold {len(cache._full_lru)} / {num_swa_lru} nodes, the tree has "
             f"{num_nodes} nodes / {num_live} live ones"
         )
     counters = [
@@ -382,8 +403,18 @@ def _check_node(cache: RadixTree, parent: RadixNode, child_key: ChildKey, node: 
         fail("hollow but live, or holding slot ids")
     if cache.hollow_tombstones and node.tombstone and not node.full_lock and not node.hollow:
         fail("an unlocked tombstone of the pure-SWA cache still holds full slots")
-    if node not in cache._full_lru or (node in cache._swa_lru) == node.tombstone:
-        fail("LRU membership does not match (full: every node; SWA: live nodes)")
+    if node.tombstone and node.checkpoint:
+        fail("a tombstone is marked as a checkpoint")
+    in_swa, in_ckpt = node in cache._swa_lru, node in cache._ckpt_lru
+    if (
+        node not in cache._full_lru
+        or in_swa + in_ckpt != (not node.tombstone)
+        or in_ckpt != node.checkpoint
+    ):
+        fail(
+            "LRU membership does not match (full: every node; SWA: live nodes, checkpoints "
+            "in their own)"
+        )
     if cache.enable_kv_events:
         parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
         if node.page_hashes != page_hashes(node.key, p, parent_hash):

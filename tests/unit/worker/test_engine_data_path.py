@@ -155,15 +155,16 @@ def test_admission_moves_a_matched_prefix_out_of_the_evictable_budget(model_dir:
     evictable = tree.full_evictable_size()
     assert evictable >= 64
     swa_evictable = tree.swa_evictable_size()
-    # The prompt's second page run [32, 64) was tombstoned when A's decode left its window, so
-    # a match of the same prefix ends at 32.
+    # When A's decode left its window, the prompt's last C = ceil_P(W) + P = 12 tokens stayed
+    # live as a window checkpoint, so a match of the same prefix reaches 64 and its lock takes
+    # exactly the checkpoint's SWA KV (the tombstone before it stops the lock).
     first = engine.scheduler.kv.match_prefix(engine._new_request([*PREFIX, 7], GREEDY))
-    assert first is not None and first.num_tokens == 32
-    assert first.full_newly_protected == 32 == evictable - tree.full_evictable_size()
-    assert first.swa_newly_protected == 32 == swa_evictable - tree.swa_evictable_size()
+    assert first is not None and first.num_tokens == 64
+    assert first.full_newly_protected == 64 == evictable - tree.full_evictable_size()
+    assert first.swa_newly_protected == 12 == swa_evictable - tree.swa_evictable_size()
     # A second match of the same prefix protects nothing new.
     second = engine.scheduler.kv.match_prefix(engine._new_request([*PREFIX, 8], GREEDY))
-    assert second is not None and (second.num_tokens, second.full_newly_protected) == (32, 0)
+    assert second is not None and (second.num_tokens, second.full_newly_protected) == (64, 0)
 
 
 def test_slot_table_check_fails_on_a_lost_or_doubled_row() -> None:

@@ -78,17 +78,21 @@ def test_reference_scenario() -> None:
     checked(allocator, cache)
 
     assert cache.evict(1, 0) == (3, 3)  # LRU leaf [10, 11, 12]
-    assert cache.evict(0, 1) == (0, 3)  # LRU SWA node [1, 2, 3] is internal: tombstone
+    # [1, 2, 3] [4, 5] are the window checkpoint of the branch point after 5 (C = W + P = 5):
+    # SWA eviction takes every other live node first.
+    assert [node_at(cache, 1).checkpoint, node_at(cache, 1, 4).checkpoint] == [True, True]
+    assert not node_at(cache, 1, 4, 6).checkpoint
+    assert cache.evict(0, 1) == (2, 2)  # the LRU leaf [6, 7] goes whole
+    assert cache.match_prefix([1, 2, 3, 4, 5, 60, 70]).indices.numel() == 7
+    assert cache.evict(0, 3) == (2, 5)  # leaf [60, 70], then the LRU checkpoint [1, 2, 3]
     assert node_at(cache, 1).tombstone and node_at(cache, 1).key == [1, 2, 3]
-    assert cache.evict(1, 2) == (2, 2)  # LRU leaf [6, 7]; its SWA already meets the 2
-    assert (allocator.full_available_size(), allocator.swa_available_size()) == (121, 60)
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (123, 62)
     checked(allocator, cache)
 
     assert cache.match_prefix([1, 2, 3, 4, 5]).indices.numel() == 0  # 2 live tokens < W
-    result = cache.match_prefix([1, 2, 3, 4, 5, 60, 70])
-    assert result.indices.tolist() == [1, 2, 3, 7, 8, 19, 20]  # tombstone slots included
-    assert result.last_node.key == [60, 70]
-    assert cache.total_size() == (7, 4)
+    result = cache.match_prefix([1, 2, 3, 4, 5, 6], allow_repair=False)
+    assert result.indices.numel() == 0 and result.repair_len == 0
+    assert cache.total_size() == (5, 2)
     checked(allocator, cache)
 
 
@@ -104,14 +108,24 @@ def test_lock_lifecycle_with_early_swa_release() -> None:
     assert cache.evict(100, 100) == (0, 0)
 
     cache.dec_swa_lock_only(leaf, handle)
-    assert leaf.tombstone
-    assert (allocator.full_available_size(), allocator.swa_available_size()) == (120, 64)
-    assert sizes(cache) == (0, 8, 0, 0)
-    checked(allocator, cache)  # a tombstone leaf is fine while its full lock is held
+    # The last C = W + P = 5 tokens stay live as a window checkpoint; the interior goes.
+    assert [(n.key, n.tombstone, n.checkpoint) for n in cache._nodes()] == [
+        ([1, 2, 3], True, False),
+        ([4, 5, 6, 7, 8], False, True),
+    ]
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (120, 59)
+    assert sizes(cache) == (0, 8, 5, 0)
+    checked(allocator, cache)
 
     cache.dec_lock_ref(leaf, handle, skip_swa=True)
-    assert sizes(cache) == (0, 0, 0, 0)
-    # The unlocked tombstone leaf could never end a match: it is dropped with its full KV.
+    assert sizes(cache) == (8, 0, 5, 0)
+    # The checkpoint keeps both resume points valid: the end and one page before it.
+    assert cache.match_prefix(list(range(1, 9))).indices.numel() == 8
+    assert cache.match_prefix(list(range(1, 8))).indices.numel() == 7
+    assert cache.match_prefix(list(range(1, 7))).indices.numel() == 0  # 3 live tokens < W
+    checked(allocator, cache)
+    # The matches split the checkpoint; its leaves go, then the tombstone parent with them.
+    assert cache.evict(0, 100) == (8, 5)
     assert cache.total_size() == (0, 0) and allocator.full_available_size() == 128
     checked(allocator, cache)
 
@@ -305,18 +319,26 @@ def test_pages(page_size: int, window_kind: str) -> None:
     assert cache.match_prefix([*c, 9]).indices.numel() == 4 * p  # cut to whole pages
     checked(allocator, cache)
 
-    # LRU order (oldest first): [5, 6] leaf, [3, 4], [1, 2], [7, 8] (the split touched [1, 2]).
+    # [1, 2] ends at the branch point: it is a window checkpoint (C = ceil_P(W) + P >= 2P).
+    assert cache.root.children[tuple(c[:p])].checkpoint
+    # LRU order of the other live nodes (oldest first): [5, 6] leaf, [3, 4], [7, 8].
     assert cache.evict(0, 1) == (2 * p, 2 * p)  # the leaf [5, 6] goes whole
     assert cache.evict(0, 1) == (2 * p, 2 * p)  # so does [3, 4], a leaf now
-    assert cache.evict(0, 1) == (0, 2 * p)  # [1, 2] is internal: tombstone
-    # Two live pages follow the tombstone: an end needs W <= 2P (or 1P after one page).
-    assert cache.match_prefix(c).indices.numel() == (4 * p if window <= 2 * p else 0)
-    assert cache.match_prefix(c[: 3 * p]).indices.numel() == (3 * p if window <= p else 0)
+    assert cache.evict(0, 1) == (2 * p, 2 * p)  # and [7, 8]; the checkpoint is taken last
+    assert cache.match_prefix([*c, 9]).indices.numel() == 2 * p
+    assert cache.evict(10**6, 10**6) == (2 * p, 2 * p)
     checked(allocator, cache)
 
-    leaf = cache._walk(c)[0][-1]  # [8]: the match above split [7, 8]
+    # Pages [1, 2] lost their SWA KV, [3, 4] keep it: an end needs W <= 2P (or 1P after one page).
+    assert insert_fresh(allocator, cache, a, swa_evicted=2 * p) == 0
+    assert [n.tombstone for n in cache._nodes()] == [True, False]
+    assert cache.match_prefix(a).indices.numel() == (4 * p if window <= 2 * p else 0)
+    assert cache.match_prefix(a[: 3 * p]).indices.numel() == (3 * p if window <= p else 0)
+    checked(allocator, cache)
+
+    leaf = cache._walk(a)[0][-1]  # [4]: the match above split [3, 4]
     handle = cache.inc_lock_ref(leaf)
-    # The SWA lock covers [8], then [7] while W is not covered; the tombstone stops it.
+    # The SWA lock covers [4], then [3] while W is not covered; the tombstone stops it.
     assert cache.swa_protected_size() == (p if window <= p else 2 * p)
     cache.dec_lock_ref(leaf, handle)
     assert cache.evict(10**6, 10**6) == (4 * p, 2 * p)
@@ -386,13 +408,15 @@ def test_released_swa_lock_then_finish() -> None:
     kv, lock, state = start_request(allocator, cache, tokens)
     cache.release_request_swa(lock)
     cache.release_request_swa(lock)  # once only
-    assert lock.swa_released and node_at(cache, 1).tombstone  # the locked leaf lost its SWA
+    # The locked leaf lost the SWA KV of its interior; its last C = 5 tokens are a checkpoint.
+    assert lock.swa_released and node_at(cache, 1).tombstone
     cache.cache_finished_request(tokens, kv, lock, state)
-    assert [(n.key, n.tombstone) for n in cache._nodes()] == [
-        (list(range(1, 9)), True),
-        ([9, 10, 11, 12], False),
+    assert [(n.key, n.tombstone, n.checkpoint) for n in cache._nodes()] == [
+        ([1, 2, 3], True, False),
+        ([4, 5, 6, 7, 8], False, True),
+        ([9, 10, 11, 12], False, True),  # the window before the sequence's end
     ]
-    assert sizes(cache) == (12, 0, 4, 0)
+    assert sizes(cache) == (12, 0, 9, 0)
     checked(allocator, cache)
 
 
