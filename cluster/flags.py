@@ -21,6 +21,7 @@ ENGINE_FLAGS = (
     "expected_seq_len",
     "disable_hybrid_swa_memory",
     "enable_prefix_cache",
+    "enable_window_repair",
     "chunked_prefill_size",
     "max_prefill_tokens",
     "max_running_requests",

@@ -39,6 +39,11 @@ class EngineConfig(BaseModel):
     expected_seq_len: int | None = Field(default=None, gt=0, description="for the auto ratio")
     disable_hybrid_swa_memory: bool = False
     enable_prefix_cache: bool = True
+    enable_window_repair: bool = Field(
+        default=True,
+        description="resume a cached prefix whose SWA window was freed by recomputing only its "
+        "receptive field (L_swa x W tokens) instead of the whole prompt",
+    )
     swa_eviction_interval: int = Field(default=DEFAULT_SWA_EVICTION_INTERVAL, ge=1)
 
     chunked_prefill_size: int | None = Field(

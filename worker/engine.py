@@ -17,6 +17,7 @@ from swaserve.proto.kv_rules import (
     page_ceil,
     page_floor,
     swa_tokens_for_extend,
+    window_repair_tokens,
 )
 from swaserve.proto.messages import Headroom
 from swaserve.worker.config import EngineConfig
@@ -106,6 +107,7 @@ class Engine:
             page_size=config.page_size,
             sliding_window_size=self.window,
             stats=self.stats,
+            window_repair=self.window_repair_tokens > 0,
         )
         limits = SchedulerLimits(
             page_size=config.page_size,
@@ -148,6 +150,22 @@ class Engine:
     def hybrid(self) -> bool:
         return is_hybrid(self.allocator, self.window)
 
+    @property
+    def window_repair_tokens(self) -> int:
+        """R of a window repair (DESIGN §6): L_swa · W page-rounded; 0 when this engine does
+        not repair (one pool, no prefix cache, no full layers to read the prefix from, or
+        `enable_window_repair` off)."""
+        mc = self.model_config
+        if (
+            not self.hybrid
+            or self.window is None
+            or not self.config.enable_prefix_cache
+            or not self.config.enable_window_repair
+            or not mc.full_layer_ids
+        ):
+            return 0
+        return window_repair_tokens(len(mc.swa_layer_ids), self.window, self.page_size)
+
     def _make_tree(self) -> SWARadixCache:
         window = self.window if self.hybrid and self.window else 1
         cls = (
@@ -155,7 +173,12 @@ class Engine:
             if self.hybrid and not self.model_config.full_layer_ids
             else SWARadixCache
         )
-        return cls(self.allocator, window, self.page_size)  # type: ignore[arg-type]
+        return cls(  # type: ignore[arg-type]
+            self.allocator,
+            window,
+            self.page_size,
+            window_repair_tokens=self.window_repair_tokens,
+        )
 
     def _chunk_size(self) -> int | None:
         """Chunked-prefill size, capped so that a chunk plus the window fits the SWA pool."""
@@ -318,17 +341,22 @@ class Engine:
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
         decode, nd = batch.decode, batch.num_decodes
         prefix_lens: Sequence[int] | np.ndarray = batch.prefix_lens
+        repairs: list[tuple[int, int]] | None = None
         if decode is not None and batch.pure_decode:  # the batch's arrays as they are
             tokens, rows = decode.last_tokens.copy(), decode.rows.copy()  # [B] int64 each
             prefix_lens = decode.seq_lens.copy()  # [B] int64
         else:
             tokens = [] if decode is None else decode.last_tokens.tolist()
             rows = [] if decode is None else decode.rows.tolist()
-            for req, start, n in zip(
-                batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True
+            for i, (req, start, n) in enumerate(
+                zip(batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True)
             ):
                 tokens += req.token_slice(start, start + n)
                 rows.append(req.row)
+                if req.repair_end > start:  # this chunk recomputes a window (DESIGN §6)
+                    if repairs is None:
+                        repairs = [(0, 0)] * len(batch.reqs)
+                    repairs[nd + i] = (req.repair_start, req.repair_end)
         return build_model_input(
             token_ids=tokens,
             prefix_lens=prefix_lens,
@@ -339,6 +367,7 @@ class Engine:
             writes=self.kv.take_writes(),
             translate=self.kv.translate if self.hybrid else None,
             sliding_window_size=self.window,
+            window_repair=repairs,
         )
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:

@@ -9,6 +9,16 @@ the host `RequestSlotTable`:
     # [0, swa.cache_protected_len)          owned by the prefix cache (locked by req.lock)
     # [cache_protected_len, num_computed)   owned by the request
 
+A window repair (DESIGN §6) is admitted as a match of m tokens that resumes at m - R:
+
+    # [0, m - R)            the tree's slots, reused
+    # [m - R, m)            the tree's full slots in the device table (full layers read them);
+    #                       the request's own new slots in its row, for the recomputed SWA KV
+    # [m, ...)              the rest of the prompt, as usual
+
+Once the prefill passes m, the prefix is inserted with the SWA KV of the window before m
+(exact now) adopted by the tree and everything else of the repair given back.
+
 Ranges whose slots change outside a step's new tokens (a matched prefix at admission, slots the
 tree deduplicated on insert) are queued as `SlotWrites` for the device tables; `take_writes()`
 hands them to the next `ModelInput`, translated to SWA ids there and then.
@@ -42,8 +52,9 @@ def is_hybrid(
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Admission's match: `num_tokens` reused; the tokens the lock moved from evictable to
-    protected in each pool (admission takes them off its budgets in the same pass)."""
+    """Admission's match: `num_tokens` not computed (a repaired hit's match less its repair);
+    the tokens the lock moved from evictable to protected in each pool (admission takes them
+    off its budgets in the same pass)."""
 
     num_tokens: int
     full_newly_protected: int
@@ -62,7 +73,10 @@ class KVCacheManager:
         page_size: int,
         sliding_window_size: int | None,
         stats: EngineStats,
+        window_repair: bool = False,
     ) -> None:
+        """`window_repair`: admission may take a repaired match (the tree's
+        `window_repair_tokens`)."""
         self.allocator = allocator
         self.tree = tree
         self.slot_table = slot_table
@@ -70,6 +84,7 @@ class KVCacheManager:
         self.sliding_window_size = sliding_window_size
         self.stats = stats
         self.hybrid = is_hybrid(allocator, sliding_window_size)
+        self.window_repair = window_repair and self.hybrid and tree is not None
         self._writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, full slots)
         self._taken: list[tuple[int, int, torch.Tensor]] = []  # the last take_writes()
         self._no_writes = SlotWrites.empty(self.hybrid)  # immutable, shared by idle steps
@@ -90,7 +105,8 @@ class KVCacheManager:
     # ---- admission -----------------------------------------------------------------------
     def match_prefix(self, req: Request) -> PrefixHit | None:
         """Give a waiting request a slot-table row and its cached prefix, locked (all but the
-        last prompt token: one token is always computed). None when no row is free."""
+        last prompt token: one token is always computed), repaired where that saves more
+        (the module docstring). None when no row is free."""
         row = self.slot_table.acquire()
         if row is None:
             return None
@@ -99,11 +115,15 @@ class KVCacheManager:
         if tree is None:
             req.swa = SWAFreeState()
             return PrefixHit(0, 0, 0)
-        match = tree.match_prefix(req.token_ids[:-1])
+        match = tree.match_prefix(req.token_ids[:-1], allow_repair=self.window_repair)
         full_before, swa_before = tree.full_evictable_size(), tree.swa_evictable_size()
         req.lock = PrefixLock(match.last_node, tree.inc_lock_ref(match.last_node))
-        n = match.indices.numel()
         self._set_slots(req, 0, match.indices, record=True)
+        n = match.saved_tokens
+        if match.repair_len:
+            req.repair_start, req.repair_end = n, match.indices.numel()
+            self.stats.window_repair_tokens += match.repair_len
+            req.num_slots = n  # [n, m) of the row are the tree's until the repair allocates
         req.num_computed = n
         req.swa = SWAFreeState(cache_protected_len=n)
         return PrefixHit(
@@ -219,6 +239,16 @@ class KVCacheManager:
         before = req.swa.cache_protected_len
         if self.tree is None or req.lock is None or page_floor(done, self.page_size) <= before:
             return  # nothing new fills a page
+        if req.repair_end:
+            if done < req.repair_end:
+                return  # the repaired SWA KV is exact only from repair_end - W, once it is done
+            # Only the window before repair_end is kept: the tree frees the rest of the repair
+            # as positions without SWA KV.
+            w = self.sliding_window_size or 0
+            window_start = page_floor(max(0, req.repair_end - w), self.page_size)
+            req.swa.swa_evicted_seqlen = max(req.swa.swa_evicted_seqlen, window_start)
+            req.repair_start = req.repair_end = 0
+            self.stats.window_repairs += 1
         slots, req.lock = self.tree.cache_unfinished_request(
             req.token_ids[:done], req.slots[:done], req.lock, req.swa
         )

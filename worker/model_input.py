@@ -11,6 +11,14 @@ as it is. Per request i of the batch, new tokens sit at positions `[prefix_lens[
 Before the forward, the device slot tables get `writes` (positions rank 0 re-addressed: a matched
 prefix at admission, slots the radix tree deduplicated) and then the new tokens' slots. SWA ids
 are translated from full ids here, once per batch, on the host.
+
+A window repair (`window_repair`, DESIGN §6) changes two things for request i, whose cached
+prefix resumes at `start_i` and whose new tokens at positions `[start_i, end_i)` recompute only
+their SWA KV:
+
+    # SWA layers read positions   [max(start_i, prefix_i - W), seq_i)   nothing before start_i
+    # full table at [start_i, end_i) keeps the cached slots (full layers read the cached KV;
+    #   the full KV the step computes there lands in the request's own slots and is dropped)
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class ModelInput:
     writes: SlotWrites
     logits_indices: torch.Tensor  # [N] int64 token rows whose logits are wanted (sampling rows)
     sliding_window_size: int | None  # W of the SWA layers; None: the model has none
+    window_repair: torch.Tensor | None = None  # [2, B] int64 (start, end) per request; 0, 0: none
 
     def __post_init__(self) -> None:
         b, t = self.req_rows.numel(), self.input_ids.numel()
@@ -66,6 +75,22 @@ class ModelInput:
             raise ValueError("input_ids, positions and out_full_loc need one entry per new token")
         if self.out_swa_loc is not None and self.out_swa_loc.numel() != t:
             raise ValueError("out_swa_loc needs one entry per new token")
+        if self.window_repair is not None and tuple(self.window_repair.shape) != (2, b):
+            raise ValueError("window_repair needs a (start, end) pair per request: shape [2, B]")
+
+    def swa_floor(self) -> torch.Tensor | None:
+        """[B] int64: the position before which request i's SWA layers read nothing (its
+        repair start, 0 without one); None when no request repairs."""
+        return None if self.window_repair is None else self.window_repair[0]
+
+    def full_table_tokens(self) -> torch.Tensor | None:
+        """[K] int64 rows of the new tokens whose full slot goes into the device table (all but
+        those a window repair recomputes); None when that is every token."""
+        if self.window_repair is None:
+            return None
+        extend = self.seq_lens - self.prefix_lens  # [B] int64
+        ends = torch.repeat_interleave(self.window_repair[1], extend, output_size=self.num_tokens)
+        return torch.nonzero(self.positions >= ends).flatten()  # [K] int64
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +115,7 @@ class ModelInput:
             self.writes.full,
             self.writes.swa,
             self.logits_indices,
+            self.window_repair,
         ]
         return sum(x.numel() * x.element_size() for x in tensors if x is not None)
 
@@ -105,12 +131,14 @@ def build_model_input(
     writes: SlotWrites,
     translate: Callable[[torch.Tensor], torch.Tensor] | None,
     sliding_window_size: int | None,
+    window_repair: Sequence[tuple[int, int]] | None = None,
 ) -> ModelInput:
     """Rank 0: one step's `ModelInput` from the scheduled batch, in a handful of batched ops.
 
     The sequences are lists or int64 arrays (an array becomes its tensor without a copy).
     `token_ids` are the new tokens of all requests in batch order; `translate` maps full → SWA
-    ids (two pools) or is None (one pool); `samples[i]`: request i samples a token this step.
+    ids (two pools) or is None (one pool); `samples[i]`: request i samples a token this step;
+    `window_repair`: a (start, end) pair per request when one of them repairs (module docstring).
     """
     # numpy on the host: each op costs a microsecond where a small torch op costs several.
     prefix = np.asarray(prefix_lens, dtype=np.int64)  # [B] int64
@@ -137,11 +165,15 @@ def build_model_input(
             last_rows if all(samples) else last_rows[np.asarray(samples, dtype=np.bool_)]
         ),  # [N] int64
         sliding_window_size=sliding_window_size,
+        window_repair=None
+        if window_repair is None
+        else torch.tensor(window_repair, dtype=torch.int64).reshape(-1, 2).T.contiguous(),
     )
 
 
 _NO_WINDOW = -1
-HEADER_LEN = 7  # T, B, N writes, N logits, has SWA, W (or -1), command (set by the sender)
+HEADER_LEN = 8
+"""T, B, N writes, N logits, has SWA, W (or -1), command (set by the sender), has a repair."""
 COMMAND_FIELD = 6
 
 
@@ -164,6 +196,8 @@ def pack_model_input(inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
     if two_pools:
         assert inp.out_swa_loc is not None and inp.writes.swa is not None
         fields += [inp.out_swa_loc, inp.writes.swa]
+    if inp.window_repair is not None:
+        fields.append(inp.window_repair)
     header = torch.tensor(
         [
             inp.num_tokens,
@@ -173,21 +207,23 @@ def pack_model_input(inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
             int(two_pools),
             _NO_WINDOW if inp.sliding_window_size is None else inp.sliding_window_size,
             0,
+            int(inp.window_repair is not None),
         ],
         dtype=torch.int64,
-    )  # [7] int64
+    )  # [8] int64
     return header, torch.cat([f.reshape(-1).to(torch.int64) for f in fields])  # [L] int64
 
 
 def payload_len(header: torch.Tensor) -> int:
     t, b, n, k, two_pools = (int(x) for x in header[:5])
-    return 3 * t + 3 * b + 3 * n + k + two_pools * (t + n)
+    return 3 * t + 3 * b + 3 * n + k + two_pools * (t + n) + int(header[7]) * 2 * b
 
 
 def unpack_model_input(header: torch.Tensor, payload: torch.Tensor) -> ModelInput:
     """Inverse of `pack_model_input`."""
     t, b, n, k, two_pools, window = (int(x) for x in header[:6])
-    sizes = [t, t, b, b, b, t, n, n, n, k] + ([t, n] if two_pools else [])
+    repair = int(header[7])
+    sizes = [t, t, b, b, b, t, n, n, n, k] + ([t, n] if two_pools else []) + [2 * b] * repair
     parts = list(torch.split(payload, sizes))
     ids, pos, rows, prefix, seq, out_full, w_rows, w_pos, w_full, logits = parts[:10]
     out_swa, w_swa = (parts[10], parts[11]) if two_pools else (None, None)
@@ -202,4 +238,5 @@ def unpack_model_input(header: torch.Tensor, payload: torch.Tensor) -> ModelInpu
         writes=SlotWrites(w_rows, w_pos, w_full, w_swa),
         logits_indices=logits,
         sliding_window_size=None if window == _NO_WINDOW else window,
+        window_repair=parts[-1].reshape(2, b) if repair else None,
     )

@@ -133,7 +133,15 @@ class ModelRunner:
         out_swa = None if inp.out_swa_loc is None else dev(inp.out_swa_loc)
         extend = inp.seq_lens - inp.prefix_lens  # [B] int64 (CPU)
         token_rows = torch.repeat_interleave(inp.req_rows, extend, output_size=inp.num_tokens)
-        self.slot_table.write(dev(token_rows), positions, out_full, out_swa)
+        keep = inp.full_table_tokens()  # [K] int64 (CPU): None = every token
+        if keep is None:
+            self.slot_table.write(dev(token_rows), positions, out_full, out_swa)
+        else:  # a window repair: its tokens' full table entries stay the cached prefix's
+            self.slot_table.write_full(
+                dev(token_rows[keep]), dev(inp.positions[keep]), dev(inp.out_full_loc[keep])
+            )
+            if out_swa is not None:
+                self.slot_table.write_swa(dev(token_rows), positions, out_swa)
         batch = ForwardBatch(
             input_ids=dev(inp.input_ids),
             positions=positions,
@@ -144,5 +152,6 @@ class ModelRunner:
             out_full_loc=out_full,
             out_swa_loc=out_swa,
             logits_rows=dev(inp.logits_indices),
+            swa_floor=inp.swa_floor(),
         )
         return self.model(batch).float()

@@ -78,7 +78,7 @@ def broadcast_model_input(tp: TPGroup, inp: ModelInput) -> None:
 
 
 def broadcast_shutdown(tp: TPGroup) -> None:
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [7] int64
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [HEADER_LEN] int64
     header[COMMAND_FIELD] = SHUTDOWN
     tp.broadcast_control(header)
 

@@ -55,7 +55,8 @@ class ForwardBatch:
     positions `[0, prefix_lens[i])` is already in the pool (a cached prefix or earlier chunks).
     Row `req_rows[i]` of `slot_table` holds the slot of every position `[0, seq_lens[i])`, new
     tokens included; SWA ids of positions before `prefix_lens[i] - W` may be stale and are never
-    read. Host tensors (`prefix_lens`, `seq_lens`, `req_rows`) are what the metadata build plans
+    read. `swa_floor[i]` (a window repair's start) cuts request i's SWA reads further: its SWA
+    layers see no key before that position. Host tensors (`prefix_lens`, `seq_lens`, `req_rows`) are what the metadata build plans
     with, so it never reads a device value back.
     """
 
@@ -71,6 +72,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor | None = (
         None  # [N] int64 (device): explicit rows; overrides the above
     )
+    swa_floor: torch.Tensor | None = None  # [B] int64 (CPU): SWA layers read no key before it
     attn_metadata: Any = field(default=None)  # set by AttentionBackend.init_forward_metadata
 
     def __post_init__(self) -> None:

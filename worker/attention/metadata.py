@@ -3,7 +3,8 @@
 For request i, with new tokens at positions `[prefix_i, seq_i)` and slot-table row `row_i`:
 
     # full layers read positions [0, seq_i)            full ids:  slot_table.full[row_i]
-    # SWA layers read positions  [kv_start_i, seq_i)   kv_start_i = max(0, prefix_i - W)
+    # SWA layers read positions  [kv_start_i, seq_i)   kv_start_i = max(0, prefix_i - W,
+    #                                                              swa_floor_i)
     #   two pools:   SWA ids:  slot_table.swa[row_i] (translated by rank 0), window only
     #   single pool: full ids of the same range (the window mask still applies)
 
@@ -176,6 +177,8 @@ def build_attention_metadata(
     swa = None
     if sliding_window_size is not None:
         starts_t = (prefix_t - sliding_window_size).clamp(min=0)  # [B] int64
+        if batch.swa_floor is not None:  # a window repair sees nothing before its start
+            starts_t = torch.maximum(starts_t, batch.swa_floor)
         swa_table = table.swa if two_pools and table.swa is not None else table.full
         swa = _reads(swa_table, rows_t, starts_t, seq_t, decode_t, sliding_window_size, two_pools)
         if check_swa_reads is None:

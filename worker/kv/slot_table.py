@@ -88,8 +88,31 @@ class DeviceSlotTable:
         position) appears at most once per call."""
         if rows.numel() == 0:
             return
-        self.full.index_put_((rows, positions), full_slots.to(self.dtype))
+        self.write_full(rows, positions, full_slots)
         if self.swa is not None:
             if swa_slots is None:
                 raise ValueError("a two-pool slot table needs the SWA slots of every write")
+            self.write_swa(rows, positions, swa_slots)
+
+    def write_full(
+        self,
+        rows: torch.Tensor,  # [N] int64 device
+        positions: torch.Tensor,  # [N] int64 device
+        full_slots: torch.Tensor,  # [N] int64 device
+    ) -> None:
+        """Set only `full[rows, positions] = full_slots` (a window repair's SWA-only tokens
+        leave the full table as it is)."""
+        if rows.numel():
+            self.full.index_put_((rows, positions), full_slots.to(self.dtype))
+
+    def write_swa(
+        self,
+        rows: torch.Tensor,  # [N] int64 device
+        positions: torch.Tensor,  # [N] int64 device
+        swa_slots: torch.Tensor,  # [N] int64 device
+    ) -> None:
+        """Set only `swa[rows, positions] = swa_slots` (two pools)."""
+        if self.swa is None:
+            raise ValueError("a one-pool slot table has no SWA table")
+        if rows.numel():
             self.swa.index_put_((rows, positions), swa_slots.to(self.dtype))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -72,3 +74,30 @@ def test_mismatched_lengths_are_rejected() -> None:
             translate=None,
             sliding_window_size=None,
         )
+
+
+def test_a_window_repair_travels_and_names_its_tokens() -> None:
+    inp = build_model_input(
+        token_ids=[5, 6, 7, 8, 9, 1],
+        prefix_lens=[4, 10],
+        extend_lens=[5, 1],
+        req_rows=[2, 0],
+        samples=[True, True],
+        out_full_loc=torch.tensor([11, 12, 13, 14, 15, 20]),
+        writes=SlotWrites.empty(True),
+        translate=translate,
+        sliding_window_size=4,
+        window_repair=[(4, 7), (0, 0)],  # request 0 recomputes [4, 7) for their SWA KV only
+    )
+    assert inp.window_repair is not None and inp.window_repair.tolist() == [[4, 0], [7, 0]]
+    assert inp.swa_floor() is not None and inp.swa_floor().tolist() == [4, 0]
+    # Positions 4, 5, 6 keep the cached prefix's full slots in the device table.
+    assert inp.full_table_tokens().tolist() == [3, 4, 5]
+    header, payload = pack_model_input(inp)
+    assert payload.numel() == payload_len(header)
+    back = unpack_model_input(header, payload)
+    assert back.window_repair is not None and torch.equal(back.window_repair, inp.window_repair)
+    plain = unpack_model_input(*pack_model_input(replace(inp, window_repair=None)))
+    assert plain.window_repair is None and plain.full_table_tokens() is None
+    with pytest.raises(ValueError, match="window_repair"):
+        replace(inp, window_repair=torch.zeros(2, 3, dtype=torch.int64))

@@ -506,3 +506,62 @@ def test_bench_quick_runs_and_reports_json(monkeypatch: pytest.MonkeyPatch) -> N
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert set(report["scales"]) == {"100", "1000"}
     assert all(report["scales"][s]["insert_ops_s"] > 0 for s in report["scales"])
+
+
+# ---- window checkpoints and window repair -----------------------------------------------------
+
+
+def test_a_match_without_a_live_window_is_repaired_where_that_saves_more() -> None:
+    allocator = SWATokenAllocator(128, 64)
+    cache = SWARadixCache(allocator, sliding_window_size=4, window_repair_tokens=8)
+    key = list(range(1, 21))
+    insert_fresh(allocator, cache, key, swa_evicted=18)  # [1..18] tombstone, [19, 20] live
+    plain = cache.match_prefix(key)
+    assert (plain.indices.numel(), plain.repair_len) == (0, 0)  # 2 live tokens < W
+    repaired = cache.match_prefix(key, allow_repair=True)
+    assert (repaired.indices.numel(), repaired.repair_len, repaired.saved_tokens) == (20, 8, 12)
+    assert repaired.last_node.key == [19, 20]
+    assert cache.match_prefix(key[:10], allow_repair=True).saved_tokens == 2  # 10 - 8
+    # A live window wins over a repair that saves less.
+    insert_fresh(allocator, cache, [*key, 21, 22, 23, 24], swa_evicted=20)
+    full = cache.match_prefix([*key, 21, 22, 23, 24], allow_repair=True)
+    assert (full.indices.numel(), full.repair_len) == (24, 0)
+    assert cache.match_prefix([*key, 21], allow_repair=True).saved_tokens == 13  # 3 live < W
+    checked(allocator, cache)
+    with pytest.raises(ValueError, match="window_repair_tokens"):
+        SWARadixCache(SWATokenAllocator(16, 16, page_size=4), 4, 4, window_repair_tokens=6)
+
+
+def test_the_pure_swa_cache_never_repairs() -> None:
+    allocator = SWATokenAllocator(128, 64)
+    cache = PureSWARadixCache(allocator, sliding_window_size=4, window_repair_tokens=8)
+    insert_fresh(allocator, cache, list(range(1, 21)), swa_evicted=18)
+    # Its tombstones have no full KV to read the prefix from.
+    assert cache.window_repair_tokens == 0
+    assert cache.match_prefix(list(range(1, 21)), allow_repair=True).repair_len == 0
+    checked(allocator, cache)
+
+
+def test_checkpoints_are_evicted_last_and_lru_among_themselves() -> None:
+    allocator, cache = make()
+    for stem in (10, 20):  # two prompts whose decodes left their windows: two checkpoints
+        tokens = [stem + i for i in range(8)]
+        insert_fresh(allocator, cache, tokens)
+        leaf = cache.match_prefix(tokens).last_node
+        handle = cache.inc_lock_ref(leaf)
+        cache.dec_swa_lock_only(leaf, handle)
+        cache.dec_lock_ref(leaf, handle, skip_swa=True)
+    insert_fresh(allocator, cache, [30, 31, 32])  # a plain live leaf, the newest node
+    assert [(n.key[0], n.tombstone, n.checkpoint) for n in cache._nodes()] == [
+        (30, False, False),
+        (20, True, False),
+        (23, False, True),
+        (10, True, False),
+        (13, False, True),
+    ]
+    assert sizes(cache) == (19, 0, 13, 0)
+    cache.match_prefix(list(range(10, 18)))  # the first checkpoint is now the more recent
+    assert cache.evict(0, 1) == (3, 3)  # the plain leaf goes first, though it is the newest
+    assert cache.evict(0, 1) == (8, 5)  # then the LRU checkpoint [23..27], with its tombstone
+    assert [n.key[0] for n in cache._nodes()] == [10, 13]
+    checked(allocator, cache)
