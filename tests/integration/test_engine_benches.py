@@ -81,3 +81,26 @@ def test_step_overhead_bench(capsys: pytest.CaptureFixture[str], churn: bool) ->
         assert data["host_over_model"][batch] == pytest.approx(ms["host"] / ms["model"])
     if churn:  # 6 requests of 6-18 tokens over 12 measured steps: some finish and are replaced
         assert data["ms_per_step"]["6"]["finished"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reuse_bench_meets_its_goals(page_size: int, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--window", "8", "--hidden", "32", "--system-tokens", "60", "--user-tokens", "8"]
+    argv += ["--turns", "4", "--users", "4", "--new-tokens", "20", "--page-size", str(page_size)]
+    data = run_bench("reuse", argv, capsys)
+    r = data["repair_tokens"]
+    assert r == 16 and data["swa_layers"] == 2
+    workloads = data["workloads"]
+    for entry in workloads.values():  # greedy answers equal the cold run's, in every mode
+        assert all(entry[mode]["tokens_equal_cold"] for mode in ("one-pool", "hybrid", "cold"))
+    for name in ("chat", "same-prompt"):
+        assert workloads[name]["hybrid_vs_one_pool_cached_share"] >= 0.98
+    shared = workloads["shared-system"]
+    hits = sum(1 for c in shared["hybrid"]["cached_per_request"] if c > 0)
+    assert hits == 3
+    assert shared["hybrid"]["prefill_tokens"] <= shared["one-pool"]["prefill_tokens"] + r * hits
+    # Only the second user repairs (R tokens); the branch checkpoint serves the others.
+    system = 160 // page_size * page_size
+    assert shared["hybrid"]["cached_per_request"] == [0, system - r, system, system]
+    assert workloads["long-prefix"]["cold_vs_hybrid_prefill_of_hits"] >= 5
