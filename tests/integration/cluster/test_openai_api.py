@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 import requests
-from cluster_harness import ServedCluster, greedy, kv_in_use, stream, wait_idle
+from cluster_harness import WINDOW, ServedCluster, greedy, kv_in_use, stream, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 from test_cluster_faults import StreamThread, long_request
 from test_serve_command import ServeProcess
@@ -341,6 +341,37 @@ def test_a_sessions_second_turn_reports_cached_tokens(
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     # all of turn 1 but its last answer token, which was sampled and never computed
     assert second.usage.prompt_tokens_details.cached_tokens == len(turn1) + len(answer) - 1
+    wait_idle(two_workers)
+
+
+def test_a_chats_second_turn_reuses_the_first_prompt_after_the_window_moved_on(
+    two_workers: ServedCluster, client: openai.OpenAI, model_name: str
+) -> None:
+    """The first answer is longer than W, so its decode left the window of the first prompt;
+    the template re-renders it, so the second prompt diverges right after the first one. The
+    window checkpoint at the first prompt's end keeps it resumable."""
+    first = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=3 * WINDOW,
+        user="chat-session-1",
+        extra_body={"ignore_eos": True},
+        temperature=0,
+    )
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    wait_idle(two_workers)
+    turn2 = [
+        *MESSAGES,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the radix cache?"},
+    ]
+    second = client.chat.completions.create(
+        model=model_name, messages=turn2, max_tokens=4, user="chat-session-1", temperature=0
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    page_size = two_workers.cluster.model_info.page_size  # type: ignore[union-attr]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - page_size <= cached < second.usage.prompt_tokens
     wait_idle(two_workers)
 
 
