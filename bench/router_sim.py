@@ -9,9 +9,14 @@ Workloads, drawn once per seed and replayed for every policy:
   (b) independent prompts: random tokens, Poisson arrivals.
 
 A worker admits like the engine's scheduler (DESIGN §6): it matches `prompt[:-1]` in its
-tree, checks both pools (free + evictable − what running requests still need), prefills in
-chunks (freeing out-of-window SWA, caching unfinished chunks), and at the end of the reply
-decodes in eviction-interval blocks and caches the finished sequence. Prefill and decode take
+tree with window repair (R = `window_repair_tokens(L_swa, W, P)`, L_swa = `--swa-layers`),
+checks both pools (free + evictable − what running requests still need), prefills in chunks
+(freeing out-of-window SWA, caching unfinished chunks), and at the end of the reply decodes in
+eviction-interval blocks and caches the finished sequence; the tree keeps window checkpoints
+where decodes leave their windows. A repaired match of m tokens is taken as its first m − R
+slots from the tree plus new slots for the R recomputed tokens and the rest; once they are
+computed only the SWA KV of the window before m is kept for the tree (as the engine does), so
+the request computes `len(prompt) − saved_tokens` tokens. Prefill and decode take
 simulated time (tokens / rate); memory moves at admission and at the finish. Reports go out
 after each change and as a heartbeat.
 
@@ -20,7 +25,8 @@ admission); load imbalance, max / mean over workers of each worker's time-averag
 requests (the goal's figure), and "(instant)": the time average of max / mean running at
 each moment, which at ~4 running per worker is mostly arrival noise (least_load shows the
 floor); mean running per worker; refused requests (Overloaded, or expired in the queue);
-how often the router's predicted hit equals the worker's real one, and how often an
+requests admitted with a repaired match; how often the router's predicted hit (the tokens a
+hit saves) equals the worker's real one (`MatchResult.saved_tokens`), and how often an
 SWA-unaware prediction would (the same pages, window rule off: what a hash-matching router
 predicts); and the p99 of the routing decisions of the run (single shot, wall clock, with the
 whole simulation's garbage-collector pauses). Then a router whose exact views hold 10^4
@@ -30,7 +36,7 @@ cached conversations (from real caches) times `route` alone: p50 and p99 (see
 Goals (multi-turn chat, 4 and 8 workers): prefix reuses >= 2x the tokens of round_robin with
 imbalance <= 1.3; predicted == real for >= 99 % of requests; p99 decision < 1 ms.
 
-    python bench/router_sim.py [--seed N] [--workers K] [--json] [--quick]
+    python bench/router_sim.py [--seed N] [--workers K] [--swa-layers L] [--json] [--quick]
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swaserve.proto.kv_events import KVEventMirror
-from swaserve.proto.kv_rules import cdiv
+from swaserve.proto.kv_rules import cdiv, page_floor, window_repair_tokens
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Overloaded, RouteDecision, Router, RouterConfig
 from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
@@ -67,10 +73,12 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 class WorkerSpec:
     """One worker, scaled down with the workload: its pools hold roughly the histories of the
     sessions it serves under prefix affinity, a fraction of those it sees under round robin.
-    SWA pool = full / 4 (GPT-OSS-like layer mix at a tight ratio)."""
+    SWA pool = full / 4 (GPT-OSS-like layer mix at a tight ratio). `swa_layers` (L_swa) sets
+    the window repair's R = ceil_P(L_swa · W); 0: the worker does not repair."""
 
     page_size: int = 16
     window: int = 128
+    swa_layers: int = 2
     full_tokens: int = 48_000
     swa_tokens: int = 12_000
     chunk_tokens: int = 2048
@@ -78,6 +86,10 @@ class WorkerSpec:
     prefill_tokens_per_s: float = 20_000.0
     decode_s_per_token: float = 0.02
     heartbeat_s: float = 0.5
+
+    @property
+    def repair_tokens(self) -> int:
+        return window_repair_tokens(self.swa_layers, self.window, self.page_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +125,9 @@ class SimRequest:
     session: int | None
     predicted_hit: int = -1
     naive_hit: int = -1
-    real_hit: int = -1
+    real_hit: int = -1  # the worker's saved tokens at admission
+    repair_end: int = 0  # a repaired match's end while its repair is not computed yet
+    repaired: bool = False
     computed: int = 0  # prompt tokens with KV (prefill progress)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     lock: PrefixLock | None = None
@@ -167,7 +181,9 @@ class SimWorker:
     def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
         self.worker_id, self.spec = worker_id, spec
         self.alloc = SWATokenAllocator(spec.full_tokens, spec.swa_tokens, page_size=spec.page_size)
-        self.cache = SWARadixCache(self.alloc, spec.window, spec.page_size)
+        self.cache = SWARadixCache(
+            self.alloc, spec.window, spec.page_size, window_repair_tokens=spec.repair_tokens
+        )
         self.mirror = KVEventMirror()  # what an SWA-unaware router would know
         self.waiting: deque[SimRequest] = deque()
         self.running: dict[str, SimRequest] = {}  # admitted: prefilling or decoding
@@ -195,6 +211,7 @@ class SimWorker:
             full_reserved_tokens=sum(len(r.reply) for r in running),
             swa_reserved_tokens=sum(self._swa_reserve(r) for r in running),
             sliding_window_size=s.window,
+            window_repair_tokens=self.cache.window_repair_tokens,
             page_size=s.page_size,
             chunked_prefill_size=s.chunk_tokens,
         )
@@ -252,8 +269,8 @@ class SimWorker:
             + self.cache.swa_evictable_size()
             - sum(self._swa_reserve(r) for r in self.running.values())
         )
-        match = self.cache.match_prefix(req.prompt[:-1])
-        m = match.indices.numel()
+        match = self.cache.match_prefix(req.prompt[:-1], allow_repair=True)
+        m = match.saved_tokens  # a repaired match recomputes [m, m + repair_len)
         uncached = len(req.prompt) - m
         if (
             uncached + len(req.reply) > full_budget
@@ -261,11 +278,13 @@ class SimWorker:
         ):
             return False
         req.lock = PrefixLock(match.last_node, self.cache.inc_lock_ref(match.last_node))
-        req.slots, req.swa, req.computed = match.indices, SWAFreeState(cache_protected_len=m), m
+        req.slots, req.swa, req.computed = match.indices[:m], SWAFreeState(cache_protected_len=m), m
+        req.repair_end = m + match.repair_len if match.repair_len else 0
         if not self._prefill(req) and req.computed == m:
             self._release(req, m)
+            req.repair_end = 0
             return False
-        req.real_hit = m
+        req.real_hit, req.repaired = m, match.repair_len > 0
         self.running[req.request_id] = req
         return True
 
@@ -282,13 +301,28 @@ class SimWorker:
             if not self._extend(req, req.computed, n):
                 return False
             req.computed += n
-            if req.computed < end:
+            self._end_repair(req)
+            if req.computed < end and not req.repair_end:  # a repair is cached once done
                 assert req.lock is not None
                 req.slots, req.lock = self.cache.cache_unfinished_request(
                     req.prompt[: req.computed], req.slots[: req.computed], req.lock, req.swa
                 )
         self._free_window(req, end, s.swa_eviction_interval)  # the first decode step's freeing
         return True
+
+    def _end_repair(self, req: SimRequest) -> None:
+        """Once a repaired match's recomputed range [m - R, m) is done, keep only the SWA KV
+        of the window before m for the tree (the rest is given back, as positions without SWA
+        KV). Until then no chunk is cached (its SWA KV is not exact yet); with chunks of at
+        least R tokens this is the first chunk."""
+        if not req.repair_end or req.computed < req.repair_end:
+            return
+        window_start = page_floor(max(0, req.repair_end - self.spec.window), self.spec.page_size)
+        start = max(req.swa.swa_evicted_seqlen, req.swa.cache_protected_len)
+        if window_start > start:
+            self.alloc.free_swa(req.slots[start:window_start])
+            req.swa.swa_evicted_seqlen = window_start
+        req.repair_end = 0
 
     def _extend(self, req: SimRequest, computed: int, n: int) -> bool:
         p = self.spec.page_size
@@ -463,6 +497,7 @@ class Simulation:
             "refused": self.refused,
             "queued": self.queued,
             "retracted": sum(w.retracted for w in self.workers.values()),
+            "repaired": sum(r.repaired for r in self.done),
             "stuck": sum(len(w.running) + len(w.waiting) for w in self.workers.values()),
             "predicted_equals_real": sum(r.predicted_hit == r.real_hit for r in done) / len(done),
             "swa_unaware_equals_real": sum(r.naive_hit == r.real_hit for r in done) / len(done),
@@ -535,7 +570,7 @@ def decision_latency(
     router = Router(RouterConfig(report_timeout_s=1e9), clock=lambda: 0.0)
     for k in range(workers):
         alloc = SWATokenAllocator(capacity, capacity, page_size=p)
-        cache = SWARadixCache(alloc, w, p)
+        cache = SWARadixCache(alloc, w, p, window_repair_tokens=spec.repair_tokens)
         for system, conv in sessions[k::workers]:
             slots = cache.match_prefix(system + conv[:1]).indices
             for t in range(1, turns + 1):
@@ -559,6 +594,7 @@ def decision_latency(
             0,
             0,
             sliding_window_size=w,
+            window_repair_tokens=cache.window_repair_tokens,
             page_size=p,
         )
         router.update(WorkerReport(f"w{k}", "i0", 0, 0.0, headroom, cache.take_events()))
@@ -603,10 +639,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--swa-layers",
+        type=int,
+        default=WorkerSpec().swa_layers,
+        help="L_swa of the window repair's R = ceil_P(L_swa · W); 0: workers do not repair",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--quick", action="store_true", help="a few sessions only (for tests)")
     args = parser.parse_args(argv)
-    work, spec = (QUICK if args.quick else Workload()), WorkerSpec()
+    work, spec = (QUICK if args.quick else Workload()), WorkerSpec(swa_layers=args.swa_layers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny bookkeeping tensors: no intra-op pool
     try:
@@ -634,17 +676,18 @@ def summarize(
 ) -> dict[str, object]:
     print(
         f"router_sim: {args.workers} workers, seed {args.seed}; per worker {spec.full_tokens} full + "
-        f"{spec.swa_tokens} SWA tokens, W={spec.window}, P={spec.page_size}"
+        f"{spec.swa_tokens} SWA tokens, W={spec.window}, P={spec.page_size}, "
+        f"window repair R={spec.repair_tokens} (L_swa={spec.swa_layers})"
     )
     print(
         f"{'workload':<12} {'policy':<12} {'requests':>8} {'reuse':>6} {'imbalance':>9} {'(instant)':>9} "
-        f"{'running':>7} {'refused':>7} {'queued':>6} {'pred=real':>9} {'SWA-unaware':>11} {'p99 ms':>7}"
+        f"{'running':>7} {'refused':>7} {'queued':>6} {'repaired':>8} {'pred=real':>9} {'SWA-unaware':>11} {'p99 ms':>7}"
     )
     for workload, by_policy in runs.items():
         for policy, m in by_policy.items():
             print(
                 f"{workload:<12} {policy:<12} {m['requests']:>8} {m['reuse']:>6.3f} {m['imbalance']:>9.3f} "
-                f"{m['imbalance_instant']:>9.3f} {m['mean_running']:>7.2f} {m['refused']:>7} {m['queued']:>6} "
+                f"{m['imbalance_instant']:>9.3f} {m['mean_running']:>7.2f} {m['refused']:>7} {m['queued']:>6} {m['repaired']:>8} "
                 f"{m['predicted_equals_real']:>9.4f} {m['swa_unaware_equals_real']:>11.4f} "
                 f"{m['decision_p99_ms']:>7.3f}"
             )
@@ -665,6 +708,7 @@ def summarize(
     return {
         "workers": args.workers,
         "seed": args.seed,
+        "window_repair_tokens": spec.repair_tokens,
         "prefix_vs_round_robin": ratio,
         "imbalance": chat["prefix"]["imbalance"],
         "predicted_equals_real": predicted,

@@ -19,7 +19,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from swaserve.proto.kv_rules import valid_match_length
+from swaserve.proto.kv_rules import prefix_reuse
 
 
 def page_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -128,18 +128,23 @@ class KVEventMirror:
                 self.pages[h] = tombstone
 
     def match_length(
-        self, token_ids: Sequence[int], page_size: int, sliding_window_size: int
+        self,
+        token_ids: Sequence[int],
+        page_size: int,
+        sliding_window_size: int,
+        repair_tokens: int = 0,
     ) -> int:
-        """Tokens of `token_ids` a worker would reuse: the longest cached run of whole pages,
-        cut back to the last end that has `sliding_window_size` live tokens before it (or no
-        tombstone at all before it)."""
+        """Tokens of `token_ids` a worker would skip (`prefix_reuse(...).saved_tokens`): the
+        longest cached run of whole pages, cut back to the last end that has
+        `sliding_window_size` live tokens before it (or no tombstone at all before it); with
+        `repair_tokens` R > 0, the whole run less R where that saves more."""
         runs = []
         for h in page_hashes(token_ids, page_size):
             tombstone = self.pages.get(h)
             if tombstone is None:
                 break
             runs.append((page_size, tombstone))
-        return valid_match_length(runs, sliding_window_size)
+        return prefix_reuse(runs, sliding_window_size, repair_tokens).saved_tokens
 
     def _expect(self, hashes: Sequence[int], *, present: bool, what: str) -> None:
         for h in hashes:

@@ -35,6 +35,7 @@ class Headroom:
     prompt_tokens_total: int = 0  # counters since start: prompt tokens admitted ...
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
     sliding_window_size: int = 0
+    window_repair_tokens: int = 0  # R of a window repair (DESIGN §6); 0: it does not repair
     page_size: int = 1
     chunked_prefill_size: int = 0
     hybrid: bool = True

@@ -8,14 +8,19 @@ workers, each node marked with the workers that hold the page (a bit per worker)
 - `ApproxCacheView`: for workers that send no events: the prompts routed to each worker,
   with one LRU over all (page, worker) entries under one global token cap.
 
-Both answer `match(token_ids, windows)`: per worker, the tokens its cache would reuse under
-the engine's window rule. Along one worker's pages of a prompt (P = 2, W = 4; L live, T
-tombstone), an end is valid with no tombstone before it or with at least W live tokens right
-before it, and the match is the last valid end before the first page the worker lacks:
+Both answer `match(token_ids, windows, repair_tokens)`: per worker, the tokens its cache
+would let the request skip under the engine's rule (`prefix_reuse`). Along one worker's pages
+of a prompt (P = 2, W = 4; L live, T tombstone), an end is valid with no tombstone before it
+or with at least W live tokens right before it, and the plain match is the last valid end
+before the first page the worker lacks:
 
     # pages:       L  L  T  L  L  L  |  (not held)
     # ends:     0  2  4  6  8  10 12
     # valid:    y  y  y  n  n  y  y     -> match 12; cut the prompt at 8 and it is 4
+
+A worker that repairs windows (R > 0) may instead resume at the end of all the pages it holds
+in a row, F, recomputing the last R: it skips max(valid, F - R). Cut the prompt above at 8
+with R = 2 and it skips 6 instead of 4.
 
 Worker ids here are small ints (bit positions); the router maps its worker ids onto them.
 """
@@ -77,16 +82,25 @@ class _PageTrie:
     def num_pages(self, worker: int) -> int:
         return self._num_pages.get(worker, 0)
 
-    def match(self, token_ids: Sequence[int], windows: Mapping[int, int]) -> dict[int, int]:
+    def match(
+        self,
+        token_ids: Sequence[int],
+        windows: Mapping[int, int],
+        repair_tokens: Mapping[int, int] | None = None,
+    ) -> dict[int, int]:
         """Tokens of `token_ids` (whole pages) that each worker of `windows` (worker -> its W)
-        would reuse. A query: changes nothing.
+        would skip: `prefix_reuse(runs, W, R).saved_tokens` over the pages it holds in a row
+        from the root, R = `repair_tokens[worker]` (absent or 0: the worker does not repair).
+        A query: changes nothing.
 
         One walk for all workers, with bit masks: `alive` hold every page so far; `ok` are at
         a valid end (no tombstone yet, or >= W live tokens since the last one); `in_tomb` saw
         a tombstone as their previous page. A worker that leaves a run of tombstones at end
-        `e` is `ready` again at end `e + W`. A worker's answer is the last end at which it
-        was in `ok`, written when it leaves `ok` or `alive`, or when the walk stops. The work
-        per page is a few mask operations, plus one step per worker that changes state.
+        `e` is `ready` again at end `e + W`. A worker's valid match is the last end at which
+        it was in `ok`, written when it leaves `ok` or `alive`, or when the walk stops; where
+        it leaves `alive` (or the walk stops) is its full run F, and a repairing worker that
+        is not in `ok` there answers max(valid, F - R). The work per page is a few mask
+        operations, plus one step per worker that changes state.
         """
         p = self.page_size
         best = dict.fromkeys(windows, 0)
@@ -94,6 +108,8 @@ class _PageTrie:
         for w, window in windows.items():
             alive |= 1 << w
             tombs_matter |= (window > 0) << w  # with W = 0 every end is valid
+        repairs = {w: r for w, r in (repair_tokens or {}).items() if r > 0 and w in windows}
+        repairing = sum(1 << w for w in repairs)
         ok, in_tomb = alive, 0
         ready: dict[int, int] = {}  # worker -> end at which its live run reaches W
         node, end, n = self.root, 0, len(token_ids) // p * p
@@ -103,8 +119,11 @@ class _PageTrie:
             if child is None:
                 break
             if alive & ~child.held:
-                if alive & ~child.held & ok:
-                    _settle(best, alive & ~child.held & ok, end)
+                gone = alive & ~child.held
+                if gone & ok:
+                    _settle(best, gone & ok, end)
+                if gone & repairing & ~ok:
+                    _repair(best, gone & repairing & ~ok, end, repairs)
                 alive &= child.held
                 ok &= alive
                 in_tomb &= alive
@@ -128,6 +147,8 @@ class _PageTrie:
                         del ready[w]
             node = child
         _settle(best, alive & ok, end)
+        if alive & repairing & ~ok:
+            _repair(best, alive & repairing & ~ok, end, repairs)
         return best
 
     def _key(self, token_ids: Sequence[int], start: int) -> PageKey:
@@ -193,6 +214,14 @@ class _PageTrie:
 def _settle(best: dict[int, int], mask: int, end: int) -> None:
     for w in _bits(mask):
         best[w] = end
+
+
+def _repair(best: dict[int, int], mask: int, full_end: int, repairs: Mapping[int, int]) -> None:
+    """The workers of `mask` hold a full run to `full_end` without a valid end there: a
+    repair of their last R tokens saves `full_end - R` where that beats the valid match
+    (`prefix_reuse`)."""
+    for w in _bits(mask):
+        best[w] = max(best[w], full_end - repairs[w])
 
 
 class ExactCacheView(_PageTrie):

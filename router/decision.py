@@ -15,7 +15,8 @@ class Outcome(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     """`worker_id` is set exactly when `outcome` is ROUTED; `predicted_hit_tokens`: prompt
-    tokens the worker should find in its prefix cache; `queued_s`: time spent in the queue."""
+    tokens the worker's prefix cache should save it from computing (its `cached_tokens`; a
+    repaired hit: the match less R); `queued_s`: time spent in the queue."""
 
     request_id: str
     outcome: Outcome

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 class Candidate:
     """A worker that can take the request now. `order`: its rank among the workers by
     `add_worker` order (stable tie-break); `load`: its requests (running, waiting, in flight);
-    `hit_tokens`: prompt tokens it would reuse from its prefix cache."""
+    `hit_tokens`: prompt tokens its prefix cache saves it from computing (a repaired hit:
+    its match less the tokens the repair recomputes)."""
 
     worker_id: str
     order: int

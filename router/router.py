@@ -180,9 +180,10 @@ class Router:
         return len(self._queue)
 
     def predict_hits(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Per reported worker, the tokens of `token_ids` its prefix cache would reuse: what
-        the worker's `match_prefix(token_ids)` returns (exact view) or the longest prompt
-        prefix routed there (approximate view). A query: changes nothing."""
+        """Per reported worker, the tokens of `token_ids` its prefix cache would let a request
+        skip: the `saved_tokens` of the worker's `match_prefix(token_ids, allow_repair=True)`
+        (exact view; a repaired hit counts its match less the R tokens it recomputes) or the
+        longest prompt prefix routed there (approximate view). A query: changes nothing."""
         workers = [w for w in self._workers.values() if w.headroom is not None]
         hits = self._hits(token_ids, workers)
         return {w.worker_id: hits.get(w.bit, 0) for w in workers}
@@ -252,15 +253,18 @@ class Router:
         return self._decide(decision)
 
     def _hits(self, token_ids: Sequence[int], workers: list[WorkerState]) -> dict[int, int]:
-        exact = {
-            w.bit: w.headroom.sliding_window_size
-            for w in workers
-            if w.kv_events and w.headroom is not None
-        }
+        """Per worker bit, the prompt tokens a hit saves (`predict_hits`)."""
+        exact: dict[int, int] = {}  # bit -> W
+        repairs: dict[int, int] = {}  # bit -> R, for the workers that repair windows
+        for w in workers:
+            if w.kv_events and w.headroom is not None:
+                exact[w.bit] = w.headroom.sliding_window_size
+                if w.headroom.window_repair_tokens > 0:
+                    repairs[w.bit] = w.headroom.window_repair_tokens
         approx = {w.bit: 0 for w in workers if not w.kv_events}
         hits = {}
         if exact and self._exact is not None:
-            hits.update(self._exact.match(token_ids, exact))
+            hits.update(self._exact.match(token_ids, exact, repairs))
         if approx and self._approx is not None:
             hits.update(self._approx.match(token_ids, approx))
         return hits

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class RouterStats:
     """`decisions[(policy, outcome)]`: outcomes are "routed", "queued", "expired" and
-    "overloaded"; a request queued and later routed counts once as each. Hit and prompt
-    tokens are summed over routed requests. Queue waits are those of requests that left the
+    "overloaded"; a request queued and later routed counts once as each. Prompt tokens
+    and predicted hit tokens (those a hit saves, `RouteDecision.predicted_hit_tokens`) are
+    summed over routed requests. Queue waits are those of requests that left the
     queue (routed or expired); `queue_len` is the current length."""
 
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)

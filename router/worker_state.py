@@ -33,7 +33,9 @@ def request_need(
     headroom: Headroom, num_prompt_tokens: int, hit_tokens: int, max_new_tokens: int
 ) -> RequestNeed:
     """`full ≈ prompt − hit + max_new`; `swa ≈ min(prompt − hit, chunk) + W + P` (0 on a
-    single-pool worker, whose SWA fields mirror the full ones)."""
+    single-pool worker, whose SWA fields mirror the full ones). `hit_tokens` are the tokens
+    the hit saves: a repaired hit's R recomputed tokens take new slots of both pools while
+    they are computed, so they count as uncached here."""
     uncached = num_prompt_tokens - hit_tokens
     if not headroom.hybrid:
         return RequestNeed(uncached + max_new_tokens, 0)

@@ -73,6 +73,17 @@ def test_mirror_match_length_applies_the_window_rule() -> None:
     assert mirror.match_length([9, 9], 2, 1) == 0
 
 
+def test_mirror_match_length_with_window_repair_answers_the_saved_tokens() -> None:
+    hashes = page_hashes(list(range(1, 9)), 2)  # pages [1,2] [3,4] [5,6] [7,8]
+    mirror = KVEventMirror()
+    mirror.apply([KVStored(tuple(hashes), None, tuple(range(1, 9)), 2)])
+    mirror.apply([KVTombstoned(hashes[1:3])])  # [3..6] tombstone: only 2 live tokens before 8
+    assert mirror.match_length(list(range(1, 9)), 2, 4) == 2  # the plain window rule
+    assert mirror.match_length(list(range(1, 9)), 2, 4, repair_tokens=2) == 6  # 8 - R
+    assert mirror.match_length(list(range(1, 9)), 2, 4, repair_tokens=6) == 2  # 8 - 6: no gain
+    assert mirror.match_length(list(range(1, 9)), 2, 2, repair_tokens=2) == 8  # a live window
+
+
 def test_cache_events_mirror_the_reference_scenario() -> None:
     allocator = SWATokenAllocator(128, 64)
     cache = SWARadixCache(allocator, sliding_window_size=4)

@@ -1,5 +1,6 @@
-"""The window rule, page arithmetic and SWA need of `swaserve.proto.kv_rules`, against a
-brute-force reading of DESIGN §6, and the router's bit-mask match against the same rule."""
+"""The window rule, window repair, page arithmetic and SWA need of `swaserve.proto.kv_rules`,
+against a brute-force reading of DESIGN §6, and the router's bit-mask match against the same
+rules."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import random
 import pytest
 
 from swaserve.proto.kv_rules import (
+    PrefixReuse,
     cdiv,
     min_swa_pool_tokens,
     page_ceil,
     page_floor,
+    prefix_reuse,
     swa_tokens_for_extend,
     valid_match_length,
+    window_repair_tokens,
 )
 
 
@@ -49,6 +53,36 @@ def test_matches_brute_force(seed: int) -> None:
         assert valid_match_length(runs, window) == brute_force(runs, window), (runs, window)
 
 
+def test_prefix_reuse_reference_example() -> None:
+    runs = [(40, False), (200, True), (8, False)]  # the docstring's picture, W = 32
+    assert prefix_reuse(runs, 32) == PrefixReuse(40)
+    assert prefix_reuse(runs, 32, 64) == PrefixReuse(248, 64)
+    assert prefix_reuse(runs, 32, 64).saved_tokens == 184
+    assert prefix_reuse(runs, 32, 208) == PrefixReuse(40)  # 248 - 208 = 40: no gain, no repair
+    assert prefix_reuse([(48, False)], 32, 16) == PrefixReuse(48)  # a live window: no repair
+    assert prefix_reuse([], 32, 16) == PrefixReuse(0)
+    assert window_repair_tokens(2, 128, 16) == 256 and window_repair_tokens(3, 5, 4) == 16
+
+
+def brute_force_reuse(runs: list[tuple[int, bool]], window: int, repair: int) -> int:
+    """Saved tokens: the best of the valid plain ends and, with R > 0, the whole path less R."""
+    options = [brute_force(runs, window)]
+    if repair > 0:
+        options.append(sum(n for n, _ in runs) - repair)
+    return max(options)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prefix_reuse_saves_the_most_of_plain_and_repaired(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        runs = [(rng.randint(1, 5), rng.random() < 0.4) for _ in range(rng.randint(0, 8))]
+        window, repair = rng.randint(1, 9), rng.choice([0, 0, 1, 2, 4, 8, 16])
+        reuse = prefix_reuse(runs, window, repair)
+        assert reuse.saved_tokens == brute_force_reuse(runs, window, repair), (runs, window)
+        assert reuse.repair_len in (0, repair) and reuse.match_len <= sum(n for n, _ in runs)
+
+
 def test_page_arithmetic() -> None:
     assert [cdiv(n, 4) for n in (0, 1, 4, 5)] == [0, 1, 1, 2]
     assert page_floor(7, 4) == 4 and page_ceil(7, 4) == 8 and page_ceil(8, 4) == 8
@@ -58,22 +92,24 @@ def test_page_arithmetic() -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_router_bitmask_match_follows_the_rule(seed: int) -> None:
-    """The router's one-walk match over KV events equals the rule on each worker's pages."""
+    """The router's one-walk match over KV events equals the rule on each worker's pages:
+    `prefix_reuse` with the worker's own W and R (R = 0: the plain window rule)."""
     from swaserve.proto.kv_events import KVStored, KVTombstoned, page_hashes
     from swaserve.router.cache_view import ExactCacheView
 
     rng = random.Random(seed)
     page = 2
-    for _ in range(50):
+    for _ in range(200):
         tokens = [rng.randint(0, 3) for _ in range(page * rng.randint(1, 8))]
         hashes = page_hashes(tokens, page)
         view = ExactCacheView(page)
-        windows = {}
+        windows, repairs = {}, {}
         runs_of = {}
-        for worker in range(3):
+        for worker in range(4):
             held = rng.randint(0, len(hashes))
             tombs = [rng.random() < 0.35 for _ in range(held)]
-            windows[worker] = rng.randint(1, 7)
+            windows[worker] = rng.randint(0, 7)
+            repairs[worker] = page * rng.choice([0, 0, 1, 2, 3, 5])
             if held:
                 view.apply(
                     worker,
@@ -83,6 +119,10 @@ def test_router_bitmask_match_follows_the_rule(seed: int) -> None:
                 if tomb_hashes:
                     view.apply(worker, [KVTombstoned(tomb_hashes)])
             runs_of[worker] = [(page, t) for t in tombs]
-        got = view.match(tokens, windows)
+        assert view.match(tokens, windows) == {
+            w: valid_match_length(runs_of[w], window) for w, window in windows.items()
+        }
+        got = view.match(tokens, windows, repairs)
         for worker, window in windows.items():
-            assert got[worker] == valid_match_length(runs_of[worker], window)
+            expected = prefix_reuse(runs_of[worker], window, repairs[worker]).saved_tokens
+            assert got[worker] == expected, (runs_of[worker], window, repairs[worker])

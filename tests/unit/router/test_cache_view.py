@@ -1,5 +1,6 @@
 """Exact (event-fed) and approximate (routed prompts) cache views: exact matched lengths,
-tombstones, tolerance of events that do not fit, and the approximate view's global cap."""
+tombstones, window repair, tolerance of events that do not fit, and the approximate view's
+global cap."""
 
 from __future__ import annotations
 
@@ -50,6 +51,20 @@ def test_match_falls_back_to_zero_when_a_tombstone_opens_the_path() -> None:
     assert view.match(TOKENS, {0: W}) == {0: 12}  # [7..12]: 6 live tokens
     assert view.match(TOKENS[:8], {0: W}) == {0: 0}  # only 2 live tokens before 8
     assert view.match(TOKENS[:8], {0: 2}) == {0: 8}
+
+
+def test_repairing_worker_skips_its_whole_run_less_r_where_that_saves_more() -> None:
+    view = ExactCacheView(P)
+    view.apply(0, [stored(TOKENS), KVTombstoned(pages_of(TOKENS, 2, 3))])  # [5,6] tombstone
+    view.apply(1, [stored(TOKENS[:8]), KVTombstoned(pages_of(TOKENS, 0, 3))])  # [1..6]
+    windows = {0: W, 1: W}
+    assert view.match(TOKENS[:8], windows) == {0: 4, 1: 0}
+    # The module docstring's picture cut at 8, R = 2: worker 0 skips 8 - 2 = 6 instead of 4.
+    assert view.match(TOKENS[:8], windows, {0: 2, 1: 2}) == {0: 6, 1: 6}
+    assert view.match(TOKENS[:8], windows, {0: 4, 1: 4}) == {0: 4, 1: 4}  # 8 - 4: a tie
+    assert view.match(TOKENS[:8], windows, {1: 6}) == {0: 4, 1: 2}  # only worker 1 repairs
+    assert view.match(TOKENS, windows, {0: 2, 1: 2}) == {0: 12, 1: 6}  # 12: a valid end
+    assert view.match(TOKENS[:4], windows, {0: 2, 1: 2}) == {0: 4, 1: 2}  # 4 - 2 beats 0
 
 
 def test_exact_view_equals_the_real_cache_on_a_tombstoned_node() -> None:
@@ -158,13 +173,18 @@ def test_approximate_view_with_a_cap_below_one_page_holds_nothing() -> None:
         max_size=8,
     ),
     windows=st.tuples(*[st.sampled_from([0, 1, 2, 4, 6]) for _ in range(3)]),
+    repairs=st.tuples(*[st.sampled_from([0, 2, 4, 8]) for _ in range(3)]),
     probe=st.lists(st.integers(0, 2), max_size=9),
 )
 def test_shared_walk_equals_each_workers_mirror(
-    paths: list[tuple[int, list[int], list[bool]]], windows: tuple[int, ...], probe: list[int]
+    paths: list[tuple[int, list[int], list[bool]]],
+    windows: tuple[int, ...],
+    repairs: tuple[int, ...],
+    probe: list[int],
 ) -> None:
     """Each worker caches prefixes of a few paths over a 3-page alphabet, some pages
-    tombstoned; one walk answers for all workers what each worker's own mirror answers."""
+    tombstoned; one walk answers for all workers what each worker's own mirror answers, with
+    and without each worker's window repair R."""
     view, mirrors = ExactCacheView(P), [KVEventMirror() for _ in windows]
     for worker, symbols, tombstones in paths:
         tokens = [10 * s + j for s in symbols for j in range(P)]
@@ -183,3 +203,5 @@ def test_shared_walk_equals_each_workers_mirror(
     tokens = [10 * s + j for s in probe for j in range(P)]
     expected = {w: m.match_length(tokens, P, windows[w]) for w, m in enumerate(mirrors)}
     assert view.match(tokens, dict(enumerate(windows))) == expected
+    expected = {w: m.match_length(tokens, P, windows[w], repairs[w]) for w, m in enumerate(mirrors)}
+    assert view.match(tokens, dict(enumerate(windows)), dict(enumerate(repairs))) == expected

@@ -1,5 +1,6 @@
-"""Router rules, one test each, with exact workers, hits, budgets and times: the imbalance
-gate, two-pool admission, the queue bound and deadlines, stale workers, restarts."""
+"""Router rules, one test each, with exact workers, hits, budgets and times: the window rule
+and window repair in the hit, the imbalance gate, two-pool admission, the queue bound and
+deadlines, stale workers, restarts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from router_scenario import Cluster, P, W, pages_of, stored
 
 from swaserve.proto.kv_events import KVCleared, KVTombstoned
 from swaserve.router import Outcome, Overloaded, RouteDecision, RouterConfig
+from swaserve.router.worker_state import RequestNeed
 
 PROMPT = list(range(1, 18))  # 17 tokens: the engine matches the first 16 (8 pages)
 
@@ -28,6 +30,25 @@ def test_route_predicts_the_hit_under_the_window_rule() -> None:
     assert routed(c.router.route("r2", PROMPT[:13], 8)) == ("a", 8)  # matches 12: 2 live
     assert c.router.predict_hits(PROMPT[:12]) == {"a": 8}
     assert c.router.stats.predicted_hit_tokens == 24
+
+
+def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
+    c = Cluster("a", "b")
+    # a: all 8 pages, [3..14] tombstoned: only [15,16] live before 16, so its plain match is
+    # 2; repairing R = 4 tokens it skips 16 - 4 = 12. b: [1..10] live, a plain hit of 10.
+    c.report("a", [stored(PROMPT), KVTombstoned(pages_of(PROMPT, 1, 7))])
+    c.report("b", [stored(PROMPT[:10])])
+    assert c.router.predict_hits(PROMPT[:16]) == {"a": 2, "b": 10}
+    assert routed(c.router.route("r1", PROMPT, 8)) == ("b", 10)
+    c.report("a", window_repair_tokens=4)
+    assert c.router.predict_hits(PROMPT[:16]) == {"a": 12, "b": 10}
+    assert routed(c.router.route("r2", PROMPT, 8)) == ("a", 12)
+    # Its need counts the 4 recomputed tokens as uncached: 17 - 12 + 8 new; SWA 5 + W + P.
+    assert c.router._workers["a"].pending == RequestNeed(13, 5 + W + P)
+    assert c.router.stats.predicted_hit_tokens == 22
+    c.report("a", window_repair_tokens=12)  # 16 - 12 = 4 <= 10: b again, and a saves 4
+    assert routed(c.router.route("r3", PROMPT, 8)) == ("b", 10)
+    assert c.router.predict_hits(PROMPT[:16])["a"] == 4
 
 
 # ---- rule: imbalance gate -----------------------------------------------------------------------

@@ -2,8 +2,10 @@
 go through random inserts, request lifecycles (match, lock, chunked insert, out-of-window SWA
 freeing, SWA lock release, finish), evictions, cache resets and restarts; their KV events
 reach the router in reports. After every step the router's view of each worker equals its
-tree page for page, and the predicted reusable length of every probed prompt equals that
-worker's `match_prefix` (and `route` predicts the same for the worker it picks)."""
+tree page for page, and the predicted reuse of every probed prompt equals the tokens that
+worker's `match_prefix(..., allow_repair=True)` saves (`saved_tokens`; each worker draws its
+own window repair R, 0 = none, and requests start from repaired matches as the engine does),
+and `route` predicts the same for the worker it picks."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from swaserve.proto.kv_events import page_hashes
+from swaserve.proto.kv_rules import page_floor
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Router, RouterConfig
 from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
@@ -49,8 +52,8 @@ class Request:
 
 
 class Worker:
-    def __init__(self, name: str, page_size: int, window: int, pure: bool) -> None:
-        self.name, self.p, self.w, self.pure = name, page_size, window, pure
+    def __init__(self, name: str, page_size: int, window: int, pure: bool, repair: int) -> None:
+        self.name, self.p, self.w, self.pure, self.repair = name, page_size, window, pure, repair
         self.instances = itertools.count()
         self.seq = 0
         self.restart()
@@ -59,7 +62,12 @@ class Worker:
         self.instance = f"{self.name}-{next(self.instances)}"
         self.alloc = SWATokenAllocator(FULL_PAGES * self.p, SWA_PAGES * self.p, page_size=self.p)
         cls = PureSWARadixCache if self.pure else SWARadixCache
-        self.cache = cls(self.alloc, sliding_window_size=self.w, page_size=self.p)
+        self.cache = cls(
+            self.alloc,
+            sliding_window_size=self.w,
+            page_size=self.p,
+            window_repair_tokens=self.repair,
+        )
         self.requests: list[Request] = []
         self.seq = 0
 
@@ -75,6 +83,7 @@ class Worker:
             num_running=len(self.requests),
             num_waiting=0,
             sliding_window_size=self.w,
+            window_repair_tokens=self.cache.window_repair_tokens,  # 0 in the pure-SWA variant
             page_size=self.p,
         )
         return WorkerReport(
@@ -94,10 +103,16 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
         page_size=st.sampled_from([1, 4]),
         windows=st.tuples(st.sampled_from([1, 4, 8]), st.sampled_from([1, 4, 8])),
         pure=st.booleans(),
+        repair_pages=st.tuples(st.sampled_from([0, 1, 2, 4]), st.sampled_from([0, 1, 2, 4])),
     )
-    def setup(self, page_size: int, windows: tuple[int, int], pure: bool) -> None:
+    def setup(
+        self, page_size: int, windows: tuple[int, int], pure: bool, repair_pages: tuple[int, int]
+    ) -> None:
         self.p, self.now = page_size, 0.0
-        self.workers = [Worker(f"w{i}", page_size, w, pure) for i, w in enumerate(windows)]
+        self.workers = [
+            Worker(f"w{i}", page_size, w, pure, r * page_size)
+            for i, (w, r) in enumerate(zip(windows, repair_pages, strict=True))
+        ]
         self.router = Router(RouterConfig(report_timeout_s=1e9), clock=lambda: self.now)
         for worker in self.workers:
             self.router.add_worker(worker.name)
@@ -128,7 +143,8 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
     def expect_equal_predictions(self, tokens: list[int]) -> None:
         predicted = self.router.predict_hits(tokens)
         for worker in self.workers:
-            assert predicted[worker.name] == worker.cache.match_prefix(tokens).indices.numel()
+            match = worker.cache.match_prefix(tokens, allow_repair=True)
+            assert predicted[worker.name] == match.saved_tokens
 
     # ---- worker-side rules --------------------------------------------------------------------
     @rule(data=st.data())
@@ -145,17 +161,25 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def start_request(self, data: st.DataObject) -> None:
+        """As the engine admits: the match (repaired where that saves more) locked, the
+        tree's slots up to `saved_tokens`, the request's own after (a repair recomputes
+        [m - R, m) into them); a repair keeps only the SWA KV of the window before m."""
         worker, tokens = self.worker(data), self.tokens(data)
         self.seen.append(tokens)
-        match = worker.cache.match_prefix(tokens)
+        match = worker.cache.match_prefix(tokens, allow_repair=True)
         lock = PrefixLock(match.last_node, worker.cache.inc_lock_ref(match.last_node))
-        m = match.indices.numel()
+        m = match.saved_tokens
         own = worker.alloc_pages(len(tokens) - m)
         if own is None:
             worker.cache.dec_lock_ref(match.last_node, lock.handle)
-        else:
-            kv = torch.cat((match.indices, own[: len(tokens) - m]))
-            worker.requests.append(Request(tokens, kv, lock, SWAFreeState(cache_protected_len=m)))
+            return
+        kv = torch.cat((match.indices[:m], own[: len(tokens) - m]))
+        state = SWAFreeState(cache_protected_len=m)
+        window_start = page_floor(max(0, match.indices.numel() - worker.w), self.p)
+        if match.repair_len and window_start > m:
+            worker.alloc.free_swa(kv[m:window_start])
+            state.swa_evicted_seqlen = window_start
+        worker.requests.append(Request(tokens, kv, lock, state))
 
     @rule(data=st.data())
     def advance_request(self, data: st.DataObject) -> None:
@@ -207,9 +231,8 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
         decision = self.router.route(f"r{next(self.ids)}", [*tokens, 5], 0)
         if decision.outcome == Outcome.ROUTED:
             chosen = next(w for w in self.workers if w.name == decision.worker_id)
-            assert (
-                decision.predicted_hit_tokens == chosen.cache.match_prefix(tokens).indices.numel()
-            )
+            match = chosen.cache.match_prefix(tokens, allow_repair=True)
+            assert decision.predicted_hit_tokens == match.saved_tokens
         assert self.router.finish(decision.request_id)
 
     @invariant()

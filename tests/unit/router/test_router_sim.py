@@ -1,5 +1,6 @@
-"""bench/router_sim.py --quick runs in-process and reports the promised JSON keys (no timing
-asserts: the bench is a measurement, not a test)."""
+"""bench/router_sim.py --quick runs in-process and reports the promised JSON keys, and with
+reports after every change the router predicts each worker's real reuse exactly, repaired
+window hits included (no timing asserts: the bench is a measurement, not a test)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,10 @@ def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
     chat = report["runs"]["chat"]["prefix"]
     assert chat["requests"] > 0 and chat["stuck"] == 0
     assert report["cached_sequences"] == 400
+    assert report["window_repair_tokens"] == 256  # L_swa = 2, W = 128, P = 16
+    runs = [m for by_policy in report["runs"].values() for m in by_policy.values()]
+    assert [m["predicted_equals_real"] for m in runs] == [1.0] * 6
+    assert report["predicted_equals_real"] == 1.0
+    # The trace reaches repaired hits on every policy (a shared system prompt whose window
+    # checkpoint the SWA pool evicted: its full KV stays, a new session repairs R of it).
+    assert min(m["repaired"] for m in report["runs"]["chat"].values()) > 0
