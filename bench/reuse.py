@@ -123,7 +123,7 @@ def run_chat(engine: CountingEngine, args: argparse.Namespace, rng: random.Rando
         prompt = system + history + tokens(rng, args.user_tokens)
         out = engine.run(prompt, SamplingParams(temperature=0, max_new_tokens=args.new_tokens))
         answers.append(out)
-        history = prompt[len(system) :] + [ASSISTANT] + out[REASONING_TOKENS:]
+        history = [*prompt[len(system) :], ASSISTANT, *out[REASONING_TOKENS:]]
     return answers
 
 
@@ -285,7 +285,9 @@ def print_table(report: dict, repair: int, args: argparse.Namespace) -> None:
         f"W={args.window}, L_swa={args.layers // 2}, P={args.page_size}, chunk={args.chunk}, "
         f"R = L_swa * W = {repair}"
     )
-    header = f"{'workload':<14} {'mode':<17} {'prefill':>8} {'cached':>7}  equal  cached per request"
+    header = (
+        f"{'workload':<14} {'mode':<17} {'prefill':>8} {'cached':>7}  equal  cached per request"
+    )
     print(header)
     for workload, entry in report["workloads"].items():
         for mode in MODES:

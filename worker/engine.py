@@ -526,6 +526,7 @@ class Engine:
             hybrid=self.hybrid,
             full_reserved_tokens=full_reserved,
             swa_reserved_tokens=swa_reserved,
+            window_repair_tokens=self.window_repair_tokens,
         )
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -347,9 +347,7 @@ class SWARadixCache(RadixTree):
         self._flush()
 
     # ---- internals -----------------------------------------------------------------------
-    def _walk(
-        self, key: list[int], allow_repair: bool = False
-    ) -> tuple[list[RadixNode], int, int]:
+    def _walk(self, key: list[int], allow_repair: bool = False) -> tuple[list[RadixNode], int, int]:
         """Nodes matching `key` from the root (the last one split to end at the match), how
         many of them the match uses (`prefix_reuse`: the longest end under the window rule, or
         all with a repair) and the repair length (0 = none)."""

@@ -338,7 +338,13 @@ class RadixCacheCorrupted(KVError, AssertionError):
 def check_tree(cache: RadixTree) -> None:
     """Raise `RadixCacheCorrupted` on the first broken invariant of `cache` (see its `check`)."""
     root = cache.root
-    if root.key or root.parent is not None or root in cache._full_lru or root in cache._swa_lru or root in cache._ckpt_lru:
+    if (
+        root.key
+        or root.parent is not None
+        or root in cache._full_lru
+        or root in cache._swa_lru
+        or root in cache._ckpt_lru
+    ):
         raise RadixCacheCorrupted("the root has a key or a parent, or sits in an LRU")
     sizes = [0, 0, 0, 0]  # full evictable, full protected, SWA evictable, SWA protected
     live: list[torch.Tensor] = []

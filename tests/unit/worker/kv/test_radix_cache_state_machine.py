@@ -1,7 +1,10 @@
 """Random inserts, matches, request lifecycles, locks and evictions over SWARadixCache.
 
 After every step: `check()` on tree and allocator, the event mirror equals the tree page for
-page, and every match length equals a brute-force oracle of the window rule.
+page, and every match length equals a brute-force oracle of the window rule (and, with window
+repair allowed, of `prefix_reuse`). Requests may start from a repaired match and hand its
+window to the tree as the engine's KV manager does; SWA eviction takes window checkpoints
+only once no other unlocked live node is left.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from hypothesis.stateful import (
 )
 
 from swaserve.proto.kv_events import KVEventMirror, page_hashes
+from swaserve.proto.kv_rules import page_floor
 from swaserve.worker.kv import (
     SWAFreeState,
     SWATokenAllocator,
@@ -67,6 +71,7 @@ class Request:
     kv: torch.Tensor  # [len(tokens)] int64: the tree's slots before cache_protected_len, own after
     lock: PrefixLock
     state: SWAFreeState
+    repair_end: int = 0  # a repaired match: [.., repair_end) recomputed its SWA KV
 
 
 class RadixCacheMachine(RuleBasedStateMachine):
@@ -77,15 +82,24 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.seen: list[list[int]] = []  # inserted token lists: matches often follow them
 
     @initialize(
-        page_size=st.sampled_from([1, 4]), window=st.sampled_from([1, 4, 8]), pure=st.booleans()
+        page_size=st.sampled_from([1, 4]),
+        window=st.sampled_from([1, 4, 8]),
+        pure=st.booleans(),
+        repair_pages=st.sampled_from([0, 1, 3]),
     )
-    def setup(self, page_size: int, window: int, pure: bool) -> None:
+    def setup(self, page_size: int, window: int, pure: bool, repair_pages: int) -> None:
         self.p, self.w = page_size, window
         self.alloc = SWATokenAllocator(
             FULL_PAGES * page_size, SWA_PAGES * page_size, page_size=page_size
         )
         cls = PureSWARadixCache if pure else SWARadixCache
-        self.cache = cls(self.alloc, sliding_window_size=window, page_size=page_size)
+        self.cache = cls(
+            self.alloc,
+            sliding_window_size=window,
+            page_size=page_size,
+            window_repair_tokens=repair_pages * page_size,
+        )
+        self.repair = self.cache.window_repair_tokens
 
     # ---- helpers -----------------------------------------------------------------------------
     def tokens(self, data: st.DataObject) -> list[int]:
@@ -102,13 +116,32 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def sync_mirror(self) -> None:
         self.mirror.apply(self.cache.take_events())
 
-    def match(self, tokens: list[int]) -> tuple[torch.Tensor, RadixNode]:
+    def match(
+        self, tokens: list[int], allow_repair: bool = False
+    ) -> tuple[torch.Tensor, RadixNode, int]:
         self.sync_mirror()
         expected = oracle_match_len(self.mirror.pages, tokens, self.p, self.w)
         assert self.mirror.match_length(tokens, self.p, self.w) == expected
-        result = self.cache.match_prefix(tokens)
-        assert result.indices.numel() == expected
-        return result.indices, result.last_node
+        result = self.cache.match_prefix(tokens, allow_repair=allow_repair)
+        cached = 0  # pages the tree holds along `tokens`, tombstones included
+        for h in page_hashes(tokens, self.p):
+            if h not in self.mirror.pages:
+                break
+            cached += self.p
+        repair = self.repair if allow_repair else 0
+        if repair and cached - repair > expected:
+            assert (result.indices.numel(), result.repair_len) == (cached, repair)
+        else:
+            assert (result.indices.numel(), result.repair_len) == (expected, 0)
+        return result.indices, result.last_node, result.repair_len
+
+    def settle_repair(self, req: Request) -> None:
+        """The KV manager's rule once a repair is computed: only the window before its end is
+        exact, so the tree sees everything before that as freed SWA."""
+        if req.repair_end:
+            window_start = page_floor(max(0, req.repair_end - self.w), self.p)
+            req.state.swa_evicted_seqlen = max(req.state.swa_evicted_seqlen, window_start)
+            req.repair_end = 0
 
     def alloc_pages(self, num_tokens: int) -> torch.Tensor | None:
         need = -(-num_tokens // self.p) * self.p
@@ -120,7 +153,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     # ---- rules -------------------------------------------------------------------------------
     @rule(data=st.data())
     def match_only(self, data: st.DataObject) -> None:
-        self.match(self.tokens(data))
+        self.match(self.tokens(data), allow_repair=data.draw(st.booleans()))
 
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
@@ -144,15 +177,16 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def start_request(self, data: st.DataObject) -> None:
         tokens = self.tokens(data)
         self.seen.append(tokens)
-        prefix, node = self.match(tokens)
+        prefix, node, repair = self.match(tokens, allow_repair=data.draw(st.booleans()))
         lock = PrefixLock(node, self.cache.inc_lock_ref(node))
-        m = prefix.numel()
+        m = prefix.numel() - repair  # a repair recomputes [m, m + repair) in slots of its own
         own = self.alloc_pages(len(tokens) - m)
         if own is None:
             self.cache.dec_lock_ref(node, lock.handle)
             return
-        kv = torch.cat((prefix, own[: len(tokens) - m]))
-        self.requests.append(Request(tokens, kv, lock, SWAFreeState(cache_protected_len=m)))
+        kv = torch.cat((prefix[:m], own[: len(tokens) - m]))
+        state = SWAFreeState(cache_protected_len=m)
+        self.requests.append(Request(tokens, kv, lock, state, m + repair if repair else 0))
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -177,6 +211,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def cache_unfinished(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(self.requests))
         aligned = len(req.tokens) // self.p * self.p
+        self.settle_repair(req)
         if req.state.swa_evicted_seqlen >= aligned > 0:
             return
         req.kv, req.lock = self.cache.cache_unfinished_request(
@@ -189,6 +224,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(self.requests))
         self.requests.remove(req)
+        self.settle_repair(req)
         self.cache.cache_finished_request(req.tokens, req.kv, req.lock, req.state)
 
     def big_tree(self) -> bool:
@@ -200,6 +236,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(full_tokens=st.integers(0, 24), swa_tokens=st.integers(0, 24))
     def evict(self, full_tokens: int, swa_tokens: int) -> None:
         full_before, swa_before = self.alloc.full_available_size(), self.alloc.swa_available_size()
+        checkpoints = {x for x in self.cache._nodes() if x.checkpoint}
         full, swa = self.cache.evict(full_tokens, swa_tokens)
         assert (full, swa) == (
             self.alloc.full_available_size() - full_before,
@@ -208,6 +245,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
         nodes = self.cache._nodes()
         assert full >= full_tokens or not any(x.full_lock == 0 and not x.children for x in nodes)
         assert swa >= swa_tokens or not any(x.swa_lock == 0 and not x.tombstone for x in nodes)
+        # Under SWA pressure checkpoints go last: if one lost its SWA KV, no other unlocked live
+        # node is left (full eviction takes LRU leaves, checkpoints or not).
+        if full_tokens == 0 and any(x.tombstone or x.parent is None for x in checkpoints):
+            assert not any(x.swa_lock == 0 and not x.tombstone and not x.checkpoint for x in nodes)
 
     @precondition(big_tree)
     @rule(swa_tokens=st.integers(1, 12))
@@ -233,6 +274,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         for req in self.requests:
+            self.settle_repair(req)
             self.cache.cache_finished_request(req.tokens, req.kv, req.lock, req.state)
         self.requests.clear()
         assert self.cache.full_protected_size() == self.cache.swa_protected_size() == 0
