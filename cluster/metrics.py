@@ -70,7 +70,12 @@ class ClusterSnapshotCollector(Collector):
         )
         hits = CounterMetricFamily(
             PREFIX + "prefix_cache_hits",
-            "prompt tokens served from the prefix cache",
+            "prompt tokens served from the prefix cache (a repaired hit counts its match less R)",
+            labels=labels,
+        )
+        repairs = CounterMetricFamily(
+            PREFIX + "window_repair_tokens",
+            "prompt tokens recomputed to repair the SWA window of a cached prefix",
             labels=labels,
         )
         for status in self.workers:
@@ -85,7 +90,8 @@ class ClusterSnapshotCollector(Collector):
             tombstoned.add_metric(values, tombstoned_tokens(h))
             queries.add_metric(values, h.prompt_tokens_total)
             hits.add_metric(values, h.cached_tokens_total)
-        yield from (running, waiting, usage, swa_usage, tombstoned, queries, hits)
+            repairs.add_metric(values, h.window_repair_tokens_total)
+        yield from (running, waiting, usage, swa_usage, tombstoned, queries, hits, repairs)
         decisions = CounterMetricFamily(
             PREFIX + "router_decisions",
             "routing decisions by policy and outcome (routed, queued, expired, overloaded)",

@@ -34,6 +34,7 @@ class Headroom:
     swa_reserved_tokens: int = 0  # SWA tokens promised to running requests (about min(new, I + P))
     prompt_tokens_total: int = 0  # counters since start: prompt tokens admitted ...
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
+    window_repair_tokens_total: int = 0  # ... tokens recomputed to repair cached windows
     sliding_window_size: int = 0
     window_repair_tokens: int = 0  # R of a window repair (DESIGN §6); 0: it does not repair
     page_size: int = 1

@@ -520,6 +520,7 @@ class Engine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
             prompt_tokens_total=self.stats.prompt_tokens,
             cached_tokens_total=self.stats.cached_tokens,
+            window_repair_tokens_total=self.stats.window_repair_tokens,
             sliding_window_size=self.window or 0,
             page_size=self.page_size,
             chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,

@@ -122,7 +122,6 @@ class KVCacheManager:
         n = match.saved_tokens
         if match.repair_len:
             req.repair_start, req.repair_end = n, match.indices.numel()
-            self.stats.window_repair_tokens += match.repair_len
             req.num_slots = n  # [n, m) of the row are the tree's until the repair allocates
         req.num_computed = n
         req.swa = SWAFreeState(cache_protected_len=n)
@@ -247,8 +246,9 @@ class KVCacheManager:
             w = self.sliding_window_size or 0
             window_start = page_floor(max(0, req.repair_end - w), self.page_size)
             req.swa.swa_evicted_seqlen = max(req.swa.swa_evicted_seqlen, window_start)
-            req.repair_start = req.repair_end = 0
             self.stats.window_repairs += 1
+            self.stats.window_repair_tokens += req.repair_end - req.repair_start
+            req.repair_start = req.repair_end = 0
         slots, req.lock = self.tree.cache_unfinished_request(
             req.token_ids[:done], req.slots[:done], req.lock, req.swa
         )

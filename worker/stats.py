@@ -18,7 +18,7 @@ class EngineStats:
     retractions: int = 0
     swa_freed_tokens: int = 0  # out-of-window SWA slots given back by running requests
     tombstoned_pages: int = 0  # pages of the prefix cache whose SWA KV was evicted
-    window_repairs: int = 0  # cached prefixes resumed by recomputing their window's SWA KV
+    window_repairs: int = 0  # finished repairs: cached prefixes resumed by recomputing a window
     window_repair_tokens: int = 0  # tokens those repairs recomputed
     finished_requests: int = 0
     aborted_requests: int = 0

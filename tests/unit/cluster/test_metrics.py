@@ -23,6 +23,7 @@ HEADROOM = Headroom(
     swa_protected_tokens=30,
     prompt_tokens_total=400,
     cached_tokens_total=120,
+    window_repair_tokens_total=64,
 )
 
 
@@ -59,6 +60,7 @@ def test_snapshot_and_histograms_render_with_their_labels() -> None:
     assert got["swaserve:swa_tombstoned_tokens", w] == (150 + 50) - (20 + 30)
     assert got["swaserve:prefix_cache_queries_total", w] == 400
     assert got["swaserve:prefix_cache_hits_total", w] == 120
+    assert got["swaserve:window_repair_tokens_total", w] == 64
     routed = (("model_name", "tiny"), ("outcome", "routed"), ("policy", "prefix"))
     assert got["swaserve:router_decisions_total", routed] == 7
     assert got["swaserve:router_queue_len", (("model_name", "tiny"),)] == 1
