@@ -168,26 +168,31 @@ def test_full_router_queue_gets_resource_exhausted_with_a_retry_hint(
 def test_queued_request_waits_for_room_and_a_caller_that_leaves_the_queue_frees_its_place(
     make_cluster: MakeCluster,
 ) -> None:
-    served = make_cluster(replicas=1, max_total_tokens=512, router=RouterConfig(max_queue_len=4))
+    # The holder's output nearly fills the model's context: it holds the room until it is
+    # aborted (thousands of decode steps, far past the waits below). The queued request needs
+    # as much: whatever share of the holder's output the worker still reserves, the pool cannot
+    # hold both, so it waits in the router's queue until the abort.
+    served = make_cluster(replicas=1, max_total_tokens=4608, router=RouterConfig(max_queue_len=4))
     router = served.cluster.router
 
     def queue_len() -> int:
         return ray.get(router.stats.remote(), timeout=10)["queue_len"]
 
-    holder = StreamThread(served, long_request(0, max_new_tokens=450))
+    holder = StreamThread(served, long_request(0, max_new_tokens=4000))
     holder.start()
     assert holder.first.wait(60)
-    queued = StreamThread(served, long_request(1, max_new_tokens=450))
+    queued = StreamThread(served, long_request(1, max_new_tokens=4000))
     queued.start()
     wait_for(lambda: queue_len() == 1)
     with pytest.raises(grpc.RpcError) as err:
-        list(served.stub().Generate(long_request(2, max_new_tokens=450), timeout=1.0))
+        list(served.stub().Generate(long_request(2, max_new_tokens=4000), timeout=1.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: queue_len() == 1)  # the one that left is out of the queue
-    assert not queued.items  # still waiting for room
+    assert holder.code is None and not queued.items  # still waiting for room
     assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
-    queued.join(120)
-    assert queued.code == grpc.StatusCode.OK
-    assert sum(len(i.token_ids) for i in queued.items) == 450
+    assert queued.first.wait(120) and queued.items  # room was made: it runs
     assert queue_len() == 0
+    assert served.stub().Abort(pb.AbortRequest(request_id="long-1"), timeout=10).aborted
+    queued.join(120)
+    assert queued.code == grpc.StatusCode.OK and queued.items[-1].finish_reason == "abort"
     ray.get(router.check.remote(), timeout=10)
