@@ -310,9 +310,10 @@ class Engine:
         timer = self.stats.timer()
         batch = self.scheduler.schedule()
         timer.lap("schedule")
+        failed = self._unservable_outputs()
         if batch is None:
             self._on_idle()
-            return []
+            return failed
         model_input = self._model_input(batch)
         timer.lap("input")
         try:
@@ -325,12 +326,12 @@ class Engine:
             self._fail(batch, exc)
             raise
         except Exception as exc:  # a failed step must not take the engine down
-            return self._fail(batch, exc)
+            return failed + self._fail(batch, exc)
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
         outputs = self._outputs(batch, next_tokens, finished)
         timer.lap("postprocess")
-        return outputs
+        return failed + outputs if failed else outputs
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         """Every rank runs the step: rank 0 broadcasts the input, then runs its own shard."""
@@ -413,6 +414,18 @@ class Engine:
             )
             self._requests.pop(req.request_id, None)
         self._collect_events()
+        return outputs
+
+    def _unservable_outputs(self) -> list[RequestOutput]:
+        """The requests the scheduler just ended as unservable (finish reason `error`)."""
+        outputs = []
+        for req in self.scheduler.take_failed():
+            self._requests.pop(req.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    req.request_id, [], True, FinishReason.ERROR.value, req.cached_tokens, req.error
+                )
+            )
         return outputs
 
     def _outputs(

@@ -7,11 +7,19 @@ budget. Admission checks two budgets, one per pool (DESIGN §6):
     rem_swa_tokens   = SWA free + SWA evictable  − Σ running: min(remaining new, I + P)
 
 A new request needs `extend + min(max_new, CLIP) × ratio` full tokens (its whole remaining
-prompt: full KV stays) but only `chunk + W + P` SWA tokens (a chunk plus the window before it).
-`ratio` (the expected share of max_new_tokens that gets used) decays while decodes succeed and
-jumps back up after a retraction, as in SGLang. When decode cannot get slots even after
-evicting the prefix cache, the newest request is retracted: its KV is released and it waits
-again, to be re-prefilled (reusing whatever the cache still holds).
+prompt: full KV stays) but only `chunk + W + P` SWA tokens (a chunk plus the window before it),
+less the part of that window its prefix hit just locked in the tree (the lock already took it
+off the budget; it is no new slot). `ratio` (the expected share of max_new_tokens that gets
+used) decays while decodes succeed and jumps back up after a retraction, as in SGLang.
+
+Liveness (DESIGN §6): every step runs a batch or ends a request. When the decodes cannot get
+slots even after evicting the prefix cache, the newest request is retracted: its KV is released
+and it waits again, to be re-prefilled (reusing whatever the cache still holds). When nothing
+decodes and no prefill chunk gets room, the oldest prefilling request takes a shorter chunk
+(whole pages of the room there is; a cached chunk's lock may hold more than W), else the
+newest is retracted. When nothing runs, the head request has the pools to itself: it is
+admitted if its next chunk, or a shorter one, fits them at all, else it ends with finish
+reason `error` and a message saying what it needs and what the pools hold.
 
 The scheduler decides; it asks the `KVCacheManager` for room and never edits a request's slots,
 the tree or KV contents.
@@ -24,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swaserve.proto.kv_rules import swa_tokens_for_extend
+from swaserve.proto.kv_rules import page_ceil, page_floor, swa_tokens_for_extend
 from swaserve.worker.decode_batch import DecodeBatch
-from swaserve.worker.kv_manager import KVCacheManager
+from swaserve.worker.kv_manager import KVCacheManager, PrefixHit
 from swaserve.worker.request import FinishReason, Request, RequestStatus
 from swaserve.worker.stats import EngineStats
 
@@ -112,6 +120,7 @@ class Scheduler:
         # joins as prefilling, moves to the decode batch when it samples, leaves either.
         self._decode = DecodeBatch()
         self._prefilling: list[Request] = []
+        self._failed: list[Request] = []  # unservable requests ended since `take_failed`
 
     # ---- queries -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -145,8 +154,14 @@ class Scheduler:
         req.status = RequestStatus.ABORTED
         req.finish_reason = FinishReason.ABORT
 
+    def take_failed(self) -> list[Request]:
+        """The requests ended as unservable (finish reason `error`) since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def schedule(self) -> ScheduledBatch | None:
-        """Pick and allocate the next step's work; None when there is nothing to run."""
+        """Pick and allocate the next step's work; None when there is nothing to run (then
+        nothing waits either, or every waiting request just failed as unservable)."""
         self._free_out_of_window_swa()
         reqs: list[Request] = []
         extends: list[int] = []
@@ -163,14 +178,7 @@ class Scheduler:
 
         num_decodes = len(reqs)
         budget = self.limits.chunked_prefill_size or self.limits.max_prefill_tokens
-        for req in self._prefilling:  # a request retracted for the decodes has left it
-            n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
-            if n == 0 or (out := self.kv.allocate_extend(req, n)) is None:
-                continue
-            reqs.append(req)
-            extends.append(n)
-            locs.append(out)
-            budget -= n
+        budget = self._extend_prefills(budget, num_decodes, reqs, extends, locs)
         self._admit(budget, num_decodes, reqs, extends, locs)
 
         if not reqs:
@@ -299,6 +307,36 @@ class Scheduler:
         self.new_token_ratio = self.limits.init_new_token_ratio
 
     # ---- prefill -------------------------------------------------------------------------
+    def _extend_prefills(
+        self,
+        budget: int,
+        num_decodes: int,
+        reqs: list[Request],
+        extends: list[int],
+        locs: list[torch.Tensor],
+    ) -> int:
+        """Allocate the next chunk of each prefilling request within `budget`; returns the
+        budget left. When nothing decodes and no chunk gets room, the oldest prefilling
+        request takes a shorter chunk (whole pages of the room left); if not one page fits,
+        the newest request is retracted and the oldest tries again, as for decodes."""
+        for req in self._prefilling:  # a request retracted for the decodes has left it
+            n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
+            if n > 0 and (out := self.kv.allocate_extend(req, n)) is not None:
+                reqs.append(req)
+                extends.append(n)
+                locs.append(out)
+                budget -= n
+        while not reqs and self._prefilling:
+            req = min(self._prefilling, key=lambda r: r.arrival)
+            n = self._chunk_in_room(req, self._prefill_len(req, budget, first=True), self._room())
+            if n > 0 and (out := self.kv.allocate_extend(req, n)) is not None:
+                reqs.append(req)
+                extends.append(n)
+                locs.append(out)
+                return budget - n
+            self._retract(max(self.running, key=lambda r: r.arrival))
+        return budget
+
     def _prefill_len(self, req: Request, budget: int, first: bool) -> int:
         """Tokens of `req` to compute this step within `budget` (0 = wait)."""
         pending = req.pending_tokens
@@ -320,15 +358,16 @@ class Scheduler:
         extends: list[int],
         locs: list[torch.Tensor],
     ) -> None:
-        """Move waiting requests to running while both pools and the step budget allow."""
+        """Move waiting requests to running while both pools and the step budget allow.
+        With nothing running, the head request is admitted if its next chunk fits the pools at
+        all, or ends as unservable (`take_failed`); then the next one is tried."""
         if not self.waiting:
             return
         rem_total, rem_swa = self._remaining_budgets()
-        w = self.limits.sliding_window_size or 0
-        p = self.limits.page_size
         for req in self._waiting_in_order():
             if len(self.running) >= self.limits.max_running_requests or budget <= 0:
                 break
+            alone = not self.running  # the pools are this request's alone: move it or end it
             hit = self.kv.match_prefix(req)
             if hit is None:
                 break
@@ -336,14 +375,18 @@ class Scheduler:
             rem_total -= hit.full_newly_protected
             rem_swa -= hit.swa_newly_protected
             n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
-            full_need = req.pending_tokens + self._full_reserve(req)
-            swa_need = swa_tokens_for_extend(n, w, p) if self.hybrid else 0
-            if (
-                n == 0
-                or full_need > rem_total
-                or swa_need > rem_swa
-                or (out := self.kv.allocate_extend(req, n)) is None
-            ):
+            full_need, swa_need = self._admission_need(req, n, hit)
+            out = None
+            if n > 0 and full_need <= rem_total and swa_need <= rem_swa:
+                out = self.kv.allocate_extend(req, n)
+            if out is None and alone:  # forecasts aside: the room there is
+                wanted, n = n, self._chunk_in_room(req, n, self._room())
+                out = self.kv.allocate_extend(req, n) if n > 0 else None
+                if out is None:
+                    self._fail_unservable(req, wanted, hit)
+                    rem_total, rem_swa = self._remaining_budgets()
+                    continue
+            if out is None:
                 self.kv.release(req)
                 break
             self.waiting.remove(req)
@@ -360,6 +403,57 @@ class Scheduler:
             budget -= n
             rem_total -= full_need
             rem_swa -= swa_need
+
+    def _admission_need(self, req: Request, n: int, hit: PrefixHit) -> tuple[int, int]:
+        """(full, SWA) tokens admitting `req` with a first extend of `n` takes off the budgets.
+
+        Full: its whole remaining prompt plus its expected share of max_new (full KV stays).
+        SWA: `swa_tokens_for_extend` (the chunk, the window before it, a page), where the
+        window counts once: the part of it `hit`'s lock just moved off the budget (the tree's
+        locked window before the chunk) is not charged again."""
+        full = req.pending_tokens + self._full_reserve(req)
+        if not self.hybrid:
+            return full, 0
+        w = self.limits.sliding_window_size or 0
+        swa = swa_tokens_for_extend(n, w, self.limits.page_size) - min(w, hit.swa_newly_protected)
+        return full, swa
+
+    def _room(self) -> int:
+        """Tokens an extend can get now: free or evictable in both pools (what running
+        requests and their locks hold is neither)."""
+        full, swa = self.kv.available_tokens()
+        return min(full, swa) if self.hybrid else full
+
+    def _chunk_in_room(self, req: Request, n: int, room: int) -> int:
+        """`n` if the new pages of extending `req` by `n` tokens fit `room`, else the longest
+        shorter chunk whose pages do (it ends on a page boundary); 0 when not one page fits."""
+        p = self.limits.page_size
+        start = req.num_computed
+        if page_ceil(start + n, p) - page_ceil(start, p) <= room:
+            return n
+        return max(page_ceil(start, p) + page_floor(room, p) - start, 0)
+
+    def _fail_unservable(self, req: Request, num_tokens: int, hit: PrefixHit) -> None:
+        """End a waiting request that cannot move with the pools to itself (extending it by
+        `num_tokens` after its prefix `hit`, or by a page, finds no room): finish reason
+        `error` with a message, its lock and row released, queued for `take_failed`."""
+        full, swa = self.kv.available_tokens()
+        p = self.limits.page_size
+        swa_part = f" and {swa} SWA" if self.hybrid else ""
+        locked = f"{hit.full_newly_protected} full" + (
+            f" and {hit.swa_newly_protected} SWA" if self.hybrid else ""
+        )
+        req.error = (
+            f"request {req.request_id!r} cannot run even alone: its next {num_tokens} tokens "
+            f"(after {hit.num_tokens} cached) need {page_ceil(num_tokens, p)} new slots in each "
+            f"pool, a shorter chunk at least {p}; the pools have {full} full{swa_part} tokens "
+            f"free or evictable, besides the {locked} its cached prefix locks"
+        )
+        self.kv.release(req)
+        self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.ERROR
+        self._failed.append(req)
 
     def _waiting_in_order(self) -> list[Request]:
         if (
@@ -404,13 +498,17 @@ class Scheduler:
 
     # ---- integrity -----------------------------------------------------------------------
     def check(self) -> None:
-        """Raise if the kept (decoding, prefilling) split disagrees with the running requests."""
+        """Raise if the kept (decoding, prefilling) split disagrees with the running requests.
+
+        A prefilling request may look decoding only after a retraction: re-admitted with a
+        cached prefix of all but its last token, it prefills that token, then joins."""
         decoding, prefilling = self._decode, self._prefilling
         split = [{id(r) for r in part} for part in (decoding.reqs, prefilling)]
         if (
             len(decoding) + len(prefilling) != len(self.running)
-            or split[0] != {id(r) for r in self.running if r.is_decoding}
-            or split[1] != {id(r) for r in self.running if not r.is_decoding}
+            or split[0] | split[1] != {id(r) for r in self.running}
+            or not all(r.is_decoding for r in decoding.reqs)
+            or any(r.is_decoding and not r.num_retractions for r in prefilling)
         ):
             raise RuntimeError("scheduler: the kept decode / prefill split is stale")
         decoding.check()
