@@ -461,8 +461,11 @@ class Scheduler:
             and self.tree is not None
             and len(self.waiting) <= LPM_MAX_WAITING
         ):
-            tree = self.tree
-            hit = {id(r): tree.match_prefix(r.token_ids[:-1]).indices.numel() for r in self.waiting}
+            tree, repair = self.tree, self.kv.window_repair
+            hit = {  # the prompt tokens each would skip, a repair's cost taken off
+                id(r): tree.match_prefix(r.token_ids[:-1], allow_repair=repair).saved_tokens
+                for r in self.waiting
+            }
             return sorted(self.waiting, key=lambda r: (-hit[id(r)], r.arrival))
         return sorted(self.waiting, key=lambda r: r.arrival)
 
