@@ -58,6 +58,15 @@ def run_one_by_one(engine: Engine, prompts: list[list[int]]) -> list:
     return outs
 
 
+def assert_pools_whole(engine: Engine) -> None:
+    engine.flush_cache()
+    head = engine.headroom()
+    assert (head.full_free_tokens, head.swa_free_tokens) == (
+        head.full_total_tokens,
+        head.swa_total_tokens,
+    )
+
+
 def repair_len(engine: Engine) -> int:
     mc = engine.model_config
     return window_repair_tokens(len(mc.swa_layer_ids), W, engine.page_size)
@@ -85,12 +94,7 @@ def test_repaired_hits_give_the_cold_tokens(model_dir: Path, options: dict) -> N
     # The stem of 60 cached tokens lost its window: it is resumed at 60 - R, so 60 - R tokens
     # are not computed (a plain match would have reused nothing).
     assert outs[3].cached_tokens == 60 - r
-    engine.flush_cache()
-    head = engine.headroom()
-    assert (head.full_free_tokens, head.swa_free_tokens) == (
-        head.full_total_tokens,
-        head.swa_total_tokens,
-    )
+    assert_pools_whole(engine)
     engine.shutdown()
 
 
@@ -142,12 +146,7 @@ def test_aborting_a_request_mid_repair_leaves_the_pools_whole(model_dir: Path) -
     engine.check()
     assert engine.abort(rid)
     engine.check()
-    engine.flush_cache()
-    head = engine.headroom()
-    assert (head.full_free_tokens, head.swa_free_tokens) == (
-        head.full_total_tokens,
-        head.swa_total_tokens,
-    )
+    assert_pools_whole(engine)
     engine.shutdown()
 
 
