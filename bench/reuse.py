@@ -71,14 +71,13 @@ class CountingEngine:
         self.engine = Engine(config)
         self.counts = Counts(cached_per_request=[], prefill_per_request=[])
         forward = self.engine.runner.forward
-        decoding: set[int] = set()
-        self._decoding = decoding
+        self._decoding: set[int] = set()  # rows whose one-token steps are decodes
 
         def counting(inp: ModelInput) -> torch.Tensor:
             extend = (inp.seq_lens - inp.prefix_lens).tolist()
             rows = inp.req_rows.tolist()
             for row, n in zip(rows, extend, strict=True):
-                if not (n == 1 and row in decoding):
+                if not (n == 1 and row in self._decoding):
                     self.counts.prefill_tokens += n
             return forward(inp)
 

@@ -107,7 +107,6 @@ class Engine:
             page_size=config.page_size,
             sliding_window_size=self.window,
             stats=self.stats,
-            window_repair=self.window_repair_tokens > 0,
         )
         limits = SchedulerLimits(
             page_size=config.page_size,
@@ -152,33 +151,20 @@ class Engine:
 
     @property
     def window_repair_tokens(self) -> int:
-        """R of a window repair (DESIGN §6): L_swa · W page-rounded; 0 when this engine does
-        not repair (one pool, no prefix cache, no full layers to read the prefix from, or
-        `enable_window_repair` off)."""
-        mc = self.model_config
-        if (
-            not self.hybrid
-            or self.window is None
-            or not self.config.enable_prefix_cache
-            or not self.config.enable_window_repair
-            or not mc.full_layer_ids
-        ):
-            return 0
-        return window_repair_tokens(len(mc.swa_layer_ids), self.window, self.page_size)
+        """R of a window repair (DESIGN §6), the prefix cache's; 0 when this engine does not
+        repair (no prefix cache, or see `_make_tree`)."""
+        return self.tree.window_repair_tokens if self.tree is not None else 0
 
     def _make_tree(self) -> SWARadixCache:
+        """The prefix cache; it repairs windows (R = L_swa · W page-rounded) on two pools with
+        full layers to read a prefix from, unless `enable_window_repair` is off."""
+        mc = self.model_config
         window = self.window if self.hybrid and self.window else 1
-        cls = (
-            PureSWARadixCache
-            if self.hybrid and not self.model_config.full_layer_ids
-            else SWARadixCache
-        )
-        return cls(  # type: ignore[arg-type]
-            self.allocator,
-            window,
-            self.page_size,
-            window_repair_tokens=self.window_repair_tokens,
-        )
+        cls = PureSWARadixCache if self.hybrid and not mc.full_layer_ids else SWARadixCache
+        repair = 0
+        if self.hybrid and self.window and self.config.enable_window_repair and mc.full_layer_ids:
+            repair = window_repair_tokens(len(mc.swa_layer_ids), self.window, self.page_size)
+        return cls(self.allocator, window, self.page_size, window_repair_tokens=repair)  # type: ignore[arg-type]
 
     def _chunk_size(self) -> int | None:
         """Chunked-prefill size, capped so that a chunk plus the window fits the SWA pool."""

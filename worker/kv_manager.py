@@ -73,10 +73,7 @@ class KVCacheManager:
         page_size: int,
         sliding_window_size: int | None,
         stats: EngineStats,
-        window_repair: bool = False,
     ) -> None:
-        """`window_repair`: admission may take a repaired match (the tree's
-        `window_repair_tokens`)."""
         self.allocator = allocator
         self.tree = tree
         self.slot_table = slot_table
@@ -84,7 +81,8 @@ class KVCacheManager:
         self.sliding_window_size = sliding_window_size
         self.stats = stats
         self.hybrid = is_hybrid(allocator, sliding_window_size)
-        self.window_repair = window_repair and self.hybrid and tree is not None
+        # Admission may take a repaired match when the tree repairs windows.
+        self.window_repair = tree is not None and self.hybrid and tree.window_repair_tokens > 0
         self._writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, full slots)
         self._taken: list[tuple[int, int, torch.Tensor]] = []  # the last take_writes()
         self._no_writes = SlotWrites.empty(self.hybrid)  # immutable, shared by idle steps

@@ -27,7 +27,7 @@ the tree or KV contents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -70,6 +70,21 @@ class ScheduledBatch:
     def pure_decode(self) -> bool:
         """Only decodes: the decode batch's arrays are the step's whole input."""
         return self.decode is not None and self.num_decodes == len(self.reqs)
+
+
+@dataclass(slots=True)
+class _StepParts:
+    """The step being planned: each request's new-token count and the slots it got, in batch
+    order (the decodes first)."""
+
+    reqs: list[Request] = field(default_factory=list)
+    extends: list[int] = field(default_factory=list)
+    locs: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, req: Request, num_tokens: int, slots: torch.Tensor) -> None:
+        self.reqs.append(req)
+        self.extends.append(num_tokens)
+        self.locs.append(slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,23 +178,22 @@ class Scheduler:
         """Pick and allocate the next step's work; None when there is nothing to run (then
         nothing waits either, or every waiting request just failed as unservable)."""
         self._free_out_of_window_swa()
-        reqs: list[Request] = []
-        extends: list[int] = []
-        locs: list[torch.Tensor] = []
+        parts = _StepParts()
         prefix_lens: list[int] = []
 
         decode = self._allocate_decodes()
         if decode is not None:
             db, out = decode
-            reqs += db.reqs
-            extends += [1] * len(db)
-            locs.append(out)
+            parts.reqs += db.reqs
+            parts.extends += [1] * len(db)
+            parts.locs.append(out)
             prefix_lens += db.seq_lens.tolist()
 
-        num_decodes = len(reqs)
+        num_decodes = len(parts.reqs)
         budget = self.limits.chunked_prefill_size or self.limits.max_prefill_tokens
-        budget = self._extend_prefills(budget, num_decodes, reqs, extends, locs)
-        self._admit(budget, num_decodes, reqs, extends, locs)
+        budget = self._extend_prefills(budget, num_decodes, parts)
+        self._admit(budget, num_decodes, parts)
+        reqs, extends, locs = parts.reqs, parts.extends, parts.locs
 
         if not reqs:
             return None
@@ -307,32 +321,21 @@ class Scheduler:
         self.new_token_ratio = self.limits.init_new_token_ratio
 
     # ---- prefill -------------------------------------------------------------------------
-    def _extend_prefills(
-        self,
-        budget: int,
-        num_decodes: int,
-        reqs: list[Request],
-        extends: list[int],
-        locs: list[torch.Tensor],
-    ) -> int:
+    def _extend_prefills(self, budget: int, num_decodes: int, parts: _StepParts) -> int:
         """Allocate the next chunk of each prefilling request within `budget`; returns the
         budget left. When nothing decodes and no chunk gets room, the oldest prefilling
         request takes a shorter chunk (whole pages of the room left); if not one page fits,
         the newest request is retracted and the oldest tries again, as for decodes."""
         for req in self._prefilling:  # a request retracted for the decodes has left it
-            n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
+            n = self._prefill_len(req, budget, first=len(parts.reqs) == num_decodes)
             if n > 0 and (out := self.kv.allocate_extend(req, n)) is not None:
-                reqs.append(req)
-                extends.append(n)
-                locs.append(out)
+                parts.add(req, n, out)
                 budget -= n
-        while not reqs and self._prefilling:
+        while not parts.reqs and self._prefilling:
             req = min(self._prefilling, key=lambda r: r.arrival)
             n = self._chunk_in_room(req, self._prefill_len(req, budget, first=True), self._room())
             if n > 0 and (out := self.kv.allocate_extend(req, n)) is not None:
-                reqs.append(req)
-                extends.append(n)
-                locs.append(out)
+                parts.add(req, n, out)
                 return budget - n
             self._retract(max(self.running, key=lambda r: r.arrival))
         return budget
@@ -350,14 +353,7 @@ class Scheduler:
             n = end - req.num_computed
         return max(n, 0)
 
-    def _admit(
-        self,
-        budget: int,
-        num_decodes: int,
-        reqs: list[Request],
-        extends: list[int],
-        locs: list[torch.Tensor],
-    ) -> None:
+    def _admit(self, budget: int, num_decodes: int, parts: _StepParts) -> None:
         """Move waiting requests to running while both pools and the step budget allow.
         With nothing running, the head request is admitted if its next chunk fits the pools at
         all, or ends as unservable (`take_failed`); then the next one is tried."""
@@ -374,7 +370,7 @@ class Scheduler:
             # The lock just moved the matched prefix from evictable to protected.
             rem_total -= hit.full_newly_protected
             rem_swa -= hit.swa_newly_protected
-            n = self._prefill_len(req, budget, first=len(reqs) == num_decodes)
+            n = self._prefill_len(req, budget, first=len(parts.reqs) == num_decodes)
             full_need, swa_need = self._admission_need(req, n, hit)
             out = None
             if n > 0 and full_need <= rem_total and swa_need <= rem_swa:
@@ -397,9 +393,7 @@ class Scheduler:
                 req.cached_tokens = hit.num_tokens
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.cached_tokens += hit.num_tokens
-            reqs.append(req)
-            extends.append(n)
-            locs.append(out)
+            parts.add(req, n, out)
             budget -= n
             rem_total -= full_need
             rem_swa -= swa_need

@@ -260,13 +260,15 @@ def models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
     }
 
 
-@settings(
-    max_examples=12,
+FUZZ_SETTINGS = dict(
     deadline=None,
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@settings(max_examples=12, **FUZZ_SETTINGS)  # type: ignore[arg-type]
 @given(config=engine_configs, plan=arrivals)
 def test_every_request_ends_within_bounded_steps(
     models: dict[int, Path], config: dict, plan: list[Arrival]
@@ -275,13 +277,7 @@ def test_every_request_ends_within_bounded_steps(
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=80,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(max_examples=80, **FUZZ_SETTINGS)  # type: ignore[arg-type]
 @given(config=engine_configs, plan=arrivals)
 def test_every_request_ends_within_bounded_steps_many_configs(
     models: dict[int, Path], config: dict, plan: list[Arrival]
