@@ -19,7 +19,7 @@ def test_cluster_load_bench() -> None:
         "--concurrency=3",
         f"--max-new-tokens={MAX_NEW_TOKENS}",
         "--system-tokens=64",
-        "--user-tokens=8",
+        "--user-tokens=48",
         "--hidden=64",
         "--layers=2",
         "--window=8",
@@ -43,6 +43,8 @@ def test_cluster_load_bench() -> None:
     # Greedy decoding: where the prefix cache hits must not change a single token.
     assert runs["prefix"]["answers_equal_first_run"] == 1.0
     # Round robin moves a session's turns between the 2 workers; prefix keeps them together.
+    # User turns longer than the system prompt make the history, not the shared prompt (which
+    # window checkpoints and repair keep on both workers), what a misrouted turn loses.
     assert runs["prefix"]["cached_share"] > runs["round_robin"]["cached_share"]
     assert runs["round_robin"]["requests_per_worker"] == {
         "worker-0": requests // 2,
