@@ -35,7 +35,7 @@ from swaserve.worker.model_runner import (
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.parallel import TensorParallelError, TPGroup
 from swaserve.worker.request import FinishReason, Request, RequestStatus
-from swaserve.worker.sampling import Sampler, SamplingParams, make_generator
+from swaserve.worker.sampling import Sampler, SamplingParams, make_generator, reseed
 from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from swaserve.worker.stats import EngineStats
 from swaserve.worker.tokenizer import load_tokenizer
@@ -381,6 +381,9 @@ class Engine:
         if all_greedy:
             tokens = self.sampler.greedy(logits)
             return (tokens.numpy() if tokens.device.type == "cpu" else tokens).tolist()
+        for r in reqs:
+            if r.generator is not None:  # the draw at this position, wherever it runs
+                reseed(r.generator, r.params, len(r.prompt_ids) + len(r.output_ids))
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         return tokens.tolist()
 

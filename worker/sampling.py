@@ -4,9 +4,11 @@ Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax. Other rows: te
 only the filters a row set (top-k by `torch.topk`; top-p by a sort, the only full-vocabulary
 sort; min-p against the row's top probability), then one batched draw for all of them by the
 exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. per token picks token i with
-probability probs[i]. A request with a `seed` draws its noise from its own generator, so its
-tokens do not depend on which other requests share its batches; unseeded rows share one draw
-from the engine's generator. Nothing is read back to the host but the sampled tokens.
+probability probs[i]. A request with a `seed` draws its noise from its own generator, reseeded
+before every draw from (seed, position of the token drawn) by `seed_for_position`: its tokens
+depend neither on which other requests share its batches nor on where its earlier tokens were
+computed, so a request moved to another worker with its tokens so far as prompt draws exactly
+what it would have drawn. Unseeded rows share one draw from the engine's generator. Nothing is read back to the host but the sampled tokens.
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seed_for_position(seed: int, position: int) -> int:
+    """The seed of a request's draw at sequence `position` (splitmix64 of seed and position;
+    in [0, 2**63), which every torch generator accepts)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def reseed(generator: torch.Generator, params: SamplingParams, position: int) -> None:
+    """Set a seeded request's generator for its draw at `position` (host work only)."""
+    assert params.seed is not None
+    generator.manual_seed(seed_for_position(params.seed, position))
 
 
 class Sampler:
