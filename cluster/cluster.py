@@ -1,9 +1,16 @@
 """Cluster: `swaserve serve`'s serving cluster on Ray — the router actor and one worker group
 (Ray actors on a placement group) per replica — behind the routing of `RoutedCluster`.
 
-Every group is watched (`WorkerGroup.watch`); a group that stops is killed, taken out of the
-router and out of `load()`, and the cluster goes on with the rest. `drain()` refuses new
-requests and waits (bounded) for the open ones; `shutdown()` stops every actor.
+Every group is watched (`WorkerGroup.watch`). A group that stops (its rank-0 process, or any
+TP rank) is killed and taken out of the router and out of `load()`; its open requests migrate
+to the other groups (`RoutedCluster`), and the cluster recreates the replica — a new placement
+group of the same TP size, with backoff — which rejoins the router under a new worker id
+(`worker-<i>-r<n>`). A request that finds no worker while a replica is being recreated waits
+for it (bounded by its deadline). The router actor is supervised by Ray (restarted on death);
+a restarted router rebuilds its view from the workers' reports (each worker sends a snapshot
+of its cache when the router asks for one), and calls that met its death are retried.
+`drain()` refuses new requests and waits (bounded) for the open ones; `shutdown()` stops
+every actor.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from swaserve.worker.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+MAX_BACKOFF_S = 30.0
+
 __all__ = [
     "Cluster",
     "ClusterBusy",
@@ -62,16 +71,33 @@ class ClusterConfig(BaseModel):
     report_interval_s: float = Field(0.1, gt=0, le=1.0, description="worker → router reports")
     startup_timeout_s: float = Field(600.0, gt=0, description="placement + model load")
     retry_after_s: float = Field(1.0, gt=0, description="hint sent with RESOURCE_EXHAUSTED")
+    max_attempts: int = Field(
+        3, ge=1, description="workers a request may try (a lost worker's requests migrate)"
+    )
+    recreate_lost_workers: bool = Field(True, description="recreate a lost worker group")
+    recreate_backoff_s: float = Field(
+        1.0, gt=0, description="first wait before recreating a lost group again (doubles, ≤ 30 s)"
+    )
 
 
 class Cluster(RoutedCluster):
     """See the module docstring. Create with `await Cluster.start(config)`; Ray must be up."""
 
+    router_errors = (RayActorError,)
+
     def __init__(self, config: ClusterConfig) -> None:
-        super().__init__(config.retry_after_s)
+        super().__init__(config.retry_after_s, config.max_attempts)
         self.config = config
+        self.engine = config.engine
+        self.use_gpu = False
         self.groups: dict[str, WorkerGroup] = {}
+        self.replica_of: dict[str, int] = {}  # worker id -> replica index
+        self.recreated = 0  # groups recreated after a loss
         self._watchers: dict[str, asyncio.Task[None]] = {}  # worker id -> its watch
+        self._recreating: dict[int, asyncio.Task[None]] = {}  # replica -> its recreation
+        self._generation = 0
+        self._kills: set[asyncio.Task[None]] = set()
+        self._rejoined = asyncio.Event()  # set whenever a recreated group rejoins
 
     @classmethod
     async def start(cls, config: ClusterConfig) -> Cluster:
@@ -93,34 +119,42 @@ class Cluster(RoutedCluster):
             )
         if engine.device == "auto":
             engine = engine.model_copy(update={"device": "cuda" if use_gpu else "cpu"})
+        self.engine, self.use_gpu = engine, use_gpu
+        # Supervised: Ray restarts a dead router; its calls in flight fail and are retried.
         self.router = (
-            ray.remote(RouterActor).options(num_cpus=0, max_restarts=0).remote(config.router)
+            ray.remote(RouterActor).options(num_cpus=0, max_restarts=-1).remote(config.router)
         )
-        for i in range(config.replicas):
-            worker_id = f"worker-{i}"
-            self.groups[worker_id] = WorkerGroup(
-                worker_id,
-                engine,
-                router=self.router,
-                use_gpu=use_gpu,
-                report_interval_s=config.report_interval_s,
-            )
-        infos = await asyncio.gather(
-            *(g.start(config.startup_timeout_s) for g in self.groups.values())
-        )
-        for group in self.groups.values():
-            await self.router.add_worker.remote(group.worker_id)
-            self._watchers[group.worker_id] = asyncio.create_task(self._watch(group))
+        groups = [self._new_group(f"worker-{i}", i) for i in range(config.replicas)]
+        infos = await asyncio.gather(*(g.start(config.startup_timeout_s) for g in groups))
+        for group in groups:
+            await self._join(group)
         self.model_info = model_info_of(engine, infos[0], config.served_model_name)
         self.tokenizer = load_tokenizer(engine.model, engine.tokenizer)
         await self._wait_reported()
 
+    def _new_group(self, worker_id: str, replica: int) -> WorkerGroup:
+        group = WorkerGroup(
+            worker_id,
+            self.engine,
+            router=self.router,
+            use_gpu=self.use_gpu,
+            report_interval_s=self.config.report_interval_s,
+        )
+        self.groups[worker_id] = group
+        self.replica_of[worker_id] = replica
+        return group
+
+    async def _join(self, group: WorkerGroup) -> None:
+        await self.router.add_worker.remote(group.worker_id)
+        self._watchers[group.worker_id] = asyncio.create_task(self._watch(group))
+
     async def _wait_reported(self, timeout_s: float = 30.0) -> None:
-        """Until every worker's first report reached the router (so the first request routes)."""
+        """Until every live worker's first report reached the router (so it routes there)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             statuses = await self.router.workers.remote()
-            if all(s.headroom is not None for s in statuses):
+            reported = {s.worker_id for s in statuses if s.headroom is not None}
+            if set(self.live_workers) <= reported:
                 return
             await asyncio.sleep(0.02)
         raise TimeoutError("the workers' first reports did not reach the router")
@@ -132,14 +166,84 @@ class Cluster(RoutedCluster):
 
     # ---- the workers: Ray actor groups -----------------------------------------------------
     def _lose(self, worker_id: str, why: str) -> None:
-        """Take a lost group out: kill its actors, remove it from the router."""
+        """Take a lost group out (kill its actors, remove it from the router) and start
+        recreating its replica."""
         group = self.groups[worker_id]
         if not group.alive:
             return
         logger.error("worker %s lost (%s); serving on the others", worker_id, why)
         self.lost[worker_id] = why
-        group.kill()
+        group.alive = False
         self.router.remove_worker.remote(worker_id)
+        watcher = self._watchers.pop(worker_id, None)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+        replica = self.replica_of[worker_id]
+        if self.config.recreate_lost_workers and not self._closing:
+            if replica not in self._recreating:
+                self._recreating[replica] = asyncio.create_task(self._recreate(group, replica))
+        else:
+            task = asyncio.create_task(asyncio.to_thread(group.kill))  # off the event loop
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
+
+    async def _recreate(self, lost: WorkerGroup, replica: int) -> None:
+        """Kill the lost group's actors (off the event loop), then start a new group for the
+        replica until one serves (backoff between tries); it joins the router."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(lost.kill), KILL_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("worker %s: Ray did not confirm the kill", lost.worker_id)
+        backoff = self.config.recreate_backoff_s
+        try:
+            while not self._closing:
+                self._generation += 1
+                group = self._new_group(f"worker-{replica}-r{self._generation}", replica)
+                try:
+                    await group.start(self.config.startup_timeout_s)
+                except Exception:
+                    logger.exception(
+                        "recreating replica %d failed; retry in %.1f s", replica, backoff
+                    )
+                    group.alive = False
+                    await asyncio.to_thread(group.kill)
+                    del self.groups[group.worker_id]
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    continue
+                if self._closing:
+                    return
+                await self._join(group)
+                try:
+                    await self._wait_reported()
+                except TimeoutError:
+                    logger.warning("%s: no report yet; it joins when one comes", group.worker_id)
+                self.recreated += 1
+                logger.warning("replica %d serves again as %s", replica, group.worker_id)
+                return
+        finally:
+            self._recreating.pop(replica, None)
+            self._rejoined.set()
+            self._rejoined = asyncio.Event()
+
+    @property
+    def recovering(self) -> bool:
+        """A lost group is being recreated."""
+        return bool(self._recreating)
+
+    async def _await_worker(self, deadline: float | None) -> bool:
+        """Wait until a recreated group rejoins (or `deadline`); False if none is coming."""
+        if not self._recreating:
+            return False
+        event = self._rejoined
+        timeout = self.config.startup_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), 0.0))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return bool(self.live_workers)
 
     def _worker_alive(self, worker_id: str) -> bool:
         group = self.groups.get(worker_id)
@@ -166,7 +270,7 @@ class Cluster(RoutedCluster):
         """Stop every worker group and the router actor (open streams end with "abort");
         each group gets `timeout_s` to stop cleanly before it is killed."""
         self._closing = True
-        for task in self._watchers.values():
+        for task in [*self._watchers.values(), *self._recreating.values()]:
             task.cancel()
         await asyncio.gather(
             *(g.shutdown(timeout_s) for g in self.groups.values()), return_exceptions=True

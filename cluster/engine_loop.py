@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from swaserve.proto.messages import WorkerReport
 from swaserve.worker import Engine, SamplingParams
@@ -38,7 +39,7 @@ class GenerateChunk:
     """What a worker streams for one request: its new tokens since the previous chunk.
 
     `finish_reason` is set on the last chunk: "stop" | "length" | "abort" | "error" |
-    "worker_lost"; `error` says why for the last two."""
+    "worker_lost" | "misrouted"; `error` says why for the last three."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -50,6 +51,7 @@ class GenerateChunk:
 
 
 WORKER_LOST = "worker_lost"
+MISROUTED = "misrouted"  # a replica that was not the one chosen got the call: route again
 
 Sink = Callable[[GenerateChunk], None]
 
@@ -68,6 +70,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Engine], Any]
+    done: Future[Any]
+
+
 class EngineLoop:
     """Runs `engine` in a daemon thread (see the module docstring)."""
 
@@ -84,7 +92,7 @@ class EngineLoop:
         self.instance_id = uuid.uuid4().hex
         self.on_report = on_report
         self.report_interval_s = report_interval_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}  # open requests; touched by the loop thread only
         self._seq = 0
         self._last_report_s = 0.0
@@ -115,6 +123,16 @@ class EngineLoop:
         """Stop a request: its sink gets a last chunk with finish reason "abort" (nothing if
         it already ended). Its KV is released at once."""
         self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the loop thread between steps (e.g. `Engine.check`); the future
+        gets its result or its exception."""
+        done: Future[Any] = Future()
+        if self._done.is_set():
+            done.set_exception(RuntimeError(f"worker {self.worker_id} has stopped"))
+            return done
+        self._commands.put(_Call(fn, done))
+        return done
 
     def stop(self) -> None:
         """End the loop after the current step; open requests end with "abort"."""
@@ -175,6 +193,11 @@ class EngineLoop:
                 return
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                try:
+                    command.done.set_result(command.fn(self.engine))
+                except Exception as exc:
+                    command.done.set_exception(exc)
             else:
                 self._abort(command.request_id)
 
@@ -252,5 +275,8 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            stopped = RuntimeError(f"worker {self.worker_id} has stopped")
             if isinstance(command, _Add):
-                command.accepted.set_exception(RuntimeError(f"worker {self.worker_id} has stopped"))
+                command.accepted.set_exception(stopped)
+            elif isinstance(command, _Call):
+                command.done.set_exception(stopped)

@@ -8,7 +8,8 @@ Two sources, one registry per ingress process:
 - per worker, read at scrape time from the router's view (`Cluster.load()`: each worker's last
   headroom report) and the router's own counters (`Cluster.router_stats()`): running and
   waiting requests, full and SWA pool usage, prefix-cache queries and hits (tokens), tombstoned
-  tokens, and routing decisions by policy and outcome.
+  tokens, and routing decisions by policy and outcome;
+- the ingress's cluster's fault counters: requests migrated mid-stream, worker groups recreated.
 
 `await metrics.render(cluster)` refreshes the second part and returns the text exposition.
 """
@@ -48,9 +49,15 @@ class ClusterSnapshotCollector(Collector):
         self.model_name = model_name
         self.workers: list[WorkerStatus] = []
         self.router: dict[str, Any] = {}
+        self.faults: dict[str, int] = {}
 
-    def update(self, workers: list[WorkerStatus], router: dict[str, Any]) -> None:
-        self.workers, self.router = workers, router
+    def update(
+        self,
+        workers: list[WorkerStatus],
+        router: dict[str, Any],
+        faults: dict[str, int] | None = None,
+    ) -> None:
+        self.workers, self.router, self.faults = workers, router, faults or {}
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "worker"]
@@ -106,6 +113,13 @@ class ClusterSnapshotCollector(Collector):
         )
         queue.add_metric([self.model_name], self.router.get("queue_len", 0))
         yield queue
+        for key, name, doc in (
+            ("migrations", "request_migrations", "requests moved to another worker mid-stream"),
+            ("recreated", "worker_groups_recreated", "lost worker groups recreated"),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], self.faults.get(key, 0))
+            yield family
 
 
 def _used_share(available: int, total: int) -> float:
@@ -151,7 +165,8 @@ class ServingMetrics:
 
     async def render(self, cluster: Any) -> bytes:
         """Refresh the per-worker part from the cluster, then the text exposition."""
-        self.snapshot.update(await cluster.load(), await cluster.router_stats())
+        faults = {"migrations": cluster.migrations, "recreated": getattr(cluster, "recreated", 0)}
+        self.snapshot.update(await cluster.load(), await cluster.router_stats(), faults)
         return generate_latest(self.registry)
 
 

@@ -4,7 +4,9 @@ the replicas of a Ray Serve deployment for the Serve app).
 
     generate(request)  →  router: route (prefix, SWA window, headroom)  →  worker id
                        →  that worker: stream chunks  →  caller
-                       worker lost before any token: drop it, route again; after: Unavailable
+                       worker lost: drop it, route prompt + tokens streamed so far again
+                       (migration; the caller sees one stream); after `max_attempts`
+                       workers or past the client's deadline: Unavailable
 
 Subclasses say how to reach a worker (`_stream`, `_abort_on`), whether it lives
 (`_worker_alive`) and what to do when one is lost (`_lose`). `self.router` is a handle whose
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swaserve.cluster.engine_loop import WORKER_LOST, GenerateChunk
+from swaserve.cluster.engine_loop import MISROUTED, WORKER_LOST, GenerateChunk
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.kv_rules import page_ceil
 from swaserve.worker import EngineConfig, SamplingParams
@@ -63,6 +65,14 @@ class GenerationFailed(ClusterError):
 
 class WorkerLost(Exception):
     """Raised by `_stream` when the worker went away (its process, or its TP group)."""
+
+
+class _Misrouted(Exception):
+    """The call reached a worker other than the one chosen: route again, lose nobody."""
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +144,12 @@ class RoutedCluster:
     """See the module docstring."""
 
     model_info: ModelInfo | None
+    router_errors: tuple[type[BaseException], ...] = ()  # a call that met the router's death
 
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, max_attempts: int = 3) -> None:
         self.retry_after_s = retry_after_s
+        self.max_attempts = max_attempts  # workers a request may try before it fails
+        self.migrations = 0  # requests moved to another worker after streaming tokens
         self.router: Any = None
         self.model_info: ModelInfo | None = None
         self.tokenizer: TextTokenizer | None = None
@@ -169,6 +182,11 @@ class RoutedCluster:
     def live_workers(self) -> list[str]:
         raise NotImplementedError
 
+    async def _await_worker(self, deadline: float | None) -> bool:
+        """No worker is registered: wait for one that is coming back (until `deadline`);
+        True if one joined. By default none is coming."""
+        return False
+
     async def ready(self) -> None:
         """Wait until `model_info` is known (a Serve ingress learns it from a worker)."""
 
@@ -187,19 +205,25 @@ class RoutedCluster:
         params: SamplingParams,
         *,
         session_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Stream the request's chunks (`worker_id` set on each). Raises a `ClusterError`.
-        Closing the iterator early aborts the request on its worker and frees its KV."""
+        `timeout_s`: what is left of the client's deadline; it bounds the router's queue wait
+        and the migrations. Closing the iterator early aborts the request on its worker and
+        frees its KV."""
         if self.draining or self._closing:
             raise Unavailable("the server is draining; retry on another replica")
         await self.ready()
         self.check_request(token_ids, params)
+        if timeout_s is not None and timeout_s <= 0:
+            raise ClusterBusy(f"request {request_id}: its deadline has passed", self.retry_after_s)
         if request_id in self._open:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._open[request_id] = ""  # held from here: a duplicate is refused, not mixed in
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             # aclosing: a caller that leaves early closes the attempt at once (abort, KV freed)
-            attempts = self._attempts(request_id, token_ids, params, session_id)
+            attempts = self._attempts(request_id, token_ids, params, session_id, deadline)
             async with contextlib.aclosing(attempts) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -212,19 +236,43 @@ class RoutedCluster:
         token_ids: list[int],
         params: SamplingParams,
         session_id: str | None,
+        deadline: float | None,
     ) -> AsyncGenerator[GenerateChunk, None]:
-        """Route and stream; route again after losing a worker that streamed nothing."""
-        attempts = 0
+        """Route and stream. A worker lost mid-request is dropped and the request migrates:
+        it is routed again with the tokens streamed so far appended to its prompt (the new
+        worker's prefix cache may hold part of them) and asks for the tokens still to come,
+        so the caller sees one stream. Greedy and seeded requests continue exactly
+        (`seed_for_position`); usage keeps the first attempt's cached tokens."""
+        sent: list[int] = []  # tokens streamed to the caller so far
+        cached: int | None = None  # the first attempt's cached_tokens
+        failures = 0
         while True:
+            prompt = token_ids + sent if sent else token_ids
+            left = params.max_new_tokens - len(sent)
+            if left <= 0:  # the lost chunk was only the finish: the request is complete
+                yield GenerateChunk(
+                    request_id, finished=True, finish_reason="length", cached_tokens=cached or 0
+                )
+                return
+            attempt = params if not sent else params.model_copy(update={"max_new_tokens": left})
             worker: str | None = None
-            streamed = False
             finished = False
             try:
-                worker = await self._route(request_id, token_ids, params, session_id)
+                worker = await self._route(request_id, prompt, attempt, session_id, deadline)
                 self._open[request_id] = worker
-                async for item in self._stream(worker, request_id, token_ids, params):
-                    if isinstance(item, Exception):
+                async for item in self._stream(worker, request_id, prompt, attempt):
+                    if isinstance(item, ValueError):  # the engine refused it (RequestError)
+                        finished = True
+                        if sent:
+                            raise Unavailable(
+                                f"request {request_id} could not move to {worker}: {item}"
+                            )
                         raise InvalidRequest(str(item))
+                    if isinstance(item, Exception):  # e.g. "worker has stopped"
+                        raise WorkerLost(str(item))
+                    if item.finish_reason == MISROUTED:
+                        finished = True
+                        raise _Misrouted(item.error or "")
                     if item.finish_reason == WORKER_LOST:
                         raise WorkerLost(item.error)
                     if item.finish_reason == "error":
@@ -232,22 +280,34 @@ class RoutedCluster:
                         raise GenerationFailed(item.error or "the worker's step failed")
                     item.worker_id = item.worker_id or worker
                     finished = item.finished
-                    if item.token_ids or item.finished:
-                        streamed = True
+                    if item.token_ids or item.finished:  # not the "taken" chunk
+                        if cached is None:
+                            cached = item.cached_tokens
+                        item.cached_tokens = cached
+                        sent.extend(item.token_ids)
                         yield item
                     if finished:
                         return
                 raise WorkerLost("the stream ended early")
-            except WorkerLost as exc:
+            except (WorkerLost, _Misrouted) as exc:
                 assert worker is not None  # routing itself does not lose workers
                 finished = True  # nothing left to abort on a lost worker
-                self._lose(worker, f"lost during request {request_id}: {exc}")
-                attempts += 1
-                if streamed or attempts > max(1, len(self.live_workers) + 1):
+                if isinstance(exc, WorkerLost):
+                    self._lose(worker, f"lost during request {request_id}: {exc}")
+                failures += 1
+                self.migrations += bool(sent)
+                if failures >= self.max_attempts or _past(deadline):
                     raise Unavailable(
-                        f"worker {worker} was lost while serving {request_id}"
+                        f"request {request_id}: gave up after {failures} attempts; the last "
+                        f"worker ({worker}) was lost: {exc}"
                     ) from exc
-                logger.warning("request %s: retrying after losing %s", request_id, worker)
+                logger.warning(
+                    "request %s: %s after losing %s (%d tokens streamed)",
+                    request_id,
+                    "migrating" if sent else "retrying",
+                    worker,
+                    len(sent),
+                )
             finally:
                 # Also when the caller left while the request was queued in the router.
                 self.router.finish.remote(request_id)
@@ -260,11 +320,22 @@ class RoutedCluster:
         token_ids: list[int],
         params: SamplingParams,
         session_id: str | None,
+        deadline: float | None = None,
     ) -> str:
+        router_failures = 0
         while True:
-            answer: RouteAnswer = await self.router.route.remote(
-                request_id, token_ids, params.max_new_tokens, session_id
-            )
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                answer: RouteAnswer = await self.router.route.remote(
+                    request_id, token_ids, params.max_new_tokens, session_id, timeout
+                )
+            except self.router_errors as exc:  # the router died; its supervisor restarts it
+                router_failures += 1
+                if router_failures >= self.max_attempts or _past(deadline):
+                    raise Unavailable(f"the router is unavailable: {exc}") from exc
+                logger.warning("request %s: the router died; routing again", request_id)
+                await asyncio.sleep(0.1 * router_failures)
+                continue
             if answer.outcome in ("overloaded", "expired"):
                 raise ClusterBusy(
                     f"request {request_id}: no worker has KV headroom ({answer.outcome}, "
@@ -272,6 +343,8 @@ class RoutedCluster:
                     self.retry_after_s,
                 )
             if answer.outcome == "no_workers":
+                if await self._await_worker(deadline):
+                    continue  # a recreated worker joined
                 raise Unavailable("no worker is serving")
             if answer.outcome == "invalid":
                 raise InvalidRequest(answer.message)

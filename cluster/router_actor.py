@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,3 +159,11 @@ class RouterActor:
 
     async def check(self) -> None:
         self.router.check()
+
+    async def predict_hits(self, token_ids: list[int]) -> dict[str, int]:
+        """Per reported worker, the prompt tokens its cache would save (`Router.predict_hits`)."""
+        return self.router.predict_hits(token_ids)
+
+    async def pid(self) -> int:
+        """The actor's process (what a chaos test kills)."""
+        return os.getpid()

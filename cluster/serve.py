@@ -254,10 +254,11 @@ class ServeCluster(RoutedCluster):
         token_ids: list[int],
         params: SamplingParams,
         session_id: str | None,
+        deadline: float | None = None,
     ) -> str:
         if self.args.routing == "serve":
             return ANY_WORKER
-        return await super()._route(request_id, token_ids, params, session_id)
+        return await super()._route(request_id, token_ids, params, session_id, deadline)
 
     def _worker_alive(self, worker_id: str) -> bool:
         return worker_id not in self.lost

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ class RankWorker:
 
     def ping(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        """The rank's process (what an operator, or a chaos test, would kill)."""
+        return os.getpid()
 
 
 class RayRanks:
@@ -216,6 +221,14 @@ class EngineWorker:
 
     async def num_open(self) -> int:
         return self._loop().num_open
+
+    async def check(self) -> None:
+        """The engine's invariant checks, run on its loop thread; raise on a broken one."""
+        await asyncio.wrap_future(self._loop().call(lambda engine: engine.check()))
+
+    async def pid(self) -> int:
+        """Rank 0's process (what an operator, or a chaos test, would kill)."""
+        return os.getpid()
 
     async def shutdown(self) -> None:
         """Stop the loop (open requests end with "abort") and the engine with its TP ranks."""
