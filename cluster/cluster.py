@@ -152,7 +152,7 @@ class Cluster(RoutedCluster):
         """Until every live worker's first report reached the router (so it routes there)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            statuses = await self.router.workers.remote()
+            statuses = await self._ask_router("workers")
             reported = {s.worker_id for s in statuses if s.headroom is not None}
             if set(self.live_workers) <= reported:
                 return
@@ -216,7 +216,7 @@ class Cluster(RoutedCluster):
                 await self._join(group)
                 try:
                     await self._wait_reported()
-                except TimeoutError:
+                except (TimeoutError, RayActorError):
                     logger.warning("%s: no report yet; it joins when one comes", group.worker_id)
                 self.recreated += 1
                 logger.warning("replica %d serves again as %s", replica, group.worker_id)

@@ -364,11 +364,24 @@ class RoutedCluster:
     # ---- queries -------------------------------------------------------------------------
     async def load(self) -> list[WorkerStatus]:
         """The router's view of every live worker: last headroom, report age, load."""
-        statuses = await self.router.workers.remote()
+        statuses = await self._ask_router("workers")
         return [s for s in statuses if self._worker_alive(s.worker_id)]
 
     async def router_stats(self) -> dict[str, Any]:
-        return await self.router.stats.remote()
+        return await self._ask_router("stats")
+
+    async def _ask_router(self, method: str, *args: Any) -> Any:
+        """A query to the router, asked again when the call met the router's death (its
+        supervisor restarts it; calls made meanwhile wait for the new one)."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await getattr(self.router, method).remote(*args)
+            except self.router_errors as exc:
+                if attempt >= self.max_attempts:
+                    raise Unavailable(f"the router is unavailable: {exc}") from exc
+                await asyncio.sleep(0.1 * attempt)
 
     @property
     def num_open(self) -> int:
