@@ -21,7 +21,7 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ MAX_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 _ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
+UNAUTHENTICATED_DETAILS = "missing or wrong bearer token"
 
 
 class GrpcServerConfig(BaseModel):
@@ -356,11 +357,27 @@ async def _abort(context: grpc.aio.ServicerContext, failure: RpcFailure) -> None
     await context.abort(failure.code, failure.details)
 
 
+class BearerToken:
+    """The rule of the gRPC API's token, wherever a call comes in (this server's interceptor,
+    the Serve app's ingress): the call's metadata carries `authorization: Bearer <token>`,
+    compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        if not token.strip():
+            raise ValueError("the bearer token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    def allows(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+        given = dict(metadata or ()).get("authorization", "")
+        given_bytes = given if isinstance(given, bytes) else str(given).encode()
+        return hmac.compare_digest(given_bytes, self._expected)
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Every RPC but the health service needs `authorization: Bearer <token>`."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._token = BearerToken(token)
 
     async def intercept_service(
         self,
@@ -371,19 +388,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if method.startswith(f"/{HEALTH_SERVICE_NAME}/") or handler is None:
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        if hmac.compare_digest(str(given).encode(), self._expected):
+        if self._token.allows(handler_call_details.invocation_metadata):
             return handler
         return _denied(handler)
 
 
 def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
 
     async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
         yield  # pragma: no cover (abort raises)
 
     kinds = (handler.request_streaming, handler.response_streaming)

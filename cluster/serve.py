@@ -19,12 +19,14 @@ gRPC service, only the worker transport differs (`ServeCluster`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
+import grpc
 import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -34,8 +36,13 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from swaserve.cluster.defaults import API_KEY_ENV
-from swaserve.cluster.engine_loop import WORKER_LOST, EngineLoop, GenerateChunk
-from swaserve.cluster.grpc_server import InferenceService, RpcFailure
+from swaserve.cluster.engine_loop import MISROUTED, EngineLoop, GenerateChunk
+from swaserve.cluster.grpc_server import (
+    UNAUTHENTICATED_DETAILS,
+    BearerToken,
+    InferenceService,
+    RpcFailure,
+)
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
 from swaserve.cluster.routed import (
@@ -90,9 +97,17 @@ class ServeAppArgs(BaseModel):
     ingress_replicas: int = Field(1, ge=1)
     report_interval_s: float = Field(0.1, gt=0, le=1.0)
     retry_after_s: float = Field(1.0, gt=0)
-    api_key: str | None = Field(None, description="bearer token the HTTP API requires")
+    api_key: str | None = Field(
+        None, description="bearer token the HTTP API and the gRPC API (Serve's proxy) require"
+    )
     api_key_file: str | None = Field(
         None, description="file holding that token (e.g. a mounted Secret); else $SWASERVE_API_KEY"
+    )
+    health_check_period_s: float = Field(
+        2.0, gt=0, description="Serve asks each worker replica this often whether it is healthy"
+    )
+    health_check_timeout_s: float = Field(
+        10.0, gt=0, description="a worker replica that does not answer in time is unhealthy"
     )
     routing: Literal["swaserve", "serve"] = Field(
         "swaserve",
@@ -179,12 +194,27 @@ class SwaWorker(EngineWorker):
             yield GenerateChunk(
                 request_id,
                 finished=True,
-                finish_reason=WORKER_LOST,
-                error=f"worker {worker_id} is not running",
+                finish_reason=MISROUTED,  # route again; the chosen worker is not lost
+                error=f"the call for worker {worker_id} reached {self.worker_id}: "
+                f"{worker_id} is not among the running replicas",
             )
             return
         async for item in self.generate(request_id, token_ids, params):
             yield item
+
+    async def check_health(self) -> None:
+        """Serve calls it every `health_check_period_s`; raising marks the replica unhealthy
+        and Serve replaces it (under a new replica id, so the router sees a new worker).
+        Raises once the engine loop has ended (the error that ended it: a dead or hung TP
+        rank, a broken step) or when a TP rank has died (`TensorParallelError`)."""
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError(f"worker {self.worker_id} has stopped")
+        if loop.wait(0):  # re-raises the error that ended the loop
+            raise RuntimeError(f"worker {self.worker_id}: its engine loop has ended")
+        launcher = loop.engine.launcher
+        if launcher is not None:  # TP > 1; asks Ray, so off the replica's event loop
+            await asyncio.to_thread(launcher.check_alive)
 
     async def abort_on(self, request_id: str, worker_id: str) -> None:
         if worker_id == self.worker_id:
@@ -238,7 +268,19 @@ class ServeCluster(RoutedCluster):
         try:
             async for item in stream:
                 yield item
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+        except ray.exceptions.ActorUnavailableError as exc:
+            # Unreachable for this call (a network blip, the GCS restarting): the replica may
+            # well be healthy, so it stays in the router; Serve's health check replaces it if
+            # not. Cancel the call (the replica aborts the request if it still runs it) and
+            # route again.
+            stream.cancel()
+            yield GenerateChunk(
+                request_id,
+                finished=True,
+                finish_reason=MISROUTED,
+                error=f"worker {worker_id} was unreachable: {exc}",
+            )
+        except ray.exceptions.RayActorError as exc:  # ActorDiedError: the replica is gone
             raise WorkerLost(str(exc)) from exc
 
     def _abort_on(self, worker_id: str, request_id: str) -> None:
@@ -295,7 +337,9 @@ class SwaIngress:
         model_name = args.served_model_name or Path(self.cluster.engine.model).name
         self.metrics = ServingMetrics(model_name)
         self.service = InferenceService(self.cluster, self.metrics)
-        self.openai = OpenAIServer(self.cluster, self.metrics, args.resolved_api_key())
+        api_key = args.resolved_api_key()
+        self.openai = OpenAIServer(self.cluster, self.metrics, api_key)
+        self.grpc_auth = BearerToken(api_key) if api_key else None
 
     def __serve_build_asgi_app__(self) -> Any:
         """Serve asks for the HTTP app once the constructor ran: the OpenAI app over this
@@ -304,9 +348,25 @@ class SwaIngress:
         app.state.openai = self.openai
         return app
 
+    def _denied(self, grpc_context: Any) -> bool:
+        """The API key on the gRPC path, by the standalone server's rule (`BearerToken`):
+        True, with the call failed UNAUTHENTICATED, when a key is set and the call's metadata
+        does not carry `authorization: Bearer <key>` (a call without a gRPC context has none)."""
+        if self.grpc_auth is None:
+            return False
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        if self.grpc_auth.allows(metadata):
+            return False
+        _fail(grpc_context, RpcFailure(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS))
+        return True
+
+    # Serve's gRPC context carries no deadline (no `time_remaining()`): Generate runs without
+    # `timeout_s`, bounded by the router's own queue timeout.
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if self._denied(grpc_context):
+            return
         try:
             async for item in self.service.generate(request):
                 yield item
@@ -314,6 +374,8 @@ class SwaIngress:
             _fail(grpc_context, failure)
 
     async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> pb.AbortResponse:
+        if self._denied(grpc_context):
+            return pb.AbortResponse()
         try:
             return await self.service.abort(request)
         except RpcFailure as failure:
@@ -323,11 +385,15 @@ class SwaIngress:
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, grpc_context: Any = None
     ) -> pb.ModelInfo:
+        if self._denied(grpc_context):
+            return pb.ModelInfo()
         return await self.service.model_info(request)
 
     async def GetLoad(
         self, request: pb.GetLoadRequest, grpc_context: Any = None
     ) -> pb.LoadResponse:
+        if self._denied(grpc_context):
+            return pb.LoadResponse()
         return await self.service.load(request)
 
 
@@ -381,6 +447,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         name=WORKER_NAME,
         num_replicas=parsed.replicas,
         max_ongoing_requests=parsed.max_ongoing_requests,
+        health_check_period_s=parsed.health_check_period_s,
+        health_check_timeout_s=parsed.health_check_timeout_s,
         ray_actor_options=actor_options,
         placement_group_bundles=[dict(bundle) for _ in range(engine.tp_size)],
         placement_group_strategy="STRICT_PACK",

@@ -1,0 +1,359 @@
+"""The Serve app's worker transport and replica checks without Ray: `SwaWorker.generate_on`
+and `check_health`, `ServeCluster` over scripted worker handles (who is lost and who is not,
+which status a failure becomes), and the API key on the gRPC path (`SwaIngress`) with Serve's
+own gRPC context class."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve.grpc_util import RayServegRPCContext
+from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
+
+from swaserve.cluster.engine_loop import MISROUTED, EngineLoop, GenerateChunk
+from swaserve.cluster.openai_api import api_error
+from swaserve.cluster.routed import InvalidRequest, Unavailable
+from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress, SwaWorker
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.worker import SamplingParams
+from swaserve.worker.engine import RequestError
+from swaserve.worker.parallel import TensorParallelError
+
+PROMPT = [5, 6, 7]
+PARAMS = SamplingParams(max_new_tokens=6)
+TOKEN = "s3cret"
+
+
+@pytest.fixture
+def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
+
+
+# ---- SwaWorker -----------------------------------------------------------------------------
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.dead = False
+
+    def check_alive(self) -> None:
+        if self.dead:
+            raise TensorParallelError("TP rank ended: TP rank 1 (Ray actor)")
+
+
+class IdleEngine:
+    """As much of an `Engine` as an `EngineLoop` without requests touches."""
+
+    def __init__(self, launcher: FakeLauncher | None) -> None:
+        self.launcher = launcher
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+
+    def take_kv_events(self) -> list[Any]:
+        return []
+
+    def headroom(self) -> None:
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def make_worker() -> Iterator[Callable[[EngineLoop | None], SwaWorker]]:
+    """A `SwaWorker` (no Serve replica, no engine) around the given loop; loops are stopped
+    afterwards."""
+    made: list[SwaWorker] = []
+
+    def make(loop: EngineLoop | None) -> SwaWorker:
+        worker = object.__new__(SwaWorker)
+        worker.worker_id, worker.loop = "me", loop
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        loop, worker.loop = worker.loop, None  # what `__del__` would stop: nothing now
+        if loop is not None:
+            loop.stop()
+            with contextlib.suppress(TensorParallelError):
+                loop.wait(10)
+
+
+def test_a_call_for_another_replica_is_misrouted_not_lost(
+    make_worker: Callable[[EngineLoop | None], SwaWorker],
+) -> None:
+    worker = make_worker(None)
+
+    async def collect() -> list[GenerateChunk | Exception]:
+        return [c async for c in worker.generate_on("r1", PROMPT, PARAMS, worker_id="other")]
+
+    [chunk] = asyncio.run(collect())
+    assert isinstance(chunk, GenerateChunk)
+    assert (chunk.finished, chunk.finish_reason) == (True, MISROUTED)
+    assert chunk.error == (
+        "the call for worker other reached me: other is not among the running replicas"
+    )
+
+
+def test_health_check_passes_while_the_loop_runs_and_every_rank_lives(
+    make_worker: Callable[[EngineLoop | None], SwaWorker],
+) -> None:
+    loop = EngineLoop(IdleEngine(FakeLauncher()), "me", report_interval_s=0.01)
+    loop.start()
+    asyncio.run(make_worker(loop).check_health())
+    single = EngineLoop(IdleEngine(None), "me")
+    single.start()
+    asyncio.run(make_worker(single).check_health())  # TP 1: no launcher
+
+
+def test_health_check_fails_when_a_tp_rank_died(
+    make_worker: Callable[[EngineLoop | None], SwaWorker],
+) -> None:
+    launcher = FakeLauncher()
+    loop = EngineLoop(IdleEngine(launcher), "me")  # not started
+    worker = make_worker(loop)
+    asyncio.run(worker.check_health())
+    launcher.dead = True
+    with pytest.raises(TensorParallelError, match="TP rank 1"):
+        asyncio.run(worker.check_health())
+
+
+def test_health_check_fails_once_the_loop_ended(
+    make_worker: Callable[[EngineLoop | None], SwaWorker],
+) -> None:
+    launcher = FakeLauncher()
+    failed = EngineLoop(IdleEngine(launcher), "me", report_interval_s=0.01)
+    launcher.dead = True  # the idle loop's own rank check ends it
+    failed.start()
+    with pytest.raises(TensorParallelError):
+        failed.wait(10)
+    launcher.dead = False  # the loop's error, not the launcher's answer now, fails the check
+    with pytest.raises(TensorParallelError, match="TP rank 1"):
+        asyncio.run(make_worker(failed).check_health())
+    stopped = EngineLoop(IdleEngine(None), "me")
+    stopped.start()
+    stopped.stop()
+    assert stopped.wait(10)
+    with pytest.raises(RuntimeError, match="engine loop has ended"):
+        asyncio.run(make_worker(stopped).check_health())
+    with pytest.raises(RuntimeError, match="has stopped"):
+        asyncio.run(make_worker(None).check_health())
+
+
+# ---- ServeCluster --------------------------------------------------------------------------
+class FakeStream:
+    """A Serve response stream: `items`, then `error` raised (if any); records `cancel()`."""
+
+    def __init__(self, items: list[Any], error: Exception | None = None) -> None:
+        self.items, self.error = items, error
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[Any]:
+        for item in self.items:
+            yield item
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def chunks(request_id: str, token_ids: list[int], params: SamplingParams, n: int) -> list[Any]:
+    """What a worker streams: the "taken" chunk, then the first `n` tokens (all: finished)."""
+    tokens = counting_tokens(token_ids, params)
+    out: list[Any] = [GenerateChunk(request_id)]
+    for i, token in enumerate(tokens[:n]):
+        last = i == len(tokens) - 1
+        out.append(GenerateChunk(request_id, [token], last, "length" if last else None))
+    return out
+
+
+Behaviour = Callable[[str, list[int], SamplingParams], FakeStream]
+
+
+def serves() -> Behaviour:
+    return lambda rid, ids, params: FakeStream(chunks(rid, ids, params, params.max_new_tokens))
+
+
+def breaks_after(n: int, error: Exception) -> Behaviour:
+    return lambda rid, ids, params: FakeStream(chunks(rid, ids, params, n), error)
+
+
+def answers(item: Any) -> Behaviour:
+    return lambda rid, ids, params: FakeStream([item])
+
+
+class ScriptedWorkers:
+    """The SwaWorker deployment's handle: call k on worker w behaves as `scripts[w][k]`."""
+
+    def __init__(self, scripts: dict[str, list[Behaviour]]) -> None:
+        self.scripts = scripts
+        self.streams: list[tuple[str, FakeStream]] = []
+
+    def generate_on(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, worker_id: str
+    ) -> FakeStream:
+        stream = self.scripts[worker_id].pop(0)(request_id, token_ids, params)
+        self.streams.append((worker_id, stream))
+        return stream
+
+    def abort_on(self, request_id: str, worker_id: str) -> None:
+        pass
+
+
+def serve_cluster(
+    model_dir: Path, scripts: dict[str, list[Behaviour]]
+) -> tuple[ServeCluster, FakeRouter, ScriptedWorkers]:
+    router, workers = FakeRouter(list(scripts)), ScriptedWorkers(scripts)
+    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster.model_info = model_info(model_dir)
+    return cluster, router, workers
+
+
+def generated(cluster: ServeCluster) -> list[int]:
+    async def run() -> list[int]:
+        return [t async for c in cluster.generate("r1", PROMPT, PARAMS) for t in c.token_ids]
+
+    return asyncio.run(run())
+
+
+EVERY_TOKEN = counting_tokens(PROMPT, PARAMS)
+
+
+def test_an_unreachable_worker_is_kept_and_its_request_goes_on(model_dir: Path) -> None:
+    unreachable = ActorUnavailableError("Actor is unavailable.", None)
+    cluster, router, workers = serve_cluster(
+        model_dir, {"w0": [breaks_after(2, unreachable), serves()]}
+    )
+    assert generated(cluster) == EVERY_TOKEN
+    assert router.removed == [] and cluster.lost == {}
+    assert router.routed == ["w0", "w0"]
+    assert workers.streams[0][1].cancelled  # the broken call was cancelled on the replica
+
+
+def test_a_dead_worker_is_removed_and_its_request_migrates(model_dir: Path) -> None:
+    scripts = {"w0": [breaks_after(2, ActorDiedError())], "w1": [serves()]}
+    cluster, router, _ = serve_cluster(model_dir, scripts)
+    assert generated(cluster) == EVERY_TOKEN
+    assert router.removed == ["w0"] and list(cluster.lost) == ["w0"]
+    assert router.routed == ["w0", "w1"]
+    assert cluster.migrations == 1
+
+
+def test_a_misrouted_call_loses_nobody(model_dir: Path) -> None:
+    misrouted = GenerateChunk("r1", finished=True, finish_reason=MISROUTED, error="elsewhere")
+    cluster, router, _ = serve_cluster(model_dir, {"w0": [answers(misrouted), serves()]})
+    assert generated(cluster) == EVERY_TOKEN
+    assert router.removed == [] and router.routed == ["w0", "w0"]
+
+
+def test_a_stopped_worker_is_lost_and_the_last_one_makes_it_a_503_not_a_400(
+    model_dir: Path,
+) -> None:
+    def stopped(worker_id: str) -> Behaviour:
+        return answers(RuntimeError(f"worker {worker_id} has stopped"))
+
+    cluster, router, _ = serve_cluster(model_dir, {"w0": [stopped("w0")], "w1": [serves()]})
+    assert generated(cluster) == EVERY_TOKEN  # served by the other
+    assert router.removed == ["w0"]
+    cluster, router, _ = serve_cluster(model_dir, {"w0": [stopped("w0")], "w1": [stopped("w1")]})
+    with pytest.raises(Unavailable) as err:
+        generated(cluster)
+    assert router.removed == ["w0", "w1"]
+    assert api_error(err.value).status == 503
+
+
+def test_a_request_the_engine_refuses_is_a_400_and_loses_nobody(model_dir: Path) -> None:
+    refused = RequestError("the prompt does not fit the SWA pool")
+    cluster, router, _ = serve_cluster(model_dir, {"w0": [answers(refused)]})
+    with pytest.raises(InvalidRequest, match="SWA pool") as err:
+        generated(cluster)
+    assert router.removed == []
+    assert api_error(err.value).status == 400
+
+
+# ---- SwaIngress: the API key on the gRPC path ---------------------------------------------
+class RawContext:
+    """What Serve's gRPC proxy wraps into a `RayServegRPCContext`: the call's metadata."""
+
+    def __init__(self, metadata: list[tuple[str, str]]) -> None:
+        self.metadata = metadata
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+    def code(self) -> None:
+        return None
+
+    def details(self) -> None:
+        return None
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def peer_identities(self) -> None:
+        return None
+
+    def peer_identity_key(self) -> None:
+        return None
+
+    def trailing_metadata(self) -> list[tuple[str, str]]:
+        return []
+
+
+def ingress(model_dir: Path, api_key: str | None) -> SwaIngress:
+    router, workers = FakeRouter(["w0"]), ScriptedWorkers({"w0": [serves(), serves()]})
+    made = SwaIngress.__new__(SwaIngress)
+    args = ServeAppArgs(model=str(model_dir), api_key=api_key)
+    asyncio.run(SwaIngress.__init__(made, Handle(router), Handle(workers), args))  # async in Serve
+    made.cluster.model_info = model_info(model_dir)
+    return made
+
+
+def call_all(made: SwaIngress, metadata: list[tuple[str, str]]) -> tuple[list[Any], list[Any]]:
+    """Generate, GetModelInfo, GetLoad and Abort with `metadata`: the replies, the contexts."""
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        contexts = [RayServegRPCContext(RawContext(metadata)) for _ in range(4)]
+        request = pb.GenerateRequest(
+            token_ids=PROMPT, sampling_params=pb.SamplingParams(max_new_tokens=3)
+        )
+        replies = [
+            [item async for item in made.Generate(request, grpc_context=contexts[0])],
+            await made.GetModelInfo(pb.GetModelInfoRequest(), grpc_context=contexts[1]),
+            await made.GetLoad(pb.GetLoadRequest(), grpc_context=contexts[2]),
+            await made.Abort(pb.AbortRequest(request_id="none"), grpc_context=contexts[3]),
+        ]
+        return replies, contexts
+
+    return asyncio.run(run())
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_grpc_through_serve_needs_the_api_key_when_one_is_set(model_dir: Path) -> None:
+    keyed = ingress(model_dir, TOKEN)
+    for metadata in ([("application", "swaserve")], [("authorization", "Bearer wrong")]):
+        replies, contexts = call_all(keyed, metadata)
+        assert [c.code() for c in contexts] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+        assert {c.details() for c in contexts} == {"missing or wrong bearer token"}
+        assert replies[0] == []  # no token was generated
+    replies, contexts = call_all(keyed, [("authorization", f"Bearer {TOKEN}")])
+    assert [c.code() for c in contexts] == [None] * 4
+    assert [t for item in replies[0] for t in item.token_ids] == [8, 9, 10]
+    assert replies[1].model_name == model_dir.name
+    open_ = ingress(model_dir, None)
+    replies, contexts = call_all(open_, [])
+    assert [c.code() for c in contexts] == [None] * 4
+    assert [t for item in replies[0] for t in item.token_ids] == [8, 9, 10]
