@@ -10,12 +10,15 @@ Status codes: INVALID_ARGUMENT for bad input, RESOURCE_EXHAUSTED when no worker 
 the router's queue is full (trailing metadata `retry-after-s`), UNAVAILABLE while draining or
 when the worker was lost after tokens were streamed, INTERNAL when the worker's step failed,
 UNAUTHENTICATED without the configured bearer token. A client cancel or an expired deadline
-closes the stream, which aborts the request on its worker and frees its KV. Nothing a client
-sends is unpickled: requests are protobuf, parsed by protobuf.
+closes the stream, which aborts the request on its worker and frees its KV; the deadline also
+bounds the router's queue wait and the request's migrations (`timeout_s`). Nothing a client
+sends is unpickled: requests are protobuf, parsed by protobuf. Tokenizing and checking a
+prompt run off the event loop, so one huge prompt does not stall the other streams.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -29,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tokenizers import Tokenizer
 
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.detokenizer import IncrementalDetokenizer
@@ -44,6 +48,7 @@ from swaserve.cluster.routed import (
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.worker import SamplingParams
+from swaserve.worker.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +131,19 @@ def check_id(value: str, what: str) -> str:
     return value
 
 
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False).ids`, through `encode_batch`, which
+    releases the GIL while it runs (`encode` holds it: even on another thread, a huge prompt
+    would stall the event loop for as long as it takes)."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def encode_prompt(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """What `TextTokenizer.encode` gives (BOS first when the model has one), by `encode_text`."""
+    ids = encode_text(tokenizer.tokenizer, text)
+    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id, *ids]
+
+
 class RpcFailure(Exception):
     """How an RPC ends when it fails: a status code, details, trailing metadata."""
 
@@ -153,12 +171,15 @@ class InferenceService:
         return info
 
     async def generate(
-        self, request: pb.GenerateRequest
+        self, request: pb.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The stream of one request. `timeout_s`: what is left of the client's deadline (None:
+        none); it bounds the router's queue wait and the request's migrations."""
         started = time.monotonic()
         await self.cluster.ready()
         try:
-            request_id, token_ids, params, stop, session = self._parse(request)
+            parsed = await asyncio.to_thread(self._parse, request)  # tokenizing may be long
+            request_id, token_ids, params, stop, session = parsed
         except (BadRequest, InvalidRequest) as exc:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if request_id in self._open:
@@ -172,7 +193,10 @@ class InferenceService:
             else None
         )
         self._open.add(request_id)
-        stream = self.cluster.generate(request_id, token_ids, params, session_id=session)
+        left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
+        stream = self.cluster.generate(
+            request_id, token_ids, params, session_id=session, timeout_s=left_s
+        )
         timer = self.metrics.tracker(started) if self.metrics is not None else None
         completion_tokens = 0
         worker_id = ""
@@ -248,7 +272,7 @@ class InferenceService:
             tokenizer = self.cluster.tokenizer
             if tokenizer is None:
                 raise BadRequest("this model has no tokenizer: send token_ids")
-            token_ids = tokenizer.encode(request.text)
+            token_ids = encode_prompt(tokenizer, request.text)
         else:
             token_ids = list(request.token_ids)
         params = sampling_params_from_proto(request.sampling_params, self.info.vocab_size)
@@ -324,8 +348,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        items = self.service.generate(request, timeout_s=context.time_remaining())
         try:
-            async with contextlib.aclosing(self.service.generate(request)) as items:
+            async with contextlib.aclosing(items):
                 async for item in items:
                     yield item
         except RpcFailure as failure:

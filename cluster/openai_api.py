@@ -8,6 +8,13 @@
           →  detokenize (UTF-8 safe, stop strings)  →  one JSON body, or SSE chunks
              (`data: {json}`, the last `data: [DONE]`)
 
+A body is at most `MAX_BODY_BYTES`, counted as it streams (a chunked body has no
+Content-Length): past the limit nothing more is kept, the rest is read and dropped (up to
+`MAX_DRAIN_BYTES`, so that a client that sends its whole body before it reads gets the answer,
+not a reset connection), and the answer is a 413 in OpenAI's error shape. Tokenizing a prompt
+and rendering a chat template run off the event loop, so one huge prompt does not stall the
+other streams.
+
 The app keeps no state: routes read `request.app.state.openai`, an `OpenAIServer`, so the same
 app runs standalone (`HttpServer`) and as a Ray Serve ingress. A streaming request's first
 token is awaited before the response starts, so that routing errors keep their status (429 with
@@ -46,6 +53,8 @@ from swaserve.cluster.grpc_server import (
     BadRequest,
     check_id,
     check_stop_strings,
+    encode_prompt,
+    encode_text,
 )
 from swaserve.cluster.metrics import CONTENT_TYPE, ServingMetrics
 from swaserve.cluster.routed import (
@@ -71,6 +80,7 @@ MAX_CHOICES = 16
 ID_PREFIXES = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = DEFAULT_MAX_MESSAGE_BYTES  # as the gRPC server's message limit
+MAX_DRAIN_BYTES = 4 * MAX_BODY_BYTES  # of a body past the limit, read and dropped at most
 
 
 def _off(*neutral: object) -> Callable[[Any], bool]:
@@ -364,7 +374,7 @@ class OpenAIServer:
         if isinstance(prompt, str):
             if self.cluster.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-            ids = self.cluster.tokenizer.encode(prompt)
+            ids = encode_prompt(self.cluster.tokenizer, prompt)
         elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
             ids = list(prompt)
         else:
@@ -388,7 +398,7 @@ class OpenAIServer:
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
         # The template places BOS itself: encode without adding it again.
-        ids = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = encode_text(tokenizer.tokenizer, text)
         if req.max_completion_tokens is not None:
             return self._job(
                 "chat.completion",
@@ -806,27 +816,65 @@ async def _authorize(request: Request) -> None:
 
 
 async def _json(request: Request) -> Any:
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    body = await _read_body(request)
     try:
-        return await request.json()
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, or `APIError` 413 once more than `MAX_BODY_BYTES` came (see the module
+    docstring). The 413 closes the connection, so the part of the body not read is never
+    parsed as a next request; a client that sent `Expect: 100-continue` gets it before it sends
+    the body."""
+    too_large = APIError(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES} bytes",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+    declared = request.headers.get("content-length", "")
+    declared_bytes = int(declared) if declared.isdigit() else None
+    stream = request.stream()
+    read = 0
+    if declared_bytes is None or declared_bytes <= MAX_BODY_BYTES:
+        chunks: list[bytes] = []
+        async for chunk in stream:
+            read += len(chunk)
+            if read > MAX_BODY_BYTES:
+                break
+            chunks.append(chunk)
+        else:
+            return b"".join(chunks)
+        chunks.clear()
+    elif declared_bytes > MAX_DRAIN_BYTES or _expects_continue(request):
+        raise too_large  # not worth reading, or not sent yet
+    async for chunk in stream:  # drop the rest, up to the drain limit
+        read += len(chunk)
+        if read > MAX_DRAIN_BYTES:
+            break
+    raise too_large
+
+
+def _expects_continue(request: Request) -> bool:
+    return request.headers.get("expect", "").lower() == "100-continue"
 
 
 async def completions(request: Request) -> Response:
     arrival_s = time.monotonic()
     server = await _ready_server(request)
     req = parse_body(await _json(request), CompletionRequest, COMPLETION_UNSUPPORTED)
-    return await server.respond(request, server.completion_job(req, arrival_s), req.stream)
+    job = await asyncio.to_thread(server.completion_job, req, arrival_s)  # tokenizes
+    return await server.respond(request, job, req.stream)
 
 
 async def chat_completions(request: Request) -> Response:
     arrival_s = time.monotonic()
     server = await _ready_server(request)
     req = parse_body(await _json(request), ChatCompletionRequest, CHAT_UNSUPPORTED)
-    return await server.respond(request, server.chat_job(req, arrival_s), req.stream)
+    job = await asyncio.to_thread(server.chat_job, req, arrival_s)  # renders, tokenizes
+    return await server.respond(request, job, req.stream)
 
 
 async def list_models(request: Request) -> dict[str, Any]:
