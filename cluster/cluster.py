@@ -179,7 +179,7 @@ class Cluster(RoutedCluster):
         if watcher is not None and watcher is not asyncio.current_task():
             watcher.cancel()
         replica = self.replica_of[worker_id]
-        if self.config.recreate_lost_workers and not self._closing:
+        if self.config.recreate_lost_workers and not (self._closing or self.draining):
             if replica not in self._recreating:
                 self._recreating[replica] = asyncio.create_task(self._recreate(group, replica))
         else:
