@@ -8,6 +8,10 @@ keeper's stdin, on which the keeper shuts Ray down. If the server dies, the keep
 too, so Ray never outlives it.
 
     python -m swaserve.cluster.local_ray --num-cpus N    # prints "address=HOST:PORT"
+
+The local Ray binds loopback (`LOOPBACK`): its GCS, raylet and object manager then take no
+connection from another machine. An operator who wants other machines to join it names the
+address to bind and advertise instead (`swaserve serve --ray-node-ip-address ADDR`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ ADDRESS_PREFIX = "address="
 # it must run in the same mode, and Ray reads the mode when it is imported.
 DEFAULT_AUTH_MODE = "token"
 START_TIMEOUT_S = 120.0
+LOOPBACK = "127.0.0.1"
+NODE_IP_ADDRESS_ENV = "SWASERVE_RAY_NODE_IP_ADDRESS"  # `swaserve serve`'s default for the flag
+# Ray resolves a loopback node address to the machine's reachable one, and then listens on
+# every interface, unless this switch (read when Ray is imported) says the cluster is this one
+# machine: then it keeps 127.0.0.1 and binds only that.
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def set_auth_mode() -> None:
@@ -34,22 +44,46 @@ def set_auth_mode() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", DEFAULT_AUTH_MODE)
 
 
+def is_loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")
+
+
+def set_node_address(node_ip_address: str) -> None:
+    """Call before `import ray` in a process that will start or join a `LocalRay` on
+    `node_ip_address` (the keeper and Ray's own processes inherit the environment): on a
+    loopback address, Ray keeps it and binds only it."""
+    if is_loopback(node_ip_address):
+        os.environ[SINGLE_MACHINE_ENV] = "0"
+
+
 class LocalRay:
     """Start (`start()` → address) and stop (`stop()`) a keeper process and its Ray."""
 
-    def __init__(self, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+    def __init__(
+        self,
+        num_cpus: int | None = None,
+        num_gpus: int | None = None,
+        node_ip_address: str = LOOPBACK,
+    ) -> None:
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
+        self.node_ip_address = node_ip_address
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self) -> str:
+    def command(self) -> list[str]:
         command = [sys.executable, "-m", "swaserve.cluster.local_ray"]
+        command += ["--node-ip-address", self.node_ip_address]
         if self.num_cpus is not None:
             command += ["--num-cpus", str(self.num_cpus)]
         if self.num_gpus is not None:
             command += ["--num-gpus", str(self.num_gpus)]
+        return command
+
+    def start(self) -> str:
+        """Start the keeper (`set_node_address` must have run in this process); Ray's
+        address."""
         self.proc = subprocess.Popen(
-            command,
+            self.command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -84,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="keep a local Ray until stdin closes")
     parser.add_argument("--num-cpus", type=int, default=None)
     parser.add_argument("--num-gpus", type=int, default=None)
+    parser.add_argument("--node-ip-address", default=LOOPBACK, help="the address Ray binds")
     args = parser.parse_args(argv)
+    set_node_address(args.node_ip_address)
     import ray
 
     context: Any = ray.init(
@@ -92,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpus=args.num_gpus,
         include_dashboard=False,
         log_to_driver=False,
+        _node_ip_address=args.node_ip_address,
     )
     print(f"{ADDRESS_PREFIX}{context.address_info['gcs_address']}", flush=True)
     os.dup2(2, 1)  # nobody reads the pipe any more: later output goes to stderr

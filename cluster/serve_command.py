@@ -31,7 +31,13 @@ from swaserve.cluster.defaults import (
     DEFAULT_HTTP_PORT,
 )
 from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
-from swaserve.cluster.local_ray import LocalRay, set_auth_mode
+from swaserve.cluster.local_ray import (
+    LOOPBACK,
+    NODE_IP_ADDRESS_ENV,
+    LocalRay,
+    set_auth_mode,
+    set_node_address,
+)
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig
 
@@ -104,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-cpus", type=int, default=None, help="logical CPUs of a local Ray (CPU bundles)"
     )
+    parser.add_argument(
+        "--ray-node-ip-address",
+        default=os.environ.get(NODE_IP_ADDRESS_ENV, "").strip() or LOOPBACK,
+        metavar="ADDR",
+        help=f"address of a local Ray (default ${NODE_IP_ADDRESS_ENV}, else {LOOPBACK}: it "
+        "binds loopback only; another address lets other machines join it, and Ray then "
+        "listens on every interface)",
+    )
     parser.add_argument("--tls-cert-file", help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
     parser.add_argument(
@@ -171,8 +185,11 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     return key or None
 
 
-def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> LocalRay | None:
-    """Join `address`, or start a local Ray (in its own session, see `local_ray`) and join it;
+def connect_ray(
+    address: str | None, num_cpus: int | None, bundles: int, node_ip_address: str = LOOPBACK
+) -> LocalRay | None:
+    """Join `address`, or start a local Ray on `node_ip_address` (in its own session, see
+    `local_ray`; `set_node_address` must have run before Ray was imported) and join it;
     returns the local Ray to stop at exit."""
     import ray
 
@@ -181,10 +198,11 @@ def connect_ray(address: str | None, num_cpus: int | None, bundles: int) -> Loca
     if address:
         ray.init(address=address, log_to_driver=True)
         return None
-    local = LocalRay(num_cpus=num_cpus or max(os.cpu_count() or 1, bundles + 1))
+    num_cpus = num_cpus or max(os.cpu_count() or 1, bundles + 1)
+    local = LocalRay(num_cpus=num_cpus, node_ip_address=node_ip_address)
     local_address = local.start()
     try:
-        ray.init(address=local_address, log_to_driver=True)
+        ray.init(address=local_address, log_to_driver=True, _node_ip_address=node_ip_address)
     except BaseException:
         local.stop()
         raise
@@ -280,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.ray_address:
         set_auth_mode()  # before anything imports ray
+        set_node_address(args.ray_node_ip_address)
     try:
         cluster_config, grpc_config = build_configs(args)
         api_key = read_api_key(args)
@@ -289,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     bundles = args.replicas * cluster_config.engine.tp_size
-    local = connect_ray(args.ray_address, args.num_cpus, bundles)
+    local = connect_ray(args.ray_address, args.num_cpus, bundles, args.ray_node_ip_address)
     try:
         return asyncio.run(
             serve(cluster_config, grpc_config, args.status_interval_s, args.http_port, api_key)
