@@ -1,7 +1,7 @@
 """Prometheus metrics of a serving cluster (prometheus-client), named as SGLang / vLLM users
 know them, with labels `model_name` and `worker`.
 
-Two sources, one registry per ingress process:
+Three sources, one registry per ingress process:
 
 - per request, measured in the ingress (gRPC and HTTP alike): time to first token,
   inter-token latency, end-to-end latency (histograms);

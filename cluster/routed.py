@@ -55,8 +55,8 @@ class ClusterBusy(ClusterError):
 
 
 class Unavailable(ClusterError):
-    """Draining, no worker left, or the worker was lost after tokens were streamed
-    (UNAVAILABLE / HTTP 503)."""
+    """Draining, no worker left (and none coming back in time), or the request was lost on
+    `max_attempts` workers or past its deadline (UNAVAILABLE / HTTP 503)."""
 
 
 class GenerationFailed(ClusterError):
