@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swaserve.proto.kv_events import KVEvent, KVTombstoned
+from swaserve.proto.kv_events import KVCleared, KVEvent, KVTombstoned
 from swaserve.proto.kv_rules import (
     min_swa_pool_tokens,
     page_ceil,
@@ -537,6 +537,16 @@ class Engine:
         self._collect_events()
         events, self._events = self._events, []
         return events
+
+    def kv_snapshot_events(self) -> list[KVEvent]:
+        """The prefix cache as a snapshot for a router that lost track of it
+        (`SWARadixCache.snapshot_events`; only `KVCleared` without a cache). Takes and drops
+        the events not yet taken: the snapshot holds their effect, and the next
+        `take_kv_events` continues from it."""
+        self.take_kv_events()
+        if self.tree is None:
+            return [KVCleared()]
+        return self.tree.snapshot_events()
 
     def _collect_events(self) -> None:
         if self.tree is None:

@@ -48,7 +48,8 @@ from swaserve.worker.kv.swa_freeing import SWAFreeState
 class SWARadixCache(RadixTree):
     """Prefix cache over full slot ids with SWA tombstones, two LRUs and window-bounded locks.
 
-    Sizes, `total_size`, `cached_indices`, `take_events` and `check` come from `RadixTree`.
+    Sizes, `total_size`, `cached_indices`, `take_events`, `snapshot_events` and `check` come
+    from `RadixTree`.
     `window_repair_tokens` (R, 0 = off) is what `match_prefix(..., allow_repair=True)` may
     recompute; the engine passes `window_repair_tokens(L_swa, W, P)`.
     """

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.proto.kv_events import KVEvent, KVRemoved, KVStored, page_hashes
+from swaserve.proto.kv_events import KVCleared, KVEvent, KVRemoved, KVStored, page_hashes
 from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.errors import KVError
 
@@ -190,6 +190,30 @@ class RadixTree:
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call, oldest first (empty when events are disabled)."""
         events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """The whole tree as events, for a router that lost track: `KVCleared`, then one
+        `KVStored` per node, parents before children (`swa_tombstone` for a tombstone). On any
+        view they build what every event so far built: the same pages, page hashes and
+        tombstones (a split is invisible in events). A query: the events not yet taken stay
+        (the caller drops them, see `Engine.kv_snapshot_events`). Empty when events are
+        disabled."""
+        if not self.enable_kv_events:
+            return []
+        events: list[KVEvent] = [KVCleared()]
+        for node in self._nodes():
+            assert node.parent is not None  # nodes in the tree hang under a parent
+            parent_hash = node.parent.page_hashes[-1] if node.parent.page_hashes else None
+            events.append(
+                KVStored(
+                    tuple(node.page_hashes),
+                    parent_hash,
+                    tuple(node.key),
+                    self.page_size,
+                    node.tombstone,
+                )
+            )
         return events
 
     def check(self) -> None:
