@@ -4,10 +4,14 @@ The engine is not thread-safe, so exactly one thread touches it: this loop's. Ot
 (an asyncio actor's event loop, the gRPC ingress) talk to it through `submit` / `abort`, which
 only queue a command and wake the loop. Each step's outputs go to the sink of their request
 (a callable; the worker actor's sink puts them on the request's asyncio queue). Every
-`report_interval_s`, and right after a step that changed the cache or the queues, the loop
-hands a `WorkerReport` (headroom + the KV events since the last one) to `on_report`.
+`report_interval_s`, and right after a step that changed the cache or the queues or took
+requests, the loop hands a `WorkerReport` (headroom, the KV events since the last one, the ids
+of the requests taken since) to `on_report`. When the router answers that it lost track
+(`take_router_answer`, or `request_snapshot`), the next report, sent at once, is a snapshot:
+the whole cache as events and every open request.
 
-    loop:  commands (add / abort)  →  step() if there is work, else wait  →  sinks  →  report
+    loop:  commands (add / abort / call / snapshot)  →  step() if there is work, else wait
+           →  report  →  sinks
 
 A `TensorParallelError` (a dead or hung TP rank) ends the loop: every open request gets a
 `WorkerLost` chunk, and `wait()` raises the error, so the caller takes the group down.
@@ -15,6 +19,7 @@ A `TensorParallelError` (a dead or hung TP rank) ends the loop: every open reque
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -76,6 +81,11 @@ class _Call:
     done: Future[Any]
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    after_seq: int | None
+
+
 class EngineLoop:
     """Runs `engine` in a daemon thread (see the module docstring)."""
 
@@ -92,8 +102,15 @@ class EngineLoop:
         self.instance_id = uuid.uuid4().hex
         self.on_report = on_report
         self.report_interval_s = report_interval_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Snapshot | None] = (
+            queue.SimpleQueue()
+        )
         self._sinks: dict[str, Sink] = {}  # open requests; touched by the loop thread only
+        self._admitted: list[str] = []  # taken since the last report (loop thread only)
+        self._snapshot_due = False  # the next report is a snapshot (loop thread only)
+        self._snapshot_seq = 0  # seq of the last snapshot report
+        self._answers: asyncio.AbstractEventLoop | None = None  # awaits the router's answers
+        self._answers_lock = threading.Lock()
         self._seq = 0
         self._last_report_s = 0.0
         self._last_counts = (-1, -1)
@@ -133,6 +150,28 @@ class EngineLoop:
             return done
         self._commands.put(_Call(fn, done))
         return done
+
+    def request_snapshot(self, after_seq: int | None = None) -> None:
+        """Make the next report, sent as soon as the loop sees this, a snapshot report
+        (`WorkerReport.snapshot`: the whole cache, every open request). `after_seq`: the
+        report whose answer asked for it; ignored when a snapshot was sent after that report
+        (the answers to the reports sent before a snapshot still ask for one)."""
+        self._commands.put(_Snapshot(after_seq))
+
+    def take_router_answer(self, report_seq: int, answer: Any) -> None:
+        """The router's answer to report `report_seq`: True (send a snapshot, see
+        `request_snapshot`) or False, or an awaitable of one (what `update.remote(report)`
+        returns: a Ray ObjectRef, or a Serve DeploymentResponse). Never blocks: an awaitable
+        is awaited on an event loop of this object's own (a daemon thread started by the
+        first one). A call that fails (the router died) is logged and dropped: a restarted
+        router asks again on a later report."""
+        if isinstance(answer, bool):
+            if answer:
+                self.request_snapshot(report_seq)
+            return
+        loop = self._answers_loop()
+        if loop is not None:  # None: this loop has ended, and so has the router's interest
+            asyncio.run_coroutine_threadsafe(self._await_answer(report_seq, answer), loop)
 
     def stop(self) -> None:
         """End the loop after the current step; open requests end with "abort"."""
@@ -177,6 +216,7 @@ class EngineLoop:
         finally:
             self._done.set()
             self._fail_pending_adds()
+            self._close_answers()
 
     def _take_commands(self, *, block: bool) -> None:
         timeout = self._time_to_report() if block else None
@@ -198,6 +238,9 @@ class EngineLoop:
                     command.done.set_result(command.fn(self.engine))
                 except Exception as exc:
                     command.done.set_exception(exc)
+            elif isinstance(command, _Snapshot):
+                after = command.after_seq
+                self._snapshot_due |= after is None or after >= self._snapshot_seq
             else:
                 self._abort(command.request_id)
 
@@ -208,6 +251,7 @@ class EngineLoop:
             command.accepted.set_exception(exc)
             return
         self._sinks[command.request_id] = command.sink
+        self._admitted.append(command.request_id)
         command.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
@@ -243,22 +287,68 @@ class EngineLoop:
         return self._last_report_s + self.report_interval_s - time.time()
 
     def _report(self, *, force: bool) -> None:
-        """Report when forced, when the interval passed, or after a step that changed the
-        cache (KV events) or the running / waiting counts."""
-        events = self.engine.take_kv_events()
+        """Report when forced, when a snapshot is due, when the interval passed, or after a
+        step that changed the cache (KV events) or the running / waiting counts, or after
+        requests were taken. A snapshot report carries the whole cache instead of the events
+        (`Engine.kv_snapshot_events`, which drops those) and lists every open request."""
+        snapshot = self._snapshot_due
+        events = self.engine.kv_snapshot_events() if snapshot else self.engine.take_kv_events()
         scheduler = self.engine.scheduler
         counts = (len(scheduler.running), len(scheduler.waiting))
-        due = force or events or counts != self._last_counts or self._time_to_report() <= 0
-        if not due:
+        due = force or snapshot or events or self._admitted or counts != self._last_counts
+        if not due and self._time_to_report() > 0:
             return
+        admitted = [*self._admitted, *self._sinks] if snapshot else self._admitted
         headroom = self.engine.headroom()
         self._seq += 1
         now = time.time()
-        report = WorkerReport(self.worker_id, self.instance_id, self._seq, now, headroom, events)
+        report = WorkerReport(
+            self.worker_id,
+            self.instance_id,
+            self._seq,
+            now,
+            headroom,
+            events,
+            admitted_request_ids=tuple(dict.fromkeys(admitted)),
+            snapshot=snapshot,
+        )
         self._last_report_s, self._last_counts = now, counts
+        self._admitted = []
+        if snapshot:
+            self._snapshot_due, self._snapshot_seq = False, self._seq
         self.latest_report = report
         if self.on_report is not None:
             self.on_report(report)
+
+    # ---- the router's answers (their own thread) ------------------------------------------
+    def _answers_loop(self) -> asyncio.AbstractEventLoop | None:
+        with self._answers_lock:
+            if self._done.is_set():
+                return None
+            if self._answers is None:
+                self._answers = asyncio.new_event_loop()
+                threading.Thread(
+                    target=self._answers.run_forever,
+                    name=f"answers-{self.worker_id}",
+                    daemon=True,
+                ).start()
+            return self._answers
+
+    async def _await_answer(self, report_seq: int, answer: Any) -> None:
+        try:
+            resync = await answer
+        except Exception as exc:
+            logger.info("worker %s: no answer to report %d: %s", self.worker_id, report_seq, exc)
+            return
+        if resync:
+            self.request_snapshot(report_seq)
+
+    def _close_answers(self) -> None:
+        """Stop the answers' event loop (answers still awaited are dropped)."""
+        with self._answers_lock:
+            loop, self._answers = self._answers, None
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(_cancel_all_and_stop(), loop)
 
     def _end_all(self, reason: str, message: str) -> None:
         for request_id, sink in list(self._sinks.items()):
@@ -280,3 +370,12 @@ class EngineLoop:
                 command.accepted.set_exception(stopped)
             elif isinstance(command, _Call):
                 command.done.set_exception(stopped)
+
+
+async def _cancel_all_and_stop() -> None:
+    """Cancel every other task of the running loop, let them end, then stop the loop."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.get_running_loop().stop()

@@ -54,9 +54,18 @@ class Headroom:
 class WorkerReport:
     """One periodic report of a worker's rank 0 to the router.
 
-    `instance_id` changes when the worker restarts (its cache is then empty); `seq` increases by
-    one per report of an instance, so a lost report is detected. `events` are the KV cache
-    events since the previous report, in order.
+    `instance_id` changes when the worker restarts (its cache is then empty); `seq` counts an
+    instance's reports from 1, so a lost report is detected. `events` are the KV cache events
+    since the previous report, in order. `timestamp_s` is the worker's clock when it was made:
+    informational only (the router times reports by its own clock at receipt).
+
+    `admitted_request_ids`: the requests the engine took since the previous report, so the
+    router knows exactly which of the requests it routed this report already counts.
+
+    `snapshot=True`: the router asked for a resync (`Router.update` answered True). `events`
+    are then `KVCleared` and the whole cache as `KVStored` events, parents before children
+    (what the event stream so far would have built), and `admitted_request_ids` lists every
+    request open on the worker. The events after it continue from the snapshot.
     """
 
     worker_id: str
@@ -65,3 +74,5 @@ class WorkerReport:
     timestamp_s: float
     headroom: Headroom
     events: list[Any] = field(default_factory=list)
+    admitted_request_ids: tuple[str, ...] = ()
+    snapshot: bool = False

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
+from swaserve.proto.kv_events import KVCleared
 from swaserve.proto.messages import WorkerReport
+from swaserve.router.cache_view import ExactCacheView
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.engine import RequestError
 
@@ -97,3 +99,101 @@ def test_stop_ends_open_requests_and_refuses_new_ones(engine: Engine) -> None:
     with pytest.raises(RuntimeError, match="stopped"):
         loop.submit("late", [1], long, Collector()).result(1)
     engine.check()
+
+
+class Reports:
+    """The loop's reports, in order; `until(pred)` waits for the first new one that matches."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[WorkerReport] = queue.SimpleQueue()
+        self.all: list[WorkerReport] = []
+
+    def __call__(self, report: WorkerReport) -> None:
+        self.all.append(report)
+        self.queue.put(report)
+
+    def until(
+        self, pred: Callable[[WorkerReport], bool], timeout_s: float = 30.0
+    ) -> list[WorkerReport]:
+        """The reports up to and including the first one that matches `pred`."""
+        out = [self.queue.get(timeout=timeout_s)]
+        while not pred(out[-1]):
+            out.append(self.queue.get(timeout=timeout_s))
+        return out
+
+
+def view_pages(*event_lists: list) -> dict[int, bool]:
+    view = ExactCacheView(1)
+    for events in event_lists:
+        assert view.apply(0, events) == 0
+    return view.pages(0)
+
+
+def test_reports_list_the_requests_taken_and_a_snapshot_replaces_the_stream(
+    engine: Engine,
+) -> None:
+    reports = Reports()
+    loop = EngineLoop(engine, "w0", on_report=reports, report_interval_s=3600.0)
+    loop.start()
+    try:
+        params = SamplingParams(max_new_tokens=4, temperature=0.0)
+        sink = Collector()
+        loop.submit("r0", [1, 2, 3, 4, 5, 6], params, sink).result(10)
+        sink.until_finished()
+        loop.submit("r1", [1, 2, 3, 4, 7, 7], params, sink).result(10)
+        sink.until_finished()
+        long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+        held = Collector()
+        loop.submit("long", [9, 8, 7, 6, 5], long, held).result(10)
+        assert held.chunks.get(timeout=30).token_ids  # it runs
+        before = reports.until(lambda r: "long" in r.admitted_request_ids)
+        # Each request is listed once, in the first report after the engine took it.
+        listed = [rid for r in before for rid in r.admitted_request_ids]
+        assert listed == ["r0", "r1", "long"]
+        loop.request_snapshot()
+        stream = before + reports.until(lambda r: r.snapshot)
+        snap = stream[-1]
+        assert snap.seq == stream[-2].seq + 1 and snap.admitted_request_ids == ("long",)
+        assert isinstance(snap.events[0], KVCleared) and snap.events[1:]
+        assert view_pages(*(r.events for r in stream[:-1])) == view_pages(snap.events)
+        loop.abort("long")
+        held.until_finished()
+        loop.submit("r2", [1, 2, 3, 4, 5, 6, 6, 6], params, sink).result(10)
+        sink.until_finished()  # reports go out before the chunks: all of them are in
+        after = []
+        while not reports.queue.empty():
+            after.append(reports.queue.get())
+        assert after and not any(r.snapshot for r in after) and any(r.events for r in after)
+        full = view_pages(*(r.events for r in stream[:-1] + after))
+        assert view_pages(snap.events, *(r.events for r in after)) == full
+    finally:
+        loop.stop()
+        loop.wait(10)
+    assert [r.seq for r in reports.all] == list(range(1, len(reports.all) + 1))
+    assert full == view_pages(engine.kv_snapshot_events())  # the loop has ended
+
+
+def test_router_answers_ask_for_a_snapshot_unless_one_was_sent_after(engine: Engine) -> None:
+    reports = Reports()
+    loop = EngineLoop(engine, "w0", on_report=reports, report_interval_s=3600.0)
+    loop.start()
+    try:
+        first = reports.until(lambda r: True)[0]
+        loop.take_router_answer(first.seq, False)
+        loop.take_router_answer(first.seq, True)
+        snap = reports.until(lambda r: r.snapshot)[-1]
+
+        async def answer() -> bool:  # what awaiting a Ray ObjectRef or a Serve response gives
+            return True
+
+        loop.take_router_answer(snap.seq, answer())  # answered on the loop's answers thread
+        again = reports.until(lambda r: r.snapshot)[-1]
+        assert again.seq > snap.seq
+        # An answer to a report sent before the latest snapshot asks for nothing: once the
+        # loop took the command, no snapshot is due and none was sent.
+        loop.request_snapshot(after_seq=again.seq - 1)
+        due = loop.call(lambda _: loop._snapshot_due).result(10)
+        assert not due and not any(r.snapshot and r.seq > again.seq for r in reports.all)
+    finally:
+        loop.stop()
+        loop.wait(10)
