@@ -153,6 +153,9 @@ class RpcFailure(Exception):
         super().__init__(details)
         self.code, self.details, self.trailing = code, details, trailing
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled by Ray Serve: keep every field
+        return type(self), (self.code, self.details, self.trailing)
+
 
 class InferenceService:
     """The logic of `swaserve.v1.Inference` over a `RoutedCluster`, apart from any transport:

@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import grpc
 import ray
@@ -348,62 +348,64 @@ class SwaIngress:
         app.state.openai = self.openai
         return app
 
-    def _denied(self, grpc_context: Any) -> bool:
+    def _authorize(self, grpc_context: Any) -> None:
         """The API key on the gRPC path, by the standalone server's rule (`BearerToken`):
-        True, with the call failed UNAUTHENTICATED, when a key is set and the call's metadata
-        does not carry `authorization: Bearer <key>` (a call without a gRPC context has none)."""
+        raises `RpcFailure` UNAUTHENTICATED when a key is set and the call's metadata does not
+        carry `authorization: Bearer <key>` (a call without a gRPC context has none)."""
         if self.grpc_auth is None:
-            return False
+            return
         metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
-        if self.grpc_auth.allows(metadata):
-            return False
-        _fail(grpc_context, RpcFailure(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS))
-        return True
+        if not self.grpc_auth.allows(metadata):
+            raise RpcFailure(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
 
     # Serve's gRPC context carries no deadline (no `time_remaining()`): Generate runs without
     # `timeout_s`, bounded by the router's own queue timeout.
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if self._denied(grpc_context):
-            return
         try:
+            self._authorize(grpc_context)
             async for item in self.service.generate(request):
                 yield item
         except RpcFailure as failure:
             _fail(grpc_context, failure)
 
     async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> pb.AbortResponse:
-        if self._denied(grpc_context):
-            return pb.AbortResponse()
         try:
+            self._authorize(grpc_context)
             return await self.service.abort(request)
         except RpcFailure as failure:
             _fail(grpc_context, failure)
-            return pb.AbortResponse()
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, grpc_context: Any = None
     ) -> pb.ModelInfo:
-        if self._denied(grpc_context):
-            return pb.ModelInfo()
+        try:
+            self._authorize(grpc_context)
+        except RpcFailure as failure:
+            _fail(grpc_context, failure)
         return await self.service.model_info(request)
 
     async def GetLoad(
         self, request: pb.GetLoadRequest, grpc_context: Any = None
     ) -> pb.LoadResponse:
-        if self._denied(grpc_context):
-            return pb.LoadResponse()
+        try:
+            self._authorize(grpc_context)
+        except RpcFailure as failure:
+            _fail(grpc_context, failure)
         return await self.service.load(request)
 
 
-def _fail(grpc_context: Any, failure: RpcFailure) -> None:
-    if grpc_context is None:
-        raise failure
-    grpc_context.set_code(failure.code)
-    grpc_context.set_details(failure.details)
-    if failure.trailing:
-        grpc_context.set_trailing_metadata(list(failure.trailing))
+def _fail(grpc_context: Any, failure: RpcFailure) -> NoReturn:
+    """End the call with `failure`. Serve's proxy takes the code and details set on its context
+    when the method then raises (a stream that ends without an item would end OK); trailing
+    metadata (`retry-after-s`) reaches the client only on a stream that yielded an item."""
+    if grpc_context is not None:
+        grpc_context.set_code(failure.code)
+        grpc_context.set_details(failure.details)
+        if failure.trailing:
+            grpc_context.set_trailing_metadata(list(failure.trailing))
+    raise failure
 
 
 GRPC_SERVICER_FUNCTION = (

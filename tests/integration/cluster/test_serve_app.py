@@ -1,17 +1,24 @@
 """The Ray Serve application on the session's Ray: the stock `openai` client over Serve's HTTP
-proxy, the gRPC API through Serve's gRPC proxy, the router's placement, 429, and /metrics."""
+proxy, the gRPC API through Serve's gRPC proxy, the router's placement, 429, /metrics, the body
+limit, the API key on the gRPC path, and a replica replaced after its TP rank died."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
 import pytest
+import requests
 import yaml
 from cluster_harness import reference_tokens
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +27,7 @@ from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 from ray.util.placement_group import placement_group_table
 
+from swaserve.cluster.openai_api import MAX_BODY_BYTES
 from swaserve.cluster.serve import GRPC_SERVICER_FUNCTION, ServeAppArgs, build_app
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
@@ -296,3 +304,115 @@ def test_the_http_api_key_comes_from_args_a_file_or_the_environment(
     monkeypatch.setenv("SWASERVE_API_KEY", "from-env")
     assert ServeAppArgs().resolved_api_key() == "from-env"
     assert ServeAppArgs(api_key="inline").resolved_api_key() == "inline"
+
+
+def test_a_body_over_the_limit_gets_a_413_through_serves_proxy(serve_app: ServeApp) -> None:
+    url = f"http://127.0.0.1:{serve_app.http_port}/v1/completions"
+    body = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 4_000_000), "max_tokens": 1}).encode()
+    chunked = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))
+    for data in (body, chunked):
+        reply = requests.post(
+            url, data=data, headers={"Content-Type": "application/json"}, timeout=120
+        )
+        assert reply.status_code == 413
+        error = reply.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+    ok = serve_app.client().completions.create(
+        model=serve_app.model.name, prompt=[1, 2, 3], max_tokens=2, temperature=0
+    )
+    assert ok.usage is not None and ok.usage.completion_tokens == 2
+
+
+def test_grpc_through_serves_proxy_needs_the_api_key_when_one_is_set(serve_app: ServeApp) -> None:
+    key = "grpc-s3cret"
+    args = {"model": str(serve_app.model), "replicas": 1, "device": "cpu", "api_key": key}
+    serve.run(build_app({**args, "max_total_tokens": 1024}), name="keyed", route_prefix="/keyed")
+    try:
+        prompt = [31, 32, 33]
+        request = pb.GenerateRequest(
+            token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=4, temperature=0)
+        )
+        app = ("application", "keyed")
+        with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for metadata in ([app], [app, ("authorization", "Bearer wrong")]):
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(request, metadata=metadata, timeout=60))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=60)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            good = [app, ("authorization", f"Bearer {key}")]
+            items = list(stub.Generate(request, metadata=good, timeout=60))
+            load = stub.GetLoad(pb.GetLoadRequest(), metadata=good, timeout=60)
+            bad = pb.GenerateRequest(token_ids=[1, 999])  # a failure before any item
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(bad, metadata=good, timeout=60))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "outside the vocabulary" in (err.value.details() or "")
+        assert [t for i in items for t in i.token_ids] == reference_tokens(
+            serve_app.model, [prompt], [4]
+        )[0]
+        assert len(load.workers) == 1
+        with pytest.raises(openai.AuthenticationError):
+            serve_app.client("/keyed").models.list()
+    finally:
+        serve.delete("keyed")
+
+
+def _rank_pids_of(app: str) -> list[int]:
+    """The processes of the TP ranks 1.. that the app's worker replica started (the actors
+    that replica owns). Ray's state API needs a dashboard the session's Ray has not got."""
+    from ray._private import state
+
+    def where(address: dict[str, Any]) -> tuple[str, int]:
+        return address["IPAddress"], address["Port"]
+
+    actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+    replicas = {
+        where(a["Address"])
+        for a in actors
+        if a["ActorClassName"] == f"ServeReplica:{app}:SwaWorker"
+    }
+    return [
+        a["Pid"]
+        for a in actors
+        if a["ActorClassName"] == "RankWorker" and where(a["OwnerAddress"]) in replicas
+    ]
+
+
+def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
+    serve_app: ServeApp,
+) -> None:
+    app = "tp2-heal"
+    args = {"model": str(serve_app.model), "replicas": 1, "tp_size": 2, "device": "cpu"}
+    serve.run(build_app({**args, "max_total_tokens": 1024}), name=app, route_prefix=f"/{app}")
+    try:
+        prompt = [41, 42, 43, 44]
+        expected = reference_tokens(serve_app.model, [prompt], [5])[0]
+        request = pb.GenerateRequest(
+            token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=5, temperature=0)
+        )
+        metadata = [("application", app)]
+        with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            items = list(stub.Generate(request, metadata=metadata, timeout=60))
+            assert [t for i in items for t in i.token_ids] == expected
+            before = items[-1].worker_id
+            [pid] = _rank_pids_of(app)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 180  # a bound on the wait, not a wait: state below
+            while True:
+                load = stub.GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=30)
+                workers = [w.worker_id for w in load.workers]
+                if len(workers) == 1 and workers[0] != before:
+                    break
+                assert time.monotonic() < deadline, f"no new replica; workers: {workers}"
+                time.sleep(0.2)
+            items = list(stub.Generate(request, metadata=metadata, timeout=60))
+        assert [t for i in items for t in i.token_ids] == expected
+        assert items[-1].worker_id == workers[0]
+        status = serve.status().applications[app].deployments["SwaWorker"]
+        assert status.replica_states == {"RUNNING": 1}
+    finally:
+        serve.delete(app)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
 
 from swaserve.cluster.engine_loop import MISROUTED, EngineLoop, GenerateChunk
+from swaserve.cluster.grpc_server import UNAUTHENTICATED_DETAILS, RpcFailure
 from swaserve.cluster.openai_api import api_error
 from swaserve.cluster.routed import InvalidRequest, Unavailable
 from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress, SwaWorker
@@ -323,22 +325,27 @@ def ingress(model_dir: Path, api_key: str | None) -> SwaIngress:
 
 
 def call_all(made: SwaIngress, metadata: list[tuple[str, str]]) -> tuple[list[Any], list[Any]]:
-    """Generate, GetModelInfo, GetLoad and Abort with `metadata`: the replies, the contexts."""
+    """Generate, GetModelInfo, GetLoad and Abort with `metadata`: what each returned (or the
+    `RpcFailure` it raised, as Serve's replica sees it) and their contexts."""
+    contexts = [RayServegRPCContext(RawContext(metadata)) for _ in range(4)]
+    request = pb.GenerateRequest(
+        token_ids=PROMPT, sampling_params=pb.SamplingParams(max_new_tokens=3)
+    )
 
-    async def run() -> tuple[list[Any], list[Any]]:
-        contexts = [RayServegRPCContext(RawContext(metadata)) for _ in range(4)]
-        request = pb.GenerateRequest(
-            token_ids=PROMPT, sampling_params=pb.SamplingParams(max_new_tokens=3)
-        )
-        replies = [
-            [item async for item in made.Generate(request, grpc_context=contexts[0])],
-            await made.GetModelInfo(pb.GetModelInfoRequest(), grpc_context=contexts[1]),
-            await made.GetLoad(pb.GetLoadRequest(), grpc_context=contexts[2]),
-            await made.Abort(pb.AbortRequest(request_id="none"), grpc_context=contexts[3]),
-        ]
-        return replies, contexts
+    async def generate() -> list[pb.GenerateResponse]:
+        return [item async for item in made.Generate(request, grpc_context=contexts[0])]
 
-    return asyncio.run(run())
+    calls = [
+        generate(),
+        made.GetModelInfo(pb.GetModelInfoRequest(), grpc_context=contexts[1]),
+        made.GetLoad(pb.GetLoadRequest(), grpc_context=contexts[2]),
+        made.Abort(pb.AbortRequest(request_id="none"), grpc_context=contexts[3]),
+    ]
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    return asyncio.run(run()), contexts
 
 
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
@@ -346,9 +353,10 @@ def test_grpc_through_serve_needs_the_api_key_when_one_is_set(model_dir: Path) -
     keyed = ingress(model_dir, TOKEN)
     for metadata in ([("application", "swaserve")], [("authorization", "Bearer wrong")]):
         replies, contexts = call_all(keyed, metadata)
+        # Serve's proxy answers with the code set on the context when the method raises
         assert [c.code() for c in contexts] == [grpc.StatusCode.UNAUTHENTICATED] * 4
-        assert {c.details() for c in contexts} == {"missing or wrong bearer token"}
-        assert replies[0] == []  # no token was generated
+        assert {c.details() for c in contexts} == {UNAUTHENTICATED_DETAILS}
+        assert all(isinstance(r, RpcFailure) for r in replies)
     replies, contexts = call_all(keyed, [("authorization", f"Bearer {TOKEN}")])
     assert [c.code() for c in contexts] == [None] * 4
     assert [t for item in replies[0] for t in item.token_ids] == [8, 9, 10]
@@ -357,3 +365,10 @@ def test_grpc_through_serve_needs_the_api_key_when_one_is_set(model_dir: Path) -
     replies, contexts = call_all(open_, [])
     assert [c.code() for c in contexts] == [None] * 4
     assert [t for item in replies[0] for t in item.token_ids] == [8, 9, 10]
+
+
+def test_an_rpc_failure_survives_pickling() -> None:
+    """Serve pickles what a replica raises; the proxy reads code and details from it."""
+    failure = RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after-s", "1"),))
+    copy = pickle.loads(pickle.dumps(failure))
+    assert (copy.code, copy.details, copy.trailing) == (failure.code, "busy", failure.trailing)
