@@ -1,6 +1,6 @@
 """Router policies in a discrete-event simulation of K workers, each a real SWARadixCache over a
 real two-pool allocator with bounded pools; the router sees each worker only through its
-reports (headroom + KV events), as in the cluster.
+reports (headroom, KV events, the requests it took since its last report), as in the cluster.
 
 Workloads, drawn once per seed and replayed for every policy:
   (a) multi-turn chat: sessions start over a window; each turn's prompt is a shared system
@@ -188,6 +188,7 @@ class SimWorker:
         self.waiting: deque[SimRequest] = deque()
         self.running: dict[str, SimRequest] = {}  # admitted: prefilling or decoding
         self.prefilling: list[SimRequest] = []  # admitted, a prompt chunk is waiting for memory
+        self.admitted: list[str] = []  # taken since the last report (`admitted_request_ids`)
         self.seq = 0
         self.running_s = 0.0  # ∫ len(running) dt
         self.last_change_s = 0.0
@@ -215,10 +216,15 @@ class SimWorker:
             page_size=s.page_size,
             chunked_prefill_size=s.chunk_tokens,
         )
-        return WorkerReport(self.worker_id, "i0", self.seq, now, headroom, events)
+        admitted, self.admitted = tuple(self.admitted), []
+        return WorkerReport(
+            self.worker_id, "i0", self.seq, now, headroom, events, admitted_request_ids=admitted
+        )
 
     def submit(self, req: SimRequest, now: float) -> list[SimRequest]:
+        """Take `req` (as the engine's `add_request`; the next report lists it)."""
         self.waiting.append(req)
+        self.admitted.append(req.request_id)
         return self.admit(now)
 
     def admit(self, now: float) -> list[SimRequest]:
@@ -385,7 +391,7 @@ class Simulation:
         self.workers = {f"w{i}": SimWorker(f"w{i}", spec) for i in range(workers)}
         for worker in self.workers.values():
             self.router.add_worker(worker.worker_id)
-            self.router.update(worker.report(0.0))
+            self._report(worker)
         self._events: list[tuple[float, int, bool, Callable[[], None]]] = []
         self._order = itertools.count()
         self._outstanding = 0  # scheduled events that are not heartbeats
@@ -460,7 +466,7 @@ class Simulation:
     def _started(self, worker: SimWorker, admitted: list[SimRequest]) -> None:
         for req in admitted:
             self.at(self.now + worker.service_s(req), lambda r=req, w=worker: self._finish(w, r))
-        self.router.update(worker.report(self.now))
+        self._report(worker)
 
     def _finish(self, worker: SimWorker, req: SimRequest) -> None:
         worker.finish(req, self.now)
@@ -469,8 +475,13 @@ class Simulation:
         self._started(worker, worker.admit(self.now))
         self.on_end(req, req.session)
 
+    def _report(self, worker: SimWorker) -> None:
+        """No report is lost here, so the router never asks for a snapshot."""
+        resync = self.router.update(worker.report(self.now))
+        assert not resync, f"{worker.worker_id}: the router lost track of a lossless stream"
+
     def _heartbeat(self, worker: SimWorker) -> None:
-        self.router.update(worker.report(self.now))
+        self._report(worker)
         if self._outstanding:
             self.at(self.now + worker.spec.heartbeat_s, lambda: self._heartbeat(worker), True)
 
@@ -597,7 +608,7 @@ def decision_latency(
             window_repair_tokens=cache.window_repair_tokens,
             page_size=p,
         )
-        router.update(WorkerReport(f"w{k}", "i0", 0, 0.0, headroom, cache.take_events()))
+        router.update(WorkerReport(f"w{k}", "i0", 1, 0.0, headroom, cache.take_events()))
     inflight: deque[str] = deque()
     times_ms, single_ms = [], []
     for i in range(probes):

@@ -1,12 +1,14 @@
 """RouterActor: the cluster's one `Router`, as an async Ray actor.
 
 Every method runs on the actor's event loop thread, one at a time between awaits, which is
-the one-caller rule of `Router`. Workers push `update(report)` (fire and forget); the ingress
-awaits `route(...)`, which answers at once when a worker fits and otherwise waits in the
-router's queue until a report or a `finish` frees room (or its deadline passes). A timer
-polls the queue every `POLL_INTERVAL_S` so that expiries and stale workers are seen without
-traffic. The process calls `gc.freeze()` once it is set up: the router's long-lived tables
-then stay out of the collector's scans.
+the one-caller rule of `Router`. Workers push `update(report)` without waiting for it; its
+answer, True when the router lost track of the worker's cache and wants a snapshot report,
+reaches them on another thread (`EngineLoop.take_router_answer`). The ingress awaits
+`route(...)`, which answers at once when a worker fits and otherwise waits in the router's
+queue until a report or a `finish` frees room (or its deadline passes). A timer polls the
+queue every `POLL_INTERVAL_S` so that expiries and stale workers are seen without traffic.
+The process calls `gc.freeze()` once it is set up: the router's long-lived tables then stay
+out of the collector's scans.
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ class RouterActor:
         if worker_id in self.router.worker_ids:
             self.router.remove_worker(worker_id)
 
-    async def update(self, report: WorkerReport) -> None:
+    async def update(self, report: WorkerReport) -> bool:
+        """Take a worker's report (`Router.update`); True: send a snapshot report."""
         if report.worker_id in self._removed:
-            return  # a report of a removed worker still in flight
+            return False  # a report of a removed worker still in flight
         await self.add_worker(report.worker_id)
-        self.router.update(report)
+        resync = self.router.update(report)
         self._poll()
+        return resync
 
     # ---- requests ------------------------------------------------------------------------
     async def route(
@@ -155,6 +159,8 @@ class RouterActor:
             "prompt_tokens": stats.prompt_tokens,
             "predicted_hit_tokens": stats.predicted_hit_tokens,
             "reports": stats.reports,
+            "resyncs_requested": stats.resyncs_requested,
+            "snapshots": stats.snapshots,
         }
 
     async def check(self) -> None:

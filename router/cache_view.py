@@ -229,9 +229,10 @@ class ExactCacheView(_PageTrie):
 
     `apply` never raises on an event that contradicts the view (a lost or reordered event):
     it makes the view agree with the event where it can, skips it where it cannot (pages under
-    an unknown parent, removal of an unknown page), and counts it. The view then holds only
-    pages the worker holds, so a prediction can fall short but never overshoot; the router
-    drops the worker's view when it sees reports go missing.
+    an unknown parent, removal of an unknown page), and counts it. After lost events a view
+    may lack pages the worker holds or keep pages it removed; the router then asks the worker
+    for a snapshot (`KVCleared` and the whole tree as `KVStored`, parents first), and applying
+    it makes the worker's pages equal its tree again.
     """
 
     def __init__(self, page_size: int) -> None:

@@ -4,11 +4,13 @@
                     →  policy picks one  |  none fits: queue (FIFO, deadline)  |  queue full: raise
 
 The cluster layer drives it: `add_worker` / `remove_worker`; `update(report)` for every
-worker report; `route(...)` per request; `finish(request_id)` when a request ends on its
-worker (or is cancelled while queued); `poll()` after each update and finish and on a timer,
-to send queued requests that fit now and fail expired ones. Time comes from `clock` (the
-reports' `timestamp_s` must use the same clock), so tests and simulations are deterministic.
-Not thread-safe: one caller at a time (the router actor).
+worker report (True back: the worker is out of sync and should send a snapshot report);
+`route(...)` per request; `finish(request_id)` when a request ends on its worker (or is
+cancelled while queued); `poll()` after each update and finish and on a timer, to send queued
+requests that fit now and fail expired ones. Time comes from `clock` only (report ages count
+from their receipt; a report's own `timestamp_s`, the worker's clock, is never compared with
+it), so tests and simulations are deterministic. Not thread-safe: one caller at a time (the
+router actor).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ class Router:
     Commands (`add_worker`, `remove_worker`, `update`, `route`, `poll`, `finish`) change only
     the router's own state: worker reports, cache views, in-flight requests, queue, stats.
     `predict_hits` and `check` are queries. A ROUTED decision charges the request's KV need
-    to its worker until a report stamped at or after the routing time covers it, and counts
-    it in the worker's load until `finish`.
+    to its worker until a report of that worker lists it as admitted, and counts it in the
+    worker's load until `finish`.
     """
 
     def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.time) -> None:
@@ -78,10 +80,19 @@ class Router:
         not change it. Raises KeyError for an unknown worker."""
         return self._worker(worker_id)
 
-    def update(self, report: WorkerReport) -> None:
-        """Take a worker's report: a new `instance_id` (restart) or a gap in `seq` (lost
-        events) drops its cache view first; an older `seq` is ignored. Raises KeyError for an
-        unknown worker, ValueError for a page size other than the other workers'."""
+    def update(self, report: WorkerReport) -> bool:
+        """Take a worker's report (its age counts from now, on `clock`); returns True when
+        the router asks the worker for a snapshot report (`WorkerReport.snapshot`).
+
+        Reports apply in `seq` order per instance; an older or repeated `seq` is ignored. A
+        new `instance_id` (a restart: its cache starts empty) drops the worker's cache view. A
+        gap in `seq` (lost reports), or a first report of an instance with `seq` > 1 (this
+        router missed its start, e.g. the router restarted), puts the worker out of sync: its
+        view is kept and the next events still apply to it (what does not fit is counted in
+        `stats.event_mismatches`), the worker stays routable, and every answer is True until a
+        snapshot report replaces the view (`resync`). Workers without KV events are never
+        asked. Raises KeyError for an unknown worker, ValueError for a page size other than
+        the other workers'."""
         state = self._worker(report.worker_id)
         self.stats.reports += 1
         self._init_views(report.headroom.page_size)
@@ -89,17 +100,25 @@ class Router:
             if state.instance_id is not None:
                 self.stats.restarts += 1
                 self._drop_view(state)
-            state.instance_id = report.instance_id
+            state.instance_id, state.seq, state.needs_snapshot = report.instance_id, 0, False
+            missed = report.seq > 1  # an instance counts its reports from 1
         elif report.seq <= state.seq:
             self.stats.out_of_order_reports += 1
-            return
-        elif report.seq != state.seq + 1:
-            self.stats.lost_reports += 1
-            self._drop_view(state)
+            return state.needs_snapshot
+        else:
+            missed = report.seq != state.seq + 1
+            self.stats.lost_reports += missed
         state.seq = report.seq
-        if state.kv_events and self._exact is not None:
-            self.stats.event_mismatches += self._exact.apply(state.bit, report.events)
-        state.take_report(report.headroom, report.timestamp_s)
+        if report.snapshot:
+            self._resync(state, report)
+        else:
+            if missed and state.kv_events and not state.needs_snapshot:
+                state.needs_snapshot = True
+                self.stats.resyncs_requested += 1
+            if state.kv_events and self._exact is not None:
+                self.stats.event_mismatches += self._exact.apply(state.bit, report.events)
+        state.take_report(report.headroom, self.clock(), report.admitted_request_ids)
+        return state.needs_snapshot
 
     # ---- requests ------------------------------------------------------------------------
     def route(
@@ -190,7 +209,8 @@ class Router:
 
     def check(self) -> None:
         """Raise AssertionError (`CacheViewCorrupted` for the views) on a broken invariant:
-        the views, in-flight ownership, queue/in-flight overlap and the queue length stat."""
+        the views, in-flight ownership, queue/in-flight overlap, the queue length stat,
+        pending totals, and a snapshot awaited only from workers that send KV events."""
         if self._exact is not None:
             self._exact.check()
         if self._approx is not None:
@@ -203,6 +223,10 @@ class Router:
         if len({w.bit for w in self._workers.values()}) != len(self._workers):
             raise AssertionError("two workers share a cache-view bit")
         for w in self._workers.values():
+            if w.needs_snapshot and not w.kv_events:
+                raise AssertionError(
+                    f"worker {w.worker_id!r} sends no events but awaits a snapshot"
+                )
             pending = [r.need for r in w.inflight.values() if r.pending]
             totals = (sum(n.full_tokens for n in pending), sum(n.swa_tokens for n in pending))
             if totals != (w.pending.full_tokens, w.pending.swa_tokens) or w.num_pending != len(
@@ -283,6 +307,14 @@ class Router:
                 f"a worker reports page_size={page_size}; this router's workers use "
                 f"{self.page_size} (one router serves one model)"
             )
+
+    def _resync(self, state: WorkerState, report: WorkerReport) -> None:
+        """A snapshot report: the worker's exact view becomes the snapshot's pages."""
+        self.stats.snapshots += 1
+        state.needs_snapshot = False
+        if state.kv_events and self._exact is not None:
+            self._exact.drop(state.bit)
+            self.stats.event_mismatches += self._exact.apply(state.bit, report.events)
 
     def _drop_view(self, state: WorkerState) -> None:
         if self._exact is not None:

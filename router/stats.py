@@ -23,10 +23,12 @@ class RouterStats:
     queue_waits: int = 0
     stale_skips: int = 0  # (route attempt, worker) pairs skipped for a stale or missing report
     reports: int = 0
-    lost_reports: int = 0  # sequence gaps: the worker's view was dropped
+    lost_reports: int = 0  # sequence gaps of an instance
     out_of_order_reports: int = 0  # older than the latest one: ignored
     restarts: int = 0  # a new instance_id: the worker's view was dropped
     event_mismatches: int = 0  # KV events that did not fit the exact view
+    resyncs_requested: int = 0  # a worker fell out of sync (gap, or a start this router missed)
+    snapshots: int = 0  # snapshot reports applied (each replaces a worker's exact view)
 
     def record_wait(self, waited_s: float) -> None:
         self.queue_wait_s_total += waited_s

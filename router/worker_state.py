@@ -1,10 +1,12 @@
 """What the router knows of one worker: its latest report, the requests routed to it, and the
 KV budgets that admission checks against (DESIGN §6 admission, seen from the router).
 
-A report is a snapshot at `timestamp_s` (the router's clock). Requests routed to the worker at
-or before that time are in it (admitted: their KV is allocated; waiting: counted in
-`queued_prefill_tokens`); requests routed after it are "pending" and their needs are charged
-against the snapshot until a newer report covers them:
+A report is a snapshot of the worker when it was made. It lists the requests the engine took
+since the previous report (`admitted_request_ids`; a snapshot report lists all open ones):
+those are in it (admitted: their KV is allocated; waiting: counted in `queued_prefill_tokens`).
+A request routed to the worker and not listed yet is "pending": its need is charged against
+the report until a report lists it. No clock is compared across hosts: a report's age is
+measured from its receipt, on the router's clock.
 
     full budget = full free + full evictable - full reserved (running decodes)
                   - queued prefill tokens - Σ pending full need
@@ -14,6 +16,7 @@ against the snapshot until a newer report covers them:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from swaserve.proto.kv_rules import swa_tokens_for_extend
@@ -46,8 +49,8 @@ def request_need(
 
 @dataclass(slots=True)
 class InFlight:
-    """A request routed to a worker and not finished. `pending`: routed after the worker's
-    latest report, so its need is not in that report yet."""
+    """A request routed to a worker (at `routed_at_s`, router clock) and not finished.
+    `pending`: no report of the worker listed it yet, so its need is in none."""
 
     need: RequestNeed
     routed_at_s: float
@@ -56,8 +59,10 @@ class InFlight:
 
 class WorkerState:
     """One worker: identity (`bit`: its position in the cache views; `order`: add order),
-    report tracking (`instance_id`, `seq`, `headroom`, `reported_at_s`) and in-flight requests
-    with running totals of the pending ones (`add`, `remove`, `take_report` keep them)."""
+    report tracking (`instance_id`, `seq`, `headroom`, `reported_at_s`: when the router got
+    the latest report, on its own clock; `needs_snapshot`: reports went missing and the
+    router waits for a snapshot report) and in-flight requests with running totals of the
+    pending ones (`add`, `remove`, `take_report` keep them)."""
 
     def __init__(self, worker_id: str, bit: int, order: int, kv_events: bool) -> None:
         self.worker_id = worker_id
@@ -65,7 +70,8 @@ class WorkerState:
         self.order = order
         self.kv_events = kv_events
         self.instance_id: str | None = None
-        self.seq = -1
+        self.seq = 0
+        self.needs_snapshot = False
         self.headroom: Headroom | None = None
         self.reported_at_s = float("-inf")
         self.inflight: dict[str, InFlight] = {}
@@ -120,12 +126,17 @@ class WorkerState:
         if r.pending:
             self._count(r.need, -1)
 
-    def take_report(self, headroom: Headroom, timestamp_s: float) -> None:
-        """A newer report: requests routed at or before `timestamp_s` are in it."""
+    def take_report(
+        self, headroom: Headroom, received_at_s: float, admitted_request_ids: Iterable[str]
+    ) -> None:
+        """A newer report, received at `received_at_s` (router clock): the requests it lists
+        are in it and stop being pending; ids the router does not know here are skipped
+        (finished already, or routed by an earlier router)."""
         self.headroom = headroom
-        self.reported_at_s = timestamp_s
-        for r in self.inflight.values():
-            if r.pending and r.routed_at_s <= timestamp_s:
+        self.reported_at_s = received_at_s
+        for request_id in admitted_request_ids:
+            r = self.inflight.get(request_id)
+            if r is not None and r.pending:
                 r.pending = False
                 self._count(r.need, -1)
 

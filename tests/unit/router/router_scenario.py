@@ -54,21 +54,29 @@ class Cluster:
         *,
         instance: str | None = None,
         skip: int = 0,
+        admitted: Sequence[str] = (),
+        snapshot: bool = False,
+        timestamp_s: float = -1e6,
         **headroom: object,
-    ) -> None:
-        """Send `worker_id`'s next report now: roomy headroom with `headroom` overrides;
-        `instance` restarts the worker; `skip` loses that many reports before this one."""
+    ) -> bool:
+        """Send `worker_id`'s next report now (seq counted from 1): roomy headroom with
+        `headroom` overrides; `instance` restarts the worker; `skip` loses that many reports
+        before this one; `admitted`: the requests the worker took since its last report.
+        The worker's own clock (`timestamp_s`) is far off the router's: the router must
+        not read it. Returns the router's answer (True: send a snapshot)."""
         if instance is not None and instance != self.instance.get(worker_id):
-            self.instance[worker_id], self.seq[worker_id] = instance, -1
-        self.seq[worker_id] = self.seq.get(worker_id, -1) + 1 + skip
-        self.router.update(
+            self.instance[worker_id], self.seq[worker_id] = instance, 0
+        self.seq[worker_id] = self.seq.get(worker_id, 0) + 1 + skip
+        return self.router.update(
             WorkerReport(
                 worker_id,
                 self.instance.setdefault(worker_id, "i0"),
                 self.seq[worker_id],
-                self.clock.now,
+                timestamp_s,
                 replace(ROOMY, **headroom),  # type: ignore[arg-type]
                 list(events),
+                admitted_request_ids=tuple(admitted),
+                snapshot=snapshot,
             )
         )
 

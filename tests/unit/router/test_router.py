@@ -1,6 +1,7 @@
 """Router rules, one test each, with exact workers, hits, budgets and times: the window rule
 and window repair in the hit, the imbalance gate, two-pool admission, the queue bound and
-deadlines, stale workers, restarts."""
+deadlines, stale workers, restarts, lost reports and snapshot resyncs, report ages on the
+router's clock, pending requests covered by the ids a report lists."""
 
 from __future__ import annotations
 
@@ -118,11 +119,16 @@ def test_admission_charges_reservations_waiting_work_and_requests_routed_since()
     assert state.budgets() == (100, 156)
     assert c.router.route("r1", PROMPT, 83).outcome == Outcome.ROUTED  # full need 100
     assert state.budgets() == (0, 156 - (8 + W + P))  # pending until a report covers it
-    assert c.router.route("r2", [1, 2], 0).outcome == Outcome.QUEUED
+    assert c.router.route("r2", [1, 2], 150).outcome == Outcome.QUEUED  # full need 152
     c.clock.now = 1.0
-    c.report("a", full_free_tokens=200)  # r1 routed at 0.0 <= 1.0: in this report
-    assert state.budgets() == (200, 10_000)
+    # A later report that does not list r1 was made before the worker took it: still pending,
+    # whatever the worker's clock says.
+    c.report("a", full_free_tokens=200, timestamp_s=1e9)
+    assert state.budgets() == (100, 10_000 - (8 + W + P)) and c.router.poll() == []
+    c.report("a", full_free_tokens=200, admitted=["r1", "unknown"])  # r1 is in this one
+    assert state.budgets() == (200, 10_000) and state.num_pending == 0
     assert routed(c.router.poll()[0]) == ("a", 0)
+    c.router.check()
 
 
 # ---- rule: queue bound → Overloaded; FIFO --------------------------------------------------------
@@ -196,7 +202,7 @@ def test_worker_without_a_report_takes_nothing() -> None:
     assert routed(c.router.poll()[0]) == ("a", 0)
 
 
-# ---- rule: a restart (or a cache clear, or lost events) drops the view ----------------------------
+# ---- rule: a restart (or a cache clear) drops the view; lost reports ask for a snapshot ------------
 
 
 def test_restart_clears_the_workers_view() -> None:
@@ -212,16 +218,72 @@ def test_restart_clears_the_workers_view() -> None:
     c.router.check()
 
 
-def test_lost_report_drops_the_view_and_an_old_report_is_ignored() -> None:
+def test_lost_report_asks_for_a_snapshot_and_keeps_the_view_until_it_comes() -> None:
     c = Cluster("a")
-    c.report("a", [stored(PROMPT[:8])])
-    c.report("a", [stored(PROMPT[8:], parent=PROMPT[:8])], skip=1)  # seq 0 -> 2: one lost
-    # The view was dropped before the new events; they hang under a page it no longer has.
-    assert c.router.predict_hits(PROMPT) == {"a": 0}
-    assert (c.router.stats.lost_reports, c.router.stats.event_mismatches) == (1, 1)
-    c.seq["a"] = 0  # an old report arrives late
-    c.report("a", [stored(PROMPT)])
-    assert c.router.stats.out_of_order_reports == 1 and c.router.predict_hits(PROMPT) == {"a": 0}
+    assert c.report("a", [stored(PROMPT[:8])]) is False
+    # seq 1 -> 3: report 2 was lost. The view stays, the new events still apply to it, and
+    # the worker stays routable; every answer asks for a snapshot until one comes.
+    assert c.report("a", [stored(PROMPT[8:], parent=PROMPT[:8])], skip=1) is True
+    assert c.router.predict_hits(PROMPT) == {"a": 16}
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("a", 16)
+    assert c.report("a") is True
+    stats = c.router.stats
+    assert (stats.lost_reports, stats.resyncs_requested, stats.event_mismatches) == (1, 1, 0)
+    c.seq["a"] = 1  # report 2 arrives late: ignored, and the answer still asks
+    assert c.report("a", [stored(PROMPT)]) is True
+    assert stats.out_of_order_reports == 1
+    c.seq["a"] = 4
+    # The snapshot: the lost report had evicted all but the first 2 pages; r1 is open there.
+    snapshot = [KVCleared(), stored(PROMPT[:4])]
+    assert c.report("a", snapshot, snapshot=True, admitted=["r1"]) is False
+    assert c.router.predict_hits(PROMPT) == {"a": 4}
+    state = c.router.worker("a")
+    assert (stats.snapshots, state.needs_snapshot, state.seq, state.num_pending) == (1, False, 5, 0)
+    assert c.report("a") is False
+    c.router.check()
+
+
+def test_a_start_the_router_missed_asks_for_a_snapshot() -> None:
+    c = Cluster("a")
+    c.seq["a"] = 6  # a new router (e.g. restarted) whose first report from "a" is its 7th
+    assert c.report("a", [stored(PROMPT[8:], parent=PROMPT[:8])]) is True
+    assert c.router.stats.event_mismatches == 1  # under a page this router never saw
+    assert c.router.stats.resyncs_requested == 1 and c.router.stats.lost_reports == 0
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("a", 0)  # routable meanwhile
+    assert c.router.worker("a").num_pending == 1
+    assert c.report("a", [KVCleared(), stored(PROMPT)], snapshot=True, admitted=["r1"]) is False
+    assert c.router.predict_hits(PROMPT) == {"a": 16}
+    assert c.router.worker("a").num_pending == 0
+    # A restart whose first report arrives is a fresh, empty cache: nothing to ask.
+    assert c.report("a", instance="i1") is False
+    assert c.router.predict_hits(PROMPT) == {"a": 0} and c.router.stats.restarts == 1
+    # A restart whose first reports were lost: its cache may hold pages already.
+    assert c.report("a", [stored(PROMPT[:4])], instance="i2", skip=2) is True
+    assert c.router.stats.restarts == 2 and c.router.predict_hits(PROMPT) == {"a": 4}
+    c.router.check()
+
+
+def test_workers_without_events_are_never_asked_for_a_snapshot() -> None:
+    c = Cluster("a", kv_events=False)
+    c.report("a")
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("a", 0)  # records PROMPT for a
+    assert c.report("a", skip=3) is False  # a gap loses no events: the view stays
+    assert c.router.predict_hits(PROMPT) == {"a": 16}
+    fresh = Cluster("a", kv_events=False)
+    fresh.seq["a"] = 9  # nor when a new router missed their start
+    assert fresh.report("a") is False and fresh.router.stats.resyncs_requested == 0
+    c.router.check()
+
+
+def test_report_age_counts_from_its_receipt_on_the_routers_clock() -> None:
+    c = Cluster("a", report_timeout_s=5.0)
+    c.clock.now = 100.0
+    c.report("a", timestamp_s=0.0)  # the worker's clock is 100 s behind: not stale
+    assert c.router.worker("a").reported_at_s == 100.0
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("a", 0)
+    c.report("a", timestamp_s=1e9)  # ... or far ahead: no effect either
+    c.clock.now = 105.5
+    assert c.router.route("r2", PROMPT, 1).outcome == Outcome.QUEUED  # 5.5 s since receipt
 
 
 # ---- rule: approximate mode (workers without KV events) under its memory cap ----------------------

@@ -1,7 +1,9 @@
 """Exact mode, as a property: two workers, each a real SWARadixCache over a real allocator,
 go through random inserts, request lifecycles (match, lock, chunked insert, out-of-window SWA
 freeing, SWA lock release, finish), evictions, cache resets and restarts; their KV events
-reach the router in reports. After every step the router's view of each worker equals its
+reach the router in reports, some of which are lost, and the router itself may restart (its
+state gone). A worker answers the router's call for a snapshot (`update` -> True) with a
+snapshot report at once. After every step the router's view of each worker equals its
 tree page for page, and the predicted reuse of every probed prompt equals the tokens that
 worker's `match_prefix(..., allow_repair=True)` saves (`saved_tokens`; each worker draws its
 own window repair R, 0 = none, and requests start from repaired matches as the engine does),
@@ -71,8 +73,13 @@ class Worker:
         self.requests: list[Request] = []
         self.seq = 0
 
-    def report(self, now: float) -> WorkerReport:
+    def report(self, now: float, *, snapshot: bool = False) -> WorkerReport:
+        """The next report: the events since the last one, or (`snapshot`) the whole tree,
+        the pending events dropped as `EngineLoop` does."""
         self.seq += 1
+        events = self.cache.take_events()
+        if snapshot:
+            events = self.cache.snapshot_events()
         headroom = Headroom(
             full_total_tokens=FULL_PAGES * self.p,
             full_free_tokens=self.alloc.full_available_size(),
@@ -87,7 +94,7 @@ class Worker:
             page_size=self.p,
         )
         return WorkerReport(
-            self.name, self.instance, self.seq, now, headroom, self.cache.take_events()
+            self.name, self.instance, self.seq, now, headroom, events, snapshot=snapshot
         )
 
     def alloc_pages(self, num_tokens: int) -> torch.Tensor | None:
@@ -113,19 +120,25 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
             Worker(f"w{i}", page_size, w, pure, r * page_size)
             for i, (w, r) in enumerate(zip(windows, repair_pages, strict=True))
         ]
-        self.router = Router(RouterConfig(report_timeout_s=1e9), clock=lambda: self.now)
-        for worker in self.workers:
-            self.router.add_worker(worker.name)
+        self.lossy = False  # reports were lost or the router restarted: deltas may mismatch
+        self.new_router()
         self.seen: list[list[int]] = []
         self.ids = itertools.count()
         self.sync()
 
     # ---- helpers -----------------------------------------------------------------------------
+    def new_router(self) -> None:
+        self.router = Router(RouterConfig(report_timeout_s=1e9), clock=lambda: self.now)
+        for worker in self.workers:
+            self.router.add_worker(worker.name)
+
     def sync(self) -> None:
-        """Every worker reports (its events since the last report) one second later."""
+        """Every worker reports (its events since the last report) one second later, and
+        sends a snapshot report when the router answers that it lost track."""
         self.now += 1.0
         for worker in self.workers:
-            self.router.update(worker.report(self.now))
+            if self.router.update(worker.report(self.now)):
+                assert not self.router.update(worker.report(self.now, snapshot=True))
 
     def tokens(self, data: st.DataObject) -> list[int]:
         """A fresh key over a 2-symbol page alphabet (shared by both workers), or a prefix or
@@ -221,6 +234,18 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
         elif not worker.requests:
             worker.cache.reset()  # KVCleared
 
+    @rule(data=st.data())
+    def lose_report(self, data: st.DataObject) -> None:
+        """A report (and its events) never reaches the router."""
+        self.worker(data).report(self.now)
+        self.lossy = True
+
+    @rule()
+    def restart_router(self) -> None:
+        """The router's process died: a new router, no views, while the workers count on."""
+        self.new_router()
+        self.lossy = True
+
     # ---- router-side checks -------------------------------------------------------------------
     @precondition(lambda self: self.seen)
     @rule(data=st.data())
@@ -242,7 +267,8 @@ class RouterMirrorsCaches(RuleBasedStateMachine):
         self.sync()
         self.router.check()
         view = self.router._exact
-        assert view is not None and self.router.stats.event_mismatches == 0
+        assert view is not None and (self.lossy or self.router.stats.event_mismatches == 0)
+        assert not any(s.needs_snapshot for s in self.router._workers.values())
         for worker, state in zip(self.workers, self.router._workers.values(), strict=True):
             assert view.pages(state.bit) == tree_pages(worker.cache)
         for tokens in self.seen[-4:]:
