@@ -8,7 +8,9 @@ probability probs[i]. A request with a `seed` draws its noise from its own gener
 before every draw from (seed, position of the token drawn) by `seed_for_position`: its tokens
 depend neither on which other requests share its batches nor on where its earlier tokens were
 computed, so a request moved to another worker with its tokens so far as prompt draws exactly
-what it would have drawn. Unseeded rows share one draw from the engine's generator. Nothing is read back to the host but the sampled tokens.
+what it would have drawn. Unseeded rows share one draw from the engine's generator. Nothing is
+read back to the host but the sampled tokens; the per-row parameters go to the device through
+`host_tensors.to_device` (pinned, non-blocking on CUDA).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from swaserve.worker.host_tensors import float_tensor, int_tensor, to_device
 
 
 class SamplingParams(BaseModel):
@@ -107,7 +111,7 @@ class Sampler:
             probs = filtered_probs(logits, params)  # [B, V] float32
             return self.race(probs, generators)
         out = argmax_rows(logits)  # [B] int64
-        rows = torch.tensor(sampled_rows, device=logits.device)  # [b] int64
+        rows = to_device(int_tensor(sampled_rows), logits.device)  # [b] int64
         probs = filtered_probs(logits[rows], [params[i] for i in sampled_rows])  # [b, V] float32
         out[rows] = self.race(probs, [generators[i] for i in sampled_rows])
         return out
@@ -129,7 +133,7 @@ class Sampler:
                 if gen is not None:
                     uniform[j].uniform_(generator=gen)
             if unseeded:
-                index = torch.tensor(unseeded, device=probs.device)  # [u] int64
+                index = to_device(int_tensor(unseeded), probs.device)  # [u] int64
                 shared = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
                 uniform[index] = shared.uniform_(generator=self.generator)  # [u, V] float32
         noise = uniform.log_().neg_()  # [b, V] float32, Exp(1); inf where U = 0
@@ -161,7 +165,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     row paying only for the filters it set: temperature-only and min-p rows are a softmax, top-k
     rows a `torch.topk`, and only top-p rows a full-vocabulary sort."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([p.temperature for p in params], device=device)  # [b] float32
+    temps = to_device(float_tensor([p.temperature for p in params]), device)  # [b] float32
     logits = logits / temps.unsqueeze(1)  # [b, V] float32
     kinds: dict[str, list[int]] = {"softmax": [], "top_k": [], "sorted": []}
     for i, p in enumerate(params):
@@ -178,7 +182,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     probs = torch.empty_like(logits)  # [b, V] float32
     for kind, rows in kinds.items():
         if rows:
-            index = torch.tensor(rows, device=device)  # [r] int64
+            index = to_device(int_tensor(rows), device)  # [r] int64
             probs[index] = compute[kind](logits[index], [params[i] for i in rows])
     return probs
 
@@ -191,7 +195,7 @@ def min_p_floor(
     renormalizes; returns `probs` unchanged when no row set min_p."""
     if not any(p.min_p > 0.0 for p in params):
         return probs
-    min_ps = torch.tensor([p.min_p for p in params], device=probs.device)  # [b] float32
+    min_ps = to_device(float_tensor([p.min_p for p in params]), probs.device)  # [b] float32
     floor = min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [b, 1] float32
     probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -208,7 +212,7 @@ def top_k_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     vocab = logits.shape[-1]
     top_ks = [top_k_of(p, vocab) for p in params]
     values, order = torch.topk(logits, max(top_ks), dim=-1)  # [b, K] float32, [b, K] int64
-    ks = torch.tensor(top_ks, device=logits.device)  # [b] int64
+    ks = to_device(int_tensor(top_ks), logits.device)  # [b] int64
     ranks = torch.arange(values.shape[1], device=logits.device)  # [K] int64
     values = values.masked_fill(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
     kept = min_p_floor(torch.softmax(values, dim=-1), params)  # [b, K] float32
@@ -218,9 +222,9 @@ def top_k_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 def sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Rows with top-p (and maybe top-k / min-p): one full-vocabulary sort."""
     device, vocab = logits.device, logits.shape[-1]
-    top_ks = torch.tensor([top_k_of(p, vocab) or vocab for p in params], device=device)  # [b] int64
-    top_ps = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [b, 1] float32
-    min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [b, 1] float32
+    top_ks = to_device(int_tensor([top_k_of(p, vocab) or vocab for p in params]), device)  # [b]
+    top_ps = to_device(float_tensor([p.top_p for p in params]), device)[:, None]  # [b, 1] float32
+    min_ps = to_device(float_tensor([p.min_p for p in params]), device)[:, None]  # [b, 1] float32
 
     ordered, order = torch.sort(logits, dim=-1, descending=True)  # [b, V] float32, int64
     ranks = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V] int64
