@@ -101,7 +101,10 @@ class ModelInput:
         return self.input_ids.numel()
 
     def host_to_device_bytes(self) -> int:
-        """Bytes this step copies to the device: O(new tokens + batch + re-addressed slots)."""
+        """Bytes of this input (what TP rank 0 broadcasts): O(new tokens + batch + re-addressed
+        slots), never O(sequence lengths). The runner copies its device part through
+        `host_tensors.to_device`; the attention metadata adds its O(batch) plan (8 · (4B + 1 +
+        2 · decodes) bytes, `build_attention_metadata`)."""
         tensors = [
             self.input_ids,
             self.positions,

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 
 
@@ -132,12 +133,14 @@ class ForwardBatch:
         )
         for row, (s, slots) in enumerate(zip(seq, req_token_slots, strict=True)):
             full = slots[:s].to(torch.int64).cpu()  # [s] int64
-            table.full[row, :s] = full.to(device=device, dtype=table.dtype)
+            table.full[row, :s] = to_device(full, device).to(table.dtype)
             if table.swa is not None and allocator is not None:
                 swa = allocator.translate(full)  # [s] int64
-                table.swa[row, :s] = swa.to(device=device, dtype=table.dtype)
+                table.swa[row, :s] = to_device(swa, device).to(table.dtype)
         out_swa = (
-            allocator.translate(out_full_loc.cpu()).to(device) if allocator is not None else None
+            to_device(allocator.translate(out_full_loc.cpu()), device)
+            if allocator is not None
+            else None
         )
         return cls(
             input_ids=input_ids,
@@ -174,7 +177,8 @@ class ForwardBatch:
             return self.logits_rows
         if self.logits_positions == "all":
             return torch.arange(self.num_tokens, device=self.input_ids.device)
-        return (torch.cumsum(self.extend_lens, 0) - 1).to(self.input_ids.device)  # [B] int64
+        last = torch.cumsum(self.extend_lens, 0) - 1  # [B] int64 (CPU)
+        return to_device(last, self.input_ids.device)
 
 
 class AttentionBackend(ABC):

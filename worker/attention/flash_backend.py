@@ -4,10 +4,26 @@ One varlen call per layer serves prefill chunks and decodes alike (flash-attn al
 mask and the window `(W, 0)` to the bottom right, so each request's keys may start anywhere before
 its first query). Two ways to hand over the keys:
 
-- paged (page_size a multiple of PAGED_PAGE_SIZE_MULTIPLE, K dim == V dim): the pool buffers
-  viewed as `[pages, P, Hkv, D]` plus a block table per request — full pages for full layers,
-  translated SWA pages of the window for SWA layers (`KVReads.page_table`);
-- gathered (otherwise): the read rows copied into contiguous K/V, V zero-padded to the K dim.
+- paged (page size P a multiple of 16: serve with `page_size=16` on CUDA): the kernel reads the
+  pool buffers in place through a block table. Kernel blocks are BLOCK_TOKENS = 16 tokens, whatever P: the
+  kernel wants blocks of a multiple of 16 tokens, and a block must be contiguous in the pool,
+  which a P-token page is (P = 16k: k blocks). A P = 1 pool hands out single slots, so 16
+  consecutive positions are 16 scattered slots and no block view exists; P < 16 or P not a
+  multiple of 16 take the gathered path. The buffers are viewed as `[rows / 16 - 1, 16, Hkv,
+  D]` from the second block on (the first is padding: slot 0's page), and the block table
+  comes from the device slot table, on the device (`KVReads.block_table`): the per-step host
+  work and host → device bytes are O(batch).
+- gathered (P not a multiple of 16, or V wider than K): each layer copies its read rows into
+  contiguous K/V on the device (the index is built there too, `KVReads.flat_slots`), V
+  zero-padded to the K dim.
+
+MiMo-V2-Flash (K dim 192 > V dim 128; FA2 wants one head dim) stays paged and copies nothing:
+V is handed over as an overlapping strided view of its own buffer, Dk wide, that starts
+Dk - Dv elements before each head's V. Its columns `[Dk - Dv, Dk)` are that head's V, the first
+ones hold the tail of the previous head (or token) and only feed output columns that are
+dropped. The skipped first block gives the first row's lead-in memory to read. Padding V to
+Dk in the pool instead would cost 20% more KV bytes per MiMo token (192 + 192 vs 192 + 128)
+and a change of the pool's layout and budget; two kernel calls cannot split a softmax.
 
 Sinks are applied afterwards through the returned logsumexp: `out * sigmoid(lse - sink)`.
 vllm_flash_attn is imported lazily, on the first forward: this module imports without it and
@@ -17,6 +33,7 @@ without CUDA.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,11 +42,15 @@ import torch
 import torch.nn.functional as F
 
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
-from swaserve.worker.attention.metadata import AttentionMetadata, build_attention_metadata
+from swaserve.worker.attention.metadata import AttentionMetadata, KVReads, build_attention_metadata
 from swaserve.worker.attention.torch_backend import check_shapes
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
+logger = logging.getLogger(__name__)
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_TOKENS = 16
+"""Tokens of one kernel block: vllm-flash-attn's paged kernel wants a multiple of 16."""
 
 
 class VarlenKernel(Protocol):
@@ -123,47 +144,72 @@ def apply_sinks(
 
 
 @dataclass(frozen=True, slots=True)
-class PagedKVArgs:
-    """Block-table arguments of one layer kind (`KVReads.page_table`)."""
+class PagedKV:
+    """One layer's pool buffers as the paged kernel reads them (views, made once)."""
 
-    block_table: torch.Tensor  # [B, max_pages] int32
-    seqused_k: torch.Tensor  # [B] int32 keys per request, from its first table page
-    cu_seqlens_k: torch.Tensor  # [B+1] int32 cumsum of seqused_k (what the 2.6.x API takes)
-    max_seqlen_k: int
+    keys: torch.Tensor  # [blocks, 16, Hkv, Dk] view of the K buffer from its second block
+    values: torch.Tensor  # [blocks, 16, Hkv, Dk] view of the V buffer (overlapping if Dv < Dk)
+    v_column: int  # V's first column in the kernel's output: Dk - Dv
+
+
+def paged_kv(k_buf: torch.Tensor, v_buf: torch.Tensor) -> PagedKV | None:
+    """K/V buffers [rows, Hkv, Dk|Dv] as kernel blocks of BLOCK_TOKENS rows, skipping the first
+    block, so kernel block b is rows `[(b + 1)·16, (b + 2)·16)` (see the module docstring for V
+    when Dv < Dk). None when V is wider than K or a buffer is not contiguous."""
+    rows, hkv, dk = k_buf.shape
+    dv = v_buf.shape[-1]
+    block = BLOCK_TOKENS
+    blocks = rows // block - 1
+    if blocks < 1 or dv > dk or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        return None
+    if dk - dv > block * hkv * dv:  # the lead-in would reach before the buffer
+        return None
+    end = (blocks + 1) * block
+    keys = k_buf[block:end].view(blocks, block, hkv, dk)
+    if dv == dk:
+        values = v_buf[block:end].view(blocks, block, hkv, dk)
+    else:
+        values = v_buf.as_strided(
+            (blocks, block, hkv, dk),
+            (block * hkv * dv, hkv * dv, dv, 1),
+            v_buf.storage_offset() + block * hkv * dv - (dk - dv),
+        )
+    return PagedKV(keys, values, dk - dv)
 
 
 @dataclass(frozen=True, slots=True)
-class FlashKVArgs:
-    """Key-side kernel arguments of one layer kind: gathered rows, and pages when usable."""
+class FlashKeys:
+    """Key-side kernel arguments of one layer kind: a block table, or gathered rows."""
 
-    slots: torch.Tensor  # [sum kv_lens] int64 gathered rows (KVReads.flat_slots)
-    cu_seqlens_k: torch.Tensor  # [B+1] int32 offsets of the gathered rows (KVReads.kv_indptr)
+    cu_seqlens_k: torch.Tensor  # [B+1] int32 (device)
     max_seqlen_k: int
-    paged: PagedKVArgs | None
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32 (paged)
+    seqused_k: torch.Tensor | None = None  # [B] int32 (paged)
+    slots: torch.Tensor | None = None  # [sum kv_lens] int64 rows to gather (not paged)
 
 
 @dataclass(frozen=True, slots=True)
 class FlashMetadata:
     base: AttentionMetadata
-    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32 (device)
     max_seqlen_q: int
-    full: FlashKVArgs
-    swa: FlashKVArgs | None
+    full: FlashKeys
+    swa: FlashKeys | None
 
 
 class FlashAttentionBackend(AttentionBackend):
-    """flash-attn over the worker's KV memory. KV must be float16 or bfloat16."""
+    """flash-attn over the worker's KV memory. KV must be float16 or bfloat16, unless `kernel`
+    (a stand-in for vllm-flash-attn's `flash_attn_varlen_func`, of either API generation) is
+    given: tests run the backend on CPU with one."""
 
     name = "flash"
-    PAGED_PAGE_SIZE_MULTIPLE = 16
-    """vllm-flash-attn's FA2 paged kernel wants pages of a multiple of 16 tokens."""
 
     def __init__(
         self,
         kv_pool: SWAKVPool | KVPool,
         sliding_window_size: int | None = None,
         *,
-        kernel: VarlenKernel | None = None,  # None: vllm-flash-attn, imported on first use
+        kernel: Callable[..., Any] | None = None,  # None: vllm-flash-attn, imported on first use
     ) -> None:
         dtype = _kv_dtype(kv_pool)
         if kernel is None and dtype not in FLASH_DTYPES:
@@ -173,40 +219,55 @@ class FlashAttentionBackend(AttentionBackend):
             )
         self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
-        self._kernel = kernel
+        self._kernel = None if kernel is None else adapt_varlen(kernel)
         self.page_size = kv_pool.page_size
-        self.paged = self.page_size % self.PAGED_PAGE_SIZE_MULTIPLE == 0
+        self._paged = self._paged_views() if self.page_size % BLOCK_TOKENS == 0 else None
+        if self._paged is None:
+            logger.warning(
+                "flash attention copies each layer's K/V out of the pool every step: the "
+                "paged kernel needs page_size a multiple of %d (got %d) and V no wider than K",
+                BLOCK_TOKENS,
+                self.page_size,
+            )
+
+    @property
+    def paged(self) -> bool:
+        """Whether the kernel reads the pool in place (else it reads gathered copies)."""
+        return self._paged is not None
+
+    def _paged_views(self) -> dict[int, PagedKV] | None:
+        pool = self.kv_pool
+        ids = sorted(pool.layers_mapping) if isinstance(pool, SWAKVPool) else range(pool.num_layers)
+        views = {i: paged_kv(*pool.get_kv_buffer(i)) for i in ids}
+        if any(v is None for v in views.values()):
+            return None
+        return views  # type: ignore[return-value]
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         base = build_attention_metadata(
-            batch, self.sliding_window_size, two_pools=isinstance(self.kv_pool, SWAKVPool)
+            batch,
+            self.sliding_window_size,
+            two_pools=isinstance(self.kv_pool, SWAKVPool),
+            decode_table=False,
         )
-        device = base.out_full_loc.device
         ext = [s - p for p, s in zip(base.prefix_lens, base.seq_lens, strict=True)]
         batch.attn_metadata = FlashMetadata(
             base=base,
-            cu_seqlens_q=torch.tensor(base.extend_starts, dtype=torch.int32).to(device),
+            cu_seqlens_q=base.extend_starts_dev.to(torch.int32),
             max_seqlen_q=max(ext, default=0),
-            full=self._kv_args(base, swa=False),
-            swa=None if base.swa is None else self._kv_args(base, swa=True),
+            full=self._keys(base.full),
+            swa=None if base.swa is None else self._keys(base.swa),
         )
 
-    def _kv_args(self, base: AttentionMetadata, *, swa: bool) -> FlashKVArgs:
-        reads = base.swa if swa else base.full
-        assert reads is not None
-        device = reads.table.device
-        cu_seqlens_k = torch.tensor(reads.kv_indptr, dtype=torch.int32).to(device)  # [B+1]
-        paged = None
+    def _keys(self, reads: KVReads) -> FlashKeys:
         if self.paged:
-            table, seqused = reads.page_table(self.page_size)
-            cu_paged = F.pad(torch.cumsum(seqused, 0, dtype=torch.int32), (1, 0))  # [B+1] int32
-            p = self.page_size
-            max_paged = max(
-                (s % p + n for s, n in zip(reads.kv_start_pos, reads.kv_lens, strict=True)),
-                default=0,
+            table = reads.block_table(BLOCK_TOKENS, skip_blocks=1)
+            return FlashKeys(
+                table.cu_seqlens_k, table.max_seqlen_k, table.block_table, table.seqused_k
             )
-            paged = PagedKVArgs(table, seqused, cu_paged, max_paged)
-        return FlashKVArgs(reads.flat_slots(), cu_seqlens_k, max(reads.kv_lens, default=0), paged)
+        lens = (reads.ends_dev - reads.starts_dev).to(torch.int32)  # [B] int32
+        cu_k = F.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))  # [B+1] int32
+        return FlashKeys(cu_k, max(reads.kv_lens, default=0), slots=reads.flat_slots())
 
     def forward(
         self,
@@ -228,41 +289,36 @@ class FlashAttentionBackend(AttentionBackend):
         kv = meta.swa if layer.is_swa else meta.full
         assert kv is not None  # reads() raised otherwise
         meta.base.write_kv(self.kv_pool, layer.layer_id, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
         if self._kernel is None:
             self._kernel = load_flash_kernel()
         window = (-1, -1) if layer.sliding_window_size is None else (layer.sliding_window_size, 0)
         dv = layer.v_head_dim
         in_dtype = q.dtype
-        q = q.to(k_buf.dtype)
-        if kv.paged is not None and layer.head_dim == dv:
-            keys = k_buf.view(-1, self.page_size, *k_buf.shape[1:])  # [pages, P, Hkv, Dk]
-            values = v_buf.view(-1, self.page_size, *v_buf.shape[1:])  # [pages, P, Hkv, Dv]
-            paged = kv.paged
-            cu_k, max_k, seqused, table = (
-                paged.cu_seqlens_k,
-                paged.max_seqlen_k,
-                paged.seqused_k,
-                paged.block_table,
-            )
+        if self._paged is not None:
+            view = self._paged[layer.layer_id]
+            q = q.to(view.keys.dtype)
+            keys, values, column = view.keys, view.values, view.v_column
         else:
+            k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+            assert kv.slots is not None
+            q = q.to(k_buf.dtype)
             keys, values = k_buf[kv.slots], v_buf[kv.slots]  # [N, Hkv, Dk|Dv]
             q, keys, values = _same_head_dim(q, keys, values)
-            cu_k, max_k, seqused, table = kv.cu_seqlens_k, kv.max_seqlen_k, None, None
+            column = 0
         out, lse = self._kernel(
             q.contiguous(),
             keys,
             values,
             cu_seqlens_q=meta.cu_seqlens_q,
             max_seqlen_q=meta.max_seqlen_q,
-            cu_seqlens_k=cu_k,
-            seqused_k=seqused,
-            max_seqlen_k=max_k,
+            cu_seqlens_k=kv.cu_seqlens_k,
+            seqused_k=kv.seqused_k,
+            max_seqlen_k=kv.max_seqlen_k,
             softmax_scale=layer.scaling,
             window_size=window,
-            block_table=table,
+            block_table=kv.block_table,
         )
-        out = out[..., :dv].to(in_dtype)  # [T, H, Dv]
+        out = out[..., column : column + dv].to(in_dtype)  # [T, H, Dv]
         return out if sinks is None else apply_sinks(out, lse, sinks)
 
 

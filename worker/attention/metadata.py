@@ -9,19 +9,28 @@ For request i, with new tokens at positions `[prefix_i, seq_i)` and slot-table r
     #   single pool: full ids of the same range (the window mask still applies)
 
 Key j of a request's read range sits at position `kv_start_i + j`; new token r of the request at
-position `prefix_i + r`. Everything is planned from host ints (the batch's CPU lengths) and
-gathered on the device, so building it never reads a device value back.
+position `prefix_i + r`.
+
+Host and device: the plan (rows, read ranges, which requests decode) is made from the batch's
+CPU lengths, O(B) host work, and copied to the device once (`pack_to_device`: 4B + 1 + 2·Bd
+int64, pinned and non-blocking). Every index over keys — a request's read slots
+(`KVReads.flat_slots`), the torch backend's padded decode table, a paged kernel's block table
+(`KVReads.block_table`) — is gathered from the device slot table on the device. So a step's
+host work and host → device bytes grow with the batch, never with the sequence lengths, and
+nothing is read back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
-from swaserve.worker.host_tensors import int_tensor
+from swaserve.worker.host_tensors import pack_to_device
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 
@@ -31,67 +40,94 @@ class MissingSWAKV(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class BlockTable:
+    """Key-side arguments of a paged kernel (flash-attn's `block_table`) for one layer kind.
+
+    Request i's keys are positions `[floor_b(kv_start_i), seq_i)`, b = `block_tokens`: block j
+    of its table holds positions `[floor_b(kv_start_i) + j·b, ... + b)`. Entries are the blocks'
+    index in the pool buffer viewed as `[rows / b, b, ...]`, less `skip_blocks`; 0 past a
+    request's last block.
+    """
+
+    block_table: torch.Tensor  # [B, max_blocks] int32 (device)
+    seqused_k: torch.Tensor  # [B] int32 (device): keys per request, from its first block
+    cu_seqlens_k: torch.Tensor  # [B+1] int32 (device): cumsum of seqused_k (flash-attn 2.6.x)
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True, slots=True)
 class KVReads:
     """The KV rows the layers of one kind read in this batch, request by request.
 
     Rows index the SWA pool when `swa_pool` (SWA layers, two pools), else the full / single pool.
+    The host lists are the plan; the `*_dev` tensors are the same numbers on the device.
     """
 
     sliding_window_size: int | None  # W of the layers that read this; None for full layers
     swa_pool: bool
     kv_start_pos: list[int]  # [B] position of each request's first key read
     kv_lens: list[int]  # [B] keys read: seq_i - kv_start_i
-    kv_indptr: list[
-        int
-    ]  # [B+1] request i's keys are rows kv_indptr[i]:kv_indptr[i+1] of flat_slots()
+    kv_indptr: list[int]  # [B+1] request i's keys: flat_slots()[kv_indptr[i]:kv_indptr[i+1]]
     table: torch.Tensor  # [R, L] slot table these reads index (device)
     rows: list[int]  # [B] each request's table row
-    decode_slots: (
-        torch.Tensor
-    )  # [Bd, Lmax] int64 rows of one-token requests, padded (_decode_table)
-    decode_bias: torch.Tensor  # [Bd, Lmax] float32: 0 on a key, -inf on padding
+    rows_dev: torch.Tensor  # [B] int64 (device)
+    starts_dev: torch.Tensor  # [B] int64 (device), kv_start_pos
+    ends_dev: torch.Tensor  # [B] int64 (device), kv_start_pos + kv_lens = seq_lens
+    decode_slots: torch.Tensor | None  # [Bd, Lmax] int64 one-token requests' rows, padded
+    decode_bias: torch.Tensor | None  # [Bd, Lmax] float32: 0 on a key, -inf on padding
 
-    def request_slots(self, i: int) -> torch.Tensor:
+    def request_slots(self, i: int) -> torch.Tensor:  # [kv_lens[i]] int64 (device)
         start = self.kv_start_pos[i]
         return self.table[self.rows[i], start : start + self.kv_lens[i]].to(torch.int64)
 
     def flat_slots(self) -> torch.Tensor:  # [sum kv_lens] int64 (device)
-        """Every request's read rows, concatenated in batch order (gathered on the device)."""
-        return _gather_ranges(self.table, self.rows, self.kv_start_pos, self.kv_lens)
+        """Every request's read rows, concatenated in batch order, gathered on the device (the
+        index is built there too: O(1) host work whatever the lengths)."""
+        device, total, batch = self.table.device, self.kv_indptr[-1], len(self.rows)
+        lens = self.ends_dev - self.starts_dev  # [B] int64
+        req = torch.repeat_interleave(
+            torch.arange(batch, device=device), lens, output_size=total
+        )  # [total] int64, the request of each key
+        offset = torch.arange(total, device=device) - (torch.cumsum(lens, 0) - lens)[req]
+        return self.table[self.rows_dev[req], self.starts_dev[req] + offset].to(torch.int64)
+
+    def block_table(self, block_tokens: int, *, skip_blocks: int = 0) -> BlockTable:
+        """The block table of these reads for blocks of `block_tokens` (see `BlockTable`).
+
+        A block must be contiguous in the pool: `block_tokens` must divide the page size. Block
+        0 of a request is looked up at its first key (always live), the others at their first
+        position. The extra leading keys `[floor_b(kv_start_i), kv_start_i)` (SWA reads only;
+        full reads start at 0) lie in the first key's page, so they are live (SWA KV is freed
+        in whole pages) and before every query's window: the kernel's bottom-right-aligned
+        window mask hides them. A window repair's start (`swa_floor`) is page-aligned, so it is
+        a block boundary and no key before it is read.
+        """
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        b, device, batch = block_tokens, self.table.device, len(self.rows)
+        starts = np.asarray(self.kv_start_pos, dtype=np.int64)  # [B] int64 (host)
+        seqused = starts + np.asarray(self.kv_lens, dtype=np.int64) - starts // b * b  # [B]
+        max_seqlen = int(seqused.max()) if batch else 0
+        first = torch.div(self.starts_dev, b, rounding_mode="floor") * b  # [B] int64
+        col = torch.arange(cdiv(max_seqlen, b), device=device) * b  # [max_blocks] int64
+        pos = torch.maximum(first[:, None] + col[None, :], self.starts_dev[:, None])
+        valid = pos < self.ends_dev[:, None]  # [B, max_blocks] bool: the block has keys
+        pos = torch.where(valid, pos, self.starts_dev[:, None])  # never past a row's end
+        slots = self.table[self.rows_dev[:, None], pos]  # [B, max_blocks] slot ids
+        blocks = torch.div(slots, b, rounding_mode="floor") - skip_blocks
+        used = (self.ends_dev - first).to(torch.int32)  # [B] int32
+        return BlockTable(
+            block_table=torch.where(valid, blocks, 0).to(torch.int32),
+            seqused_k=used,
+            cu_seqlens_k=F.pad(torch.cumsum(used, 0, dtype=torch.int32), (1, 0)),
+            max_seqlen_k=max_seqlen,
+        )
 
     def page_table(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block table and key counts for paged kernels (flash-attn's `block_table`).
-
-        Request i's table starts at the page holding its first key, so it covers positions
-        `[floor_P(kv_start_i), seq_i)`. The extra leading keys (SWA reads only; full reads start
-        at 0) are live — SWA KV is freed in whole pages — and lie before every query's window,
-        so the kernel's bottom-right-aligned window mask hides them. Returns `block_table`
-        [B, max_pages] int32 (padded with page 0) and `seqused_k` [B] int32 = seq_i -
-        floor_P(kv_start_i).
-        """
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
-        device = self.table.device
-        first = [s // page_size * page_size for s in self.kv_start_pos]  # [B] page-floored start
-        seqused = [
-            s - f + n for s, f, n in zip(self.kv_start_pos, first, self.kv_lens, strict=True)
-        ]
-        num_pages = [cdiv(u, page_size) for u in seqused]
-        max_pages = max(num_pages, default=0)
-        b = len(first)
-        page = torch.arange(max_pages, device=device)  # [max_pages] int64
-        first_t = torch.tensor(first, dtype=torch.int64).to(device)  # [B] int64
-        pages_t = torch.tensor(num_pages, dtype=torch.int64).to(device)  # [B] int64
-        rows_t = torch.tensor(self.rows, dtype=torch.int64).to(device)  # [B] int64
-        valid = page[None, :] < pages_t[:, None]  # [B, max_pages] bool
-        pos = torch.where(valid, first_t[:, None] + page[None, :] * page_size, 0)  # [B, max_pages]
-        if b and max_pages:
-            slots = self.table[rows_t[:, None].expand(b, max_pages), pos].to(torch.int64)
-            table = torch.where(valid, torch.div(slots, page_size, rounding_mode="floor"), 0)
-        else:
-            table = torch.zeros(b, max_pages, dtype=torch.int64, device=device)
-        seqused_t = torch.tensor(seqused, dtype=torch.int32).to(device)  # [B] int32
-        return table.to(torch.int32), seqused_t
+        """`block_table(page_size)` as (block_table [B, max_pages] int32, seqused_k [B] int32):
+        one block per pool page."""
+        table = self.block_table(page_size)
+        return table.block_table, table.seqused_k
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +141,10 @@ class AttentionMetadata:
     prefix_lens: list[int]  # [B]
     seq_lens: list[int]  # [B]
     extend_starts: list[int]  # [B+1] request i's new tokens are rows [s[i], s[i+1]) of the batch
+    extend_starts_dev: torch.Tensor  # [B+1] int64 (device), the same
     decode_ids: list[int]  # requests with exactly one new token, in batch order
     prefill_ids: list[int]  # the others
-    decode_rows: torch.Tensor  # [Bd] int64 batch row of each decode request's token
+    decode_rows: torch.Tensor  # [Bd] int64 batch row of each decode request's token (device)
     out_full_loc: torch.Tensor  # [T] int64 full slots of the new tokens
     out_swa_loc: torch.Tensor | None  # [T] int64 their SWA slots (two pools only)
     full: KVReads
@@ -148,12 +185,15 @@ def build_attention_metadata(
     *,
     two_pools: bool,
     check_swa_reads: bool | None = None,
+    decode_table: bool = True,
 ) -> AttentionMetadata:
     """Turn the batch's slot-table rows into each layer kind's reads (see the module docstring).
 
     `sliding_window_size` is the model's W (None for a model without SWA layers); `two_pools`
     says whether SWA layers read the SWA table. `check_swa_reads` (default: on CPU, where it costs
     no device sync) raises `MissingSWAKV` when a position an SWA window needs has no SWA slot.
+    `decode_table`: also gather the padded decode table (`KVReads.decode_slots`; the torch
+    backend reads it, a paged kernel does not).
     """
     if sliding_window_size is not None and sliding_window_size < 0:
         raise ValueError(f"sliding_window_size must be >= 0, got {sliding_window_size}")
@@ -162,36 +202,57 @@ def build_attention_metadata(
     table = batch.slot_table
     if two_pools and table.swa is None:
         raise ValueError("a two-pool KV memory needs a slot table with SWA ids")
-    prefix_t, seq_t, rows_t = batch.prefix_lens, batch.seq_lens, batch.req_rows  # [B] int64 CPU
-    extend_t = seq_t - prefix_t  # [B] int64
-    is_decode = extend_t == 1  # [B] bool
-    decode_t = torch.nonzero(is_decode).flatten()  # [Bd] int64
-    prefix, seq = prefix_t.tolist(), seq_t.tolist()
-    extend_starts = [0, *torch.cumsum(extend_t, 0).tolist()]
-    decode_ids = decode_t.tolist()
-    prefill_ids = torch.nonzero(~is_decode).flatten().tolist()
+    # The plan, on the host: O(B) numpy.
+    prefix = batch.prefix_lens.numpy()  # [B] int64
+    seq = batch.seq_lens.numpy()  # [B] int64
+    rows = batch.req_rows.numpy()  # [B] int64
+    extend = seq - prefix  # [B] int64
+    ends = np.cumsum(extend)  # [B] int64
+    decode_ids = np.flatnonzero(extend == 1)  # [Bd] int64
+    swa_starts = np.zeros_like(seq)  # [B] int64
+    if sliding_window_size is not None:
+        swa_starts = np.maximum(prefix - sliding_window_size, 0)
+        if batch.swa_floor is not None:  # a window repair sees nothing before its start
+            swa_starts = np.maximum(swa_starts, batch.swa_floor.numpy())
+    # One copy to the device.
     device = batch.out_full_loc.device
-    decode_rows = (torch.cumsum(extend_t, 0) - 1)[decode_t].to(device)  # [Bd] int64
+    rows_d, seq_d, swa_starts_d, extend_starts_d, decode_ids_d, decode_rows_d = pack_to_device(
+        [rows, seq, swa_starts, np.concatenate(([0], ends)), decode_ids, ends[decode_ids] - 1],
+        device,
+    )
+    zeros_d = torch.zeros_like(seq_d)  # [B] int64: full reads start at 0
+    plan = _DecodePlan(decode_ids_d, decode_ids) if decode_table else None
 
-    full = _reads(table.full, rows_t, torch.zeros_like(seq_t), seq_t, decode_t, None, False)
+    full = _reads(
+        table.full, rows, rows_d, np.zeros_like(seq), zeros_d, seq, seq_d, None, False, plan
+    )
     swa = None
     if sliding_window_size is not None:
-        starts_t = (prefix_t - sliding_window_size).clamp(min=0)  # [B] int64
-        if batch.swa_floor is not None:  # a window repair sees nothing before its start
-            starts_t = torch.maximum(starts_t, batch.swa_floor)
         swa_table = table.swa if two_pools and table.swa is not None else table.full
-        swa = _reads(swa_table, rows_t, starts_t, seq_t, decode_t, sliding_window_size, two_pools)
+        swa = _reads(
+            swa_table,
+            rows,
+            rows_d,
+            swa_starts,
+            swa_starts_d,
+            seq,
+            seq_d,
+            sliding_window_size,
+            two_pools,
+            plan,
+        )
         if check_swa_reads is None:
             check_swa_reads = device.type == "cpu"
         if two_pools and check_swa_reads:
             _check_swa_present(swa, table.full)
     return AttentionMetadata(
-        prefix_lens=prefix,
-        seq_lens=seq,
-        extend_starts=extend_starts,
-        decode_ids=decode_ids,
-        prefill_ids=prefill_ids,
-        decode_rows=decode_rows,
+        prefix_lens=prefix.tolist(),
+        seq_lens=seq.tolist(),
+        extend_starts=[0, *ends.tolist()],
+        extend_starts_dev=extend_starts_d,
+        decode_ids=decode_ids.tolist(),
+        prefill_ids=np.flatnonzero(extend != 1).tolist(),
+        decode_rows=decode_rows_d,
         out_full_loc=batch.out_full_loc,
         out_swa_loc=batch.out_swa_loc if two_pools else None,
         full=full,
@@ -199,46 +260,48 @@ def build_attention_metadata(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    ids_dev: torch.Tensor  # [Bd] int64 (device): batch index of each one-token request
+    ids: np.ndarray  # [Bd] int64 (host), the same
+
+
 def _reads(
     table: torch.Tensor,
-    rows: torch.Tensor,  # [B] int64 CPU
-    starts: torch.Tensor,  # [B] int64 CPU
-    seq: torch.Tensor,  # [B] int64 CPU
-    decode_ids: torch.Tensor,  # [Bd] int64 CPU
+    rows: np.ndarray,  # [B] int64
+    rows_dev: torch.Tensor,  # [B] int64 (device)
+    starts: np.ndarray,  # [B] int64
+    starts_dev: torch.Tensor,  # [B] int64 (device)
+    seq: np.ndarray,  # [B] int64
+    seq_dev: torch.Tensor,  # [B] int64 (device)
     window: int | None,
     swa_pool: bool,
+    decodes: _DecodePlan | None,
 ) -> KVReads:
     lens = seq - starts  # [B] int64
-    decode_slots, decode_bias = _decode_table(
-        table, rows[decode_ids], starts[decode_ids], lens[decode_ids]
-    )
+    decode_slots = decode_bias = None
+    if decodes is not None:
+        decode_slots, decode_bias = _decode_table(
+            table,
+            rows_dev[decodes.ids_dev],
+            starts_dev[decodes.ids_dev],
+            seq_dev[decodes.ids_dev],
+            int(lens[decodes.ids].max()) if decodes.ids.size else 0,
+        )
     return KVReads(
-        window,
-        swa_pool,
-        starts.tolist(),
-        lens.tolist(),
-        [0, *torch.cumsum(lens, 0).tolist()],
-        table,
-        rows.tolist(),
-        decode_slots,
-        decode_bias,
+        sliding_window_size=window,
+        swa_pool=swa_pool,
+        kv_start_pos=starts.tolist(),
+        kv_lens=lens.tolist(),
+        kv_indptr=[0, *np.cumsum(lens).tolist()],
+        table=table,
+        rows=rows.tolist(),
+        rows_dev=rows_dev,
+        starts_dev=starts_dev,
+        ends_dev=seq_dev,
+        decode_slots=decode_slots,
+        decode_bias=decode_bias,
     )
-
-
-def _gather_ranges(
-    table: torch.Tensor, rows: list[int], starts: list[int], lens: list[int]
-) -> torch.Tensor:  # [sum lens] int64 (device)
-    """`cat(table[rows[i], starts[i]:starts[i] + lens[i]])`, as one gather on the device."""
-    device = table.device
-    total = sum(lens)
-    if total == 0:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    meta = int_tensor([rows, starts, lens])  # [3, B] int64
-    rows_t, starts_t, lens_t = meta[0], meta[1], meta[2]
-    base = starts_t - (torch.cumsum(lens_t, 0) - lens_t)  # [B] key j of req i: base_i + flat j
-    req = torch.repeat_interleave(torch.arange(len(lens)), lens_t, output_size=total)  # [total]
-    pos = (base[req] + torch.arange(total)).to(device)  # [total] int64
-    return table[rows_t[req].to(device), pos].to(torch.int64)
 
 
 def _check_swa_present(reads: KVReads, full_table: torch.Tensor) -> None:
@@ -260,9 +323,10 @@ def _check_swa_present(reads: KVReads, full_table: torch.Tensor) -> None:
 
 def _decode_table(
     table: torch.Tensor,
-    rows: torch.Tensor,  # [Bd] int64 CPU
-    starts: torch.Tensor,  # [Bd] int64 CPU
-    lens: torch.Tensor,  # [Bd] int64 CPU
+    rows: torch.Tensor,  # [Bd] int64 (device)
+    starts: torch.Tensor,  # [Bd] int64 (device)
+    ends: torch.Tensor,  # [Bd] int64 (device)
+    width: int,  # Lmax: the longest read (host)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the one-token requests as a padded [Bd, Lmax] table, gathered on the device.
 
@@ -270,17 +334,10 @@ def _decode_table(
     read never touches a freed or garbage row; its score is masked by the -inf bias.
     """
     device = table.device
-    if rows.numel() == 0:
-        return (
-            torch.zeros(0, 0, dtype=torch.int64, device=device),  # [0, 0] int64
-            torch.zeros(0, 0, dtype=torch.float32, device=device),  # [0, 0] float32
-        )
-    width = int(lens.max())  # host: the lengths are CPU tensors
-    # Build the [Bd, Lmax] indices on the device from [Bd] copies (O(batch) traffic).
-    row, first, n = (x.to(device) for x in (rows, starts, lens))
+    n = ends - starts  # [Bd] int64
     col = torch.arange(width, dtype=torch.int64, device=device)  # [Lmax] int64
-    pos = first[:, None] + torch.minimum(col[None, :], n[:, None] - 1)  # [Bd, Lmax] int64
-    slots = table[row[:, None].expand_as(pos), pos].to(torch.int64)  # [Bd, Lmax] int64
+    pos = starts[:, None] + torch.minimum(col[None, :], n[:, None] - 1)  # [Bd, Lmax] int64
+    slots = table[rows[:, None].expand_as(pos), pos].to(torch.int64)  # [Bd, Lmax] int64
     bias = torch.zeros(pos.shape, dtype=torch.float32, device=device)  # [Bd, Lmax] float32
     bias.masked_fill_(col[None, :] >= n[:, None], float("-inf"))
     return slots, bias

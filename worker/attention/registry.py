@@ -1,7 +1,10 @@
 """Attention backends by name, and the choice for a device.
 
 "flash" (vllm-flash-attn) only on CUDA with the package importable and float16 / bfloat16 KV;
-"torch" everywhere else — on CPU, and as the fallback on CUDA without vllm-flash-attn.
+"torch" everywhere else — on CPU, and as the fallback on CUDA without vllm-flash-attn. The flash
+backend reads the pool in place (paged) when the page size is a multiple of 16
+(`flash_backend.BLOCK_TOKENS`), and gathers each layer's K/V otherwise: serve with
+`page_size=16` on CUDA.
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [Bd, H, Dv]
         """All one-token requests at once: the read window of each is exactly what it sees, so
         the only mask is the padding."""
+        assert reads.decode_slots is not None and reads.decode_bias is not None  # decode_table
         num, width = reads.decode_slots.shape
         group = max(1, SCORE_BUDGET_ELEMENTS // (layer.num_heads * max(width, 1)))
         outs = []

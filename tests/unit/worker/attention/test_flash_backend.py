@@ -1,5 +1,6 @@
-"""The flash backend's pure-torch parts on CPU: block tables, the LSE sink correction, V padding and
-the kernel call, with vllm-flash-attn replaced by a torch emulation of its documented semantics."""
+"""The flash backend on CPU: block tables, the LSE sink correction, MiMo's strided V view and the
+kernel call, with vllm-flash-attn replaced by a stand-in of the same signature
+(`fake_flash_attn`) that enforces the kernel's checks and computes from the paged cache."""
 
 from __future__ import annotations
 
@@ -9,102 +10,62 @@ from typing import Any
 import pytest
 import torch
 from attention_scenario import Scenario, Shape, dense_reference, make_layers, make_memory
+from fake_flash_attn import FakeFlashAttn, kernel_api
 
 from swaserve.worker.attention import FlashAttentionBackend
-from swaserve.worker.attention.flash_backend import adapt_varlen, apply_sinks, load_flash_kernel
+from swaserve.worker.attention.flash_backend import (
+    adapt_varlen,
+    apply_sinks,
+    load_flash_kernel,
+    paged_kv,
+)
 
+# Mixed steps over longer sequences, so that block tables span several 16-token blocks and SWA
+# windows (W = 5) start inside a block: prefills, decodes, a chunk after a cached prefix.
 STEPS = [
-    {0: 7, 1: 3, 2: 1},
-    {0: 1, 1: 5, 2: 1, 3: 9},
-    {3: 4, 0: 1, 1: 1, 2: 6},
+    {0: 20, 1: 3, 2: 1},
+    {0: 1, 1: 17, 2: 1, 3: 33},
+    {3: 4, 0: 1, 1: 1, 2: 18},
     {0: 1, 1: 1, 2: 1, 3: 1},
+    {2: 12, 3: 1, 0: 1, 1: 1},
 ]
-
-
-class FakeVarlen:
-    """flash_attn_varlen_func's contract in torch (the VarlenKernel convention): bottom-right
-    causal, window (left, 0), GQA, paged K/V through a block table, lse [H, T]. Records calls."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        cu_seqlens_q: torch.Tensor,
-        max_seqlen_q: int,
-        cu_seqlens_k: torch.Tensor,
-        seqused_k: torch.Tensor | None,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        window_size: tuple[int, int],
-        block_table: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "the kernel wants one head dim"
-        assert q.dtype == k.dtype == v.dtype
-        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
-        self.calls.append({"paged": block_table is not None, "window": window_size})
-        outs, lses = [], []
-        for i in range(cu_seqlens_q.numel() - 1):
-            qi = q[int(cu_seqlens_q[i]) : int(cu_seqlens_q[i + 1])]  # [m, H, D]
-            if block_table is not None:
-                assert seqused_k is not None and block_table.dtype == torch.int32
-                n, page = int(seqused_k[i]), k.shape[1]
-                assert int(cu_seqlens_k[i + 1] - cu_seqlens_k[i]) == n
-                pages = block_table[i, : -(-n // page)].long()
-                ki = k[pages].flatten(0, 1)[:n]  # [n, Hkv, D]
-                vi = v[pages].flatten(0, 1)[:n]
-            else:
-                ki = k[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])]
-                vi = v[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])]
-            m, n = qi.shape[0], ki.shape[0]
-            assert m <= max_seqlen_q and n <= max_seqlen_k
-            group = qi.shape[1] // ki.shape[1]
-            ki, vi = ki.repeat_interleave(group, 1), vi.repeat_interleave(group, 1)
-            scores = torch.einsum("mhd,nhd->hmn", qi.double(), ki.double()) * softmax_scale
-            row = torch.arange(m)[:, None] + n - m  # query i aligned to the bottom right
-            col = torch.arange(n)[None, :]
-            hidden = col > row
-            if window_size[0] >= 0:
-                hidden |= col < row - window_size[0]
-            scores = scores.masked_fill(hidden, float("-inf"))
-            lse = torch.logsumexp(scores, -1)  # [H, m]
-            probs = torch.exp(scores - lse[..., None])
-            outs.append(torch.einsum("hmn,nhd->mhd", probs, vi.double()).to(q.dtype))
-            lses.append(lse.float())
-        return torch.cat(outs), torch.cat(lses, dim=1)
+WINDOW = 5
+SHAPES = {
+    "gqa": Shape(4, 2, 2, 8, 8),
+    "mimo": Shape(8, 1, 2, 12, 8),  # SWA layers have more KV heads; K dim > V dim (192 / 128)
+    "v_wider": Shape(2, 2, 2, 4, 6),
+}
 
 
 def build(
-    shape: Shape, window: int, *, page_size: int, single_pool: bool
-) -> tuple[Scenario, FakeVarlen]:
-    layers = make_layers(shape, window, "FSS")
-    memory = make_memory(layers, window, page_size=page_size, single_pool=single_pool)
-    kernel = FakeVarlen()
-    backend = FlashAttentionBackend(memory.kv_pool, window, kernel=kernel)
+    shape: Shape, *, page_size: int, single_pool: bool, api: str = "2.6"
+) -> tuple[Scenario, FakeFlashAttn, FlashAttentionBackend]:
+    layers = make_layers(shape, WINDOW, "FSS")
+    memory = make_memory(
+        layers, WINDOW, page_size=page_size, single_pool=single_pool, full_tokens=512
+    )
+    fake = FakeFlashAttn()
+    backend = FlashAttentionBackend(memory.kv_pool, WINDOW, kernel=kernel_api(fake, api))
     sc = Scenario(backend, memory, layers, sinks=True)
     for rid in range(4):
-        sc.add_request(rid, 32)
-    return sc, kernel
+        sc.add_request(rid, 64)
+    return sc, fake, backend
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "gathered"])
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("api", ["2.6", "newer"])
+@pytest.mark.parametrize("page_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("single_pool", [False, True], ids=["two_pools", "one_pool"])
-@pytest.mark.parametrize(
-    "shape",
-    [Shape(4, 2, 2, 8, 8), Shape(8, 1, 2, 12, 8)],  # GQA, MiMo-like (K dim > V dim)
-    ids=["gqa", "mimo"],
-)
-def test_backend_matches_the_dense_reference_through_the_kernel_contract(
-    monkeypatch: pytest.MonkeyPatch, paged: bool, page_size: int, single_pool: bool, shape: Shape
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_backend_matches_the_dense_reference_through_the_kernel(
+    api: str, page_size: int, single_pool: bool, shape: Shape
 ) -> None:
-    monkeypatch.setattr(FlashAttentionBackend, "PAGED_PAGE_SIZE_MULTIPLE", 1 if paged else 64)
-    window = 2
-    sc, kernel = build(shape, window, page_size=page_size, single_pool=single_pool)
+    """Through both API generations of the kernel's signature: outputs equal the dense
+    reference while unused pool rows hold NaN, and the kernel reads the pool in place (a block
+    table over 16-token blocks) exactly when the page size is a multiple of 16 and V is not
+    wider than K — MiMo's K dim > V dim included."""
+    sc, fake, backend = build(shape, page_size=page_size, single_pool=single_pool, api=api)
+    paged = page_size % 16 == 0 and shape.v_head_dim <= shape.head_dim
+    assert backend.paged == paged
     for extends in STEPS:
         prefix = {r: sc.requests[r].cached for r in extends}
         outs = sc.step(extends)
@@ -114,11 +75,48 @@ def test_backend_matches_the_dense_reference_through_the_kernel_contract(
                 got = outs[rid][layer.layer_id]
                 torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6)
         if not single_pool:
-            sc.free_out_of_window(window)
+            sc.free_out_of_window(WINDOW)
         sc.poison_unused_rows()
-    # Equal K/V dims go through the block table when the page size allows it; MiMo's never do.
-    assert {c["paged"] for c in kernel.calls} == {paged and shape.head_dim == shape.v_head_dim}
-    assert {c["window"] for c in kernel.calls} == {(-1, -1), (window, 0)}
+    assert {c.paged for c in fake.calls} == {paged}
+    assert {c.window for c in fake.calls} == {(-1, -1), (WINDOW, 0)}
+    assert {c.seqused_k for c in fake.calls} == {api == "newer" and paged}
+    # Paged, the kernel gets V at K's head dim through the strided view: no padded copy.
+    assert {c.head_dim for c in fake.calls} == {max(shape.head_dim, shape.v_head_dim)}
+
+
+def test_the_block_table_lists_16_token_blocks_of_the_pool() -> None:
+    """P = 32: request 3 holds two full-pool pages; its table lists their 16-token blocks (less
+    the skipped padding block), and an SWA window starting inside a block starts there."""
+    sc, _, backend = build(SHAPES["gqa"], page_size=32, single_pool=False)
+    sc.step({3: 40})
+    batch = sc.batch({3: 1})
+    backend.init_forward_metadata(batch)
+    meta = batch.attn_metadata
+    pages = sc.requests[3].slots[::32] // 32  # [2] full-pool pages of request 3
+    blocks = (torch.stack([2 * pages, 2 * pages + 1], 1).flatten() - 1).tolist()
+    assert meta.full.block_table.tolist() == [blocks[:3]]  # 41 keys: 3 blocks
+    assert (meta.full.seqused_k.tolist(), meta.full.max_seqlen_k) == ([41], 41)
+    assert meta.full.cu_seqlens_k.tolist() == [0, 41]
+    window_start = 40 - WINDOW  # position 35, inside the block [32, 48)
+    swa_slot = int(sc.memory.allocator.translate(sc.requests[3].slots[window_start]))
+    assert meta.swa.block_table.tolist() == [[swa_slot // 16 - 1]]
+    assert (meta.swa.seqused_k.tolist(), meta.swa.max_seqlen_k) == ([41 - 32], 9)
+    assert meta.cu_seqlens_q.tolist() == [0, 1] and meta.max_seqlen_q == 1
+
+
+def test_mimo_values_are_a_strided_view_of_the_pool() -> None:
+    """K dim 12 > V dim 8: the kernel's V block b, columns [4, 12), is V of pool rows
+    [(b + 1)·16, (b + 2)·16); the view shares the pool's memory."""
+    k_buf = torch.randn(64, 2, 12)  # [rows, Hkv, Dk]
+    v_buf = torch.randn(64, 2, 8)  # [rows, Hkv, Dv]
+    view = paged_kv(k_buf, v_buf)
+    assert view is not None and view.v_column == 4
+    assert view.values.shape == view.keys.shape == (3, 16, 2, 12)
+    assert view.values.untyped_storage().data_ptr() == v_buf.untyped_storage().data_ptr()
+    assert torch.equal(view.values[:, :, :, 4:].reshape(48, 2, 8), v_buf[16:])
+    assert torch.equal(view.keys.reshape(48, 2, 12), k_buf[16:])
+    assert paged_kv(k_buf[:, :, :6], v_buf) is None  # V wider than K
+    assert paged_kv(k_buf[:16], v_buf[:16]) is None  # no block after the padding one
 
 
 def test_lse_sink_correction_equals_the_sink_softmax() -> None:

@@ -1,0 +1,98 @@
+"""The flash backend in the engine, on CPU with the kernel faked (`fake_flash_attn`: the real
+signature, computing from the paged cache): a runner on the flash backend, fed the `ModelInput`s
+an engine on the torch backend ran, gives the same logits (float32, 1e-5) at every step —
+prefill chunks, decodes and mixed steps, P = 1 (gathered) and P = 16 (paged), both models,
+with SWA layers whose windows slide and whose out-of-window KV is freed as they go."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from fake_flash_attn import FakeFlashAttn
+
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker import model_runner as model_runner_module
+from swaserve.worker.attention import FlashAttentionBackend
+from swaserve.worker.model_input import ModelInput
+
+W = 8
+PREFIX = [(5 * i + 2) % 200 + 1 for i in range(40)]
+
+
+def engine(model_dir: Path, page_size: int) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            max_total_tokens=2048,
+            swa_full_tokens_ratio=0.5,
+            chunked_prefill_size=32,
+            page_size=page_size,
+            swa_eviction_interval=8,
+        )
+    )
+
+
+def flash_engine(
+    model_dir: Path, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Engine, FakeFlashAttn]:
+    """An engine whose runner got the flash backend over the fake kernel."""
+    fake = FakeFlashAttn()
+    backend = functools.partial(FlashAttentionBackend, kernel=fake.v2_6)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner_module, "select_backend", lambda *a, **k: backend)
+        built = engine(model_dir, page_size)
+    assert isinstance(built.runner.backend, FlashAttentionBackend)
+    return built, fake
+
+
+def record_steps(eng: Engine) -> list[tuple[ModelInput, torch.Tensor]]:
+    """Greedy requests arriving over time (a shared prefix, so later ones hit the prefix cache),
+    decoding well past the window; returns every step's input and logits."""
+    seen: list[tuple[ModelInput, torch.Tensor]] = []
+    forward = eng.runner.forward
+
+    def recording(inp: ModelInput) -> torch.Tensor:
+        logits = forward(inp)
+        seen.append((inp, logits.clone()))
+        return logits
+
+    eng.runner.forward = recording  # type: ignore[method-assign]
+    greedy = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    arrivals = {0: [PREFIX + [7] * 30], 3: [[*PREFIX, 9, 9]], 6: [[3, 1, 4, 1, 5]], 9: [PREFIX]}
+    step = 0
+    while step < 10 or eng.has_unfinished_requests():
+        for prompt in arrivals.get(step, []):
+            eng.add_request(prompt, greedy)
+        eng.step()
+        step += 1
+    eng.check()
+    return seen
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+def test_flash_logits_equal_the_torch_backend(
+    tiny_model_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    page_size: int,
+) -> None:
+    model_dir = tiny_model_factory(arch, num_layers=6, sliding_window_size=W, seed=5)
+    steps = record_steps(engine(model_dir, page_size))
+    twin, fake = flash_engine(model_dir, page_size, monkeypatch)
+    assert twin.runner.backend.paged == (page_size == 16)
+    kinds = set()
+    for inp, want in steps:
+        extend = (inp.seq_lens - inp.prefix_lens).tolist()
+        kinds.add("decode" if max(extend) == 1 else "prefill" if min(extend) > 1 else "mixed")
+        got = twin.runner.forward(inp)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert kinds == {"prefill", "decode", "mixed"}
+    assert max(int(inp.seq_lens.max()) for inp, _ in steps) > 4 * W  # windows slid
+    assert any(inp.writes.num_writes for inp, _ in steps)  # a prefix-cache hit re-addressed
+    assert {c.paged for c in fake.calls} == {page_size == 16}
+    assert {c.window for c in fake.calls} == {(-1, -1), (W, 0)}
