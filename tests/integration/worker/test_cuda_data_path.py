@@ -1,5 +1,7 @@
 """CUDA only (skipped without a GPU): one decode step's input copy, metadata build, forward and
-sampling read nothing back from the device; only the sampled tokens are read afterwards."""
+sampling read nothing back from the device and copy to it only from pinned buffers without
+waiting (`host_tensors.to_device`); only the sampled tokens are read afterwards. The CPU
+stand-in of this check is tests/unit/worker/attention/test_step_traffic.py."""
 
 from __future__ import annotations
 
@@ -17,20 +19,23 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch", "flash"])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+@pytest.mark.parametrize(
+    ("backend", "page_size"), [("torch", 1), ("flash", 1), ("flash", 16)]
+)  # flash: gathered, paged
 def test_a_decode_step_never_syncs_with_the_host(
-    tiny_model_factory: Callable[..., Path], backend: str
+    tiny_model_factory: Callable[..., Path], arch: str, backend: str, page_size: int
 ) -> None:
     if backend == "flash":
         pytest.importorskip("vllm_flash_attn")
-    model_dir = tiny_model_factory("gpt-oss", num_layers=4, sliding_window_size=8, hidden_size=64)
+    model_dir = tiny_model_factory(arch, num_layers=4, sliding_window_size=8, hidden_size=64)
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
             device="cuda",
             dtype="bfloat16",
             max_total_tokens=4096,
-            page_size=16 if backend == "flash" else 1,
+            page_size=page_size,
             attention_backend=backend,
         )
     )
