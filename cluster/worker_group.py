@@ -171,7 +171,12 @@ class EngineWorker:
         return self.info
 
     def _push_report(self, report: WorkerReport) -> None:
-        self.router.update.remote(report)  # fire and forget; Ray keeps one caller's order
+        """Send a report without waiting (Ray keeps one caller's order). The answer (an
+        ObjectRef, or a DeploymentResponse under Serve) is awaited off the engine loop's
+        thread; True makes the next report a snapshot (`EngineLoop.take_router_answer`)."""
+        answer = self.router.update.remote(report)
+        if self.loop is not None:
+            self.loop.take_router_answer(report.seq, answer)
 
     async def serve_forever(self) -> None:
         """Lasts as long as the engine loop; raises the error that ended it (a dead rank)."""

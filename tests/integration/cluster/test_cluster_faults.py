@@ -79,12 +79,15 @@ def long_request(i: int, max_new_tokens: int = 1500) -> pb.GenerateRequest:
 
 
 def undisturbed(model: Path, requests: list[pb.GenerateRequest]) -> list[list[int]]:
-    """The tokens each greedy request gets from one in-process engine, undisturbed."""
+    """The tokens each request (greedy or seeded) gets from one in-process engine."""
     engine = Engine(EngineConfig(model=str(model), device="cpu", max_total_tokens=4096))
     try:
         params = [
             SamplingParams(
-                max_new_tokens=r.sampling_params.max_new_tokens, temperature=0.0, ignore_eos=True
+                max_new_tokens=r.sampling_params.max_new_tokens,
+                temperature=r.sampling_params.temperature,
+                seed=r.sampling_params.seed if r.sampling_params.HasField("seed") else None,
+                ignore_eos=True,
             )
             for r in requests
         ]
@@ -123,6 +126,9 @@ def test_killed_worker_process_streams_migrate_and_the_group_comes_back(
 ) -> None:
     served = make_cluster(replicas=2)
     requests = [long_request(i, 300) for i in range(6)]
+    for i, r in enumerate(requests[::2]):  # half of them sample, seeded: exact on the move too
+        r.sampling_params.temperature = 0.9
+        r.sampling_params.seed = 100 + i
     expected = undisturbed(cluster_model, requests)
     streams = [StreamThread(served, r) for r in requests]
     for s in streams:
@@ -188,6 +194,37 @@ def test_killed_tp_rank_takes_its_group_down_and_the_stream_waits_for_its_return
         ray.get(group.engine.num_open.remote(), timeout=30)
     wait_for(lambda: set(served.load()) == {"worker-0-r1"}, timeout_s=120)
     assert served.cluster.groups["worker-0-r1"].info.tp_size == 2
+    check_survivors(served)
+
+
+def test_killed_router_actor_is_restarted_and_rebuilds_its_view(
+    make_cluster: MakeCluster, cluster_model: Path
+) -> None:
+    served = make_cluster(replicas=2)
+    stub = served.stub()
+    prompt = [(13 * j) % 250 for j in range(48)]
+    _, _, first = stream(stub, pb.GenerateRequest(token_ids=prompt, sampling_params=greedy(4)))
+    holder = first.worker_id
+    requests = [long_request(i, 200) for i in range(4)]
+    expected = undisturbed(cluster_model, requests)
+    streams = [StreamThread(served, r) for r in requests]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(60)
+    router = served.cluster.router
+    before = ray.get(router.stats.remote(), timeout=10)["reports"]
+    sigkill(router)
+    assert_nothing_lost(streams, expected)  # streams do not need the router once placed
+    # The restarted router knows both workers again from their reports ...
+    wait_for(lambda: set(served.load()) == {"worker-0", "worker-1"}, timeout_s=60)
+    assert ray.get(router.stats.remote(), timeout=10)["reports"] < before  # a new instance
+    # ... and their caches, from the snapshots they sent when it asked: the follow-up goes
+    # where its prefix is cached.
+    wait_for(lambda: ray.get(router.predict_hits.remote(prompt), timeout=10).get(holder, 0) > 0)
+    follow_up = [*prompt, 9, 9]
+    _, _, last = stream(stub, pb.GenerateRequest(token_ids=follow_up, sampling_params=greedy(2)))
+    assert last.worker_id == holder and last.cached_tokens > 0
     check_survivors(served)
 
 

@@ -28,7 +28,11 @@ HEADROOM = Headroom(
 
 
 class Snapshot:
-    """What `render` reads from a cluster: the router's view of the workers and its stats."""
+    """What `render` reads from a cluster: the router's view of the workers and its stats,
+    and the cluster's fault counters."""
+
+    migrations = 5
+    recreated = 2
 
     async def load(self) -> list[WorkerStatus]:
         return [WorkerStatus("worker-0", HEADROOM, 0.05, 4)]
@@ -64,6 +68,8 @@ def test_snapshot_and_histograms_render_with_their_labels() -> None:
     routed = (("model_name", "tiny"), ("outcome", "routed"), ("policy", "prefix"))
     assert got["swaserve:router_decisions_total", routed] == 7
     assert got["swaserve:router_queue_len", (("model_name", "tiny"),)] == 1
+    assert got["swaserve:request_migrations_total", (("model_name", "tiny"),)] == 5
+    assert got["swaserve:worker_groups_recreated_total", (("model_name", "tiny"),)] == 2
     assert got["swaserve:time_to_first_token_seconds_count", w] == 1
     assert got["swaserve:time_to_first_token_seconds_sum", w] == 0.25
     assert got["swaserve:inter_token_latency_seconds_count", w] == 2
