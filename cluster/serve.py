@@ -15,6 +15,12 @@ only honours that choice — hands it to that replica. One router instance holds
 view of the fleet; a `RequestRouter` alone runs in every handle's process and would need it in
 each. The ingress code is `swaserve serve`'s: the same `RoutedCluster` logic, OpenAI app and
 gRPC service, only the worker transport differs (`ServeCluster`).
+
+Faults: a worker replica whose engine loop ended or whose TP rank died fails Serve's health
+check (`SwaWorker.check_health`) and is replaced under a new replica id. The ingress drops a
+worker from the router only when it is gone (ActorDiedError, a stopped engine, a lost rank); a
+call that reached another replica (MISROUTED) or met an unreachable one (ActorUnavailableError)
+is routed again and drops nobody.
 """
 
 from __future__ import annotations
