@@ -103,6 +103,9 @@ class ServeAppArgs(BaseModel):
     ingress_replicas: int = Field(1, ge=1)
     report_interval_s: float = Field(0.1, gt=0, le=1.0)
     retry_after_s: float = Field(1.0, gt=0)
+    max_attempts: int = Field(
+        3, ge=1, description="workers a request may try (a lost worker's requests migrate)"
+    )
     api_key: str | None = Field(
         None, description="bearer token the HTTP API and the gRPC API (Serve's proxy) require"
     )
@@ -243,8 +246,11 @@ class SwaWorker(EngineWorker):
 class ServeCluster(RoutedCluster):
     """`RoutedCluster` over the SwaRouter and SwaWorker deployments (handles)."""
 
+    # A call that met the SwaRouter replica's death: Serve replaces it; ask again.
+    router_errors = (ray.exceptions.RayActorError,)
+
     def __init__(self, router: Any, workers: Any, args: ServeAppArgs) -> None:
-        super().__init__(args.retry_after_s)
+        super().__init__(args.retry_after_s, args.max_attempts)
         self.router = router
         self.workers = workers
         self.args = args

@@ -138,6 +138,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="true|false",
         help="GPU bundles (default: when Ray has GPUs)",
     )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="workers a request may try: a lost worker's requests migrate to another",
+    )
+    parser.add_argument(
+        "--recreate-lost-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="recreate a lost worker group (new placement group, same TP size)",
+    )
+    parser.add_argument(
+        "--recreate-backoff-s",
+        type=float,
+        default=1.0,
+        help="first wait before recreating a lost group again (doubles, at most 30 s)",
+    )
     add_config_flags(parser, EngineConfig, ENGINE_FLAGS)
     add_config_flags(parser, RouterConfig, ROUTER_FLAGS, prefix="router_")
 
@@ -157,6 +175,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
         served_model_name=args.served_model_name,
         use_gpu=args.use_gpu,
         report_interval_s=args.report_interval_s,
+        max_attempts=args.max_attempts,
+        recreate_lost_workers=args.recreate_lost_workers,
+        recreate_backoff_s=args.recreate_backoff_s,
     )
     token = None
     if args.auth_token_file:

@@ -43,3 +43,23 @@ def test_generate_rejects_a_bad_flag_value(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["generate", "--enable-prefix-cache", "maybe"])
     assert "expected true or false" in capsys.readouterr().err
+
+
+def test_serve_fault_flags_reach_the_cluster_config(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    import argparse
+
+    from swaserve.cluster.serve_command import add_arguments, build_configs
+
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=4, hidden_size=32)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults, _ = build_configs(parser.parse_args(["--model", str(model)]))
+    assert (defaults.max_attempts, defaults.recreate_lost_workers) == (3, True)
+    argv = ["--model", str(model), "--max-attempts", "5", "--no-recreate-lost-workers"]
+    config, _ = build_configs(parser.parse_args([*argv, "--recreate-backoff-s", "2.5"]))
+    assert (config.max_attempts, config.recreate_lost_workers) == (5, False)
+    assert config.recreate_backoff_s == 2.5
+    with pytest.raises(ValueError):  # pydantic: at least one attempt
+        build_configs(parser.parse_args(["--model", str(model), "--max-attempts", "0"]))
