@@ -96,6 +96,16 @@ def undisturbed(model: Path, requests: list[pb.GenerateRequest]) -> list[list[in
         engine.shutdown()
 
 
+def started(served: ServedCluster, requests: list[pb.GenerateRequest]) -> list[StreamThread]:
+    """One stream per request, each past its first item."""
+    streams = [StreamThread(served, r) for r in requests]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(60)
+    return streams
+
+
 def sigkill(actor: object) -> None:
     """SIGKILL the actor's process, as an operator or the OOM killer would."""
     os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)  # type: ignore[attr-defined]
@@ -130,11 +140,7 @@ def test_killed_worker_process_streams_migrate_and_the_group_comes_back(
         r.sampling_params.temperature = 0.9
         r.sampling_params.seed = 100 + i
     expected = undisturbed(cluster_model, requests)
-    streams = [StreamThread(served, r) for r in requests]
-    for s in streams:
-        s.start()
-    for s in streams:
-        assert s.first.wait(60)
+    streams = started(served, requests)
     on = {s.worker_id for s in streams}
     assert on == {"worker-0", "worker-1"}, on
     victim = "worker-1"
@@ -146,9 +152,7 @@ def test_killed_worker_process_streams_migrate_and_the_group_comes_back(
     wait_for(lambda: set(served.load()) == {"worker-0", "worker-1-r1"}, timeout_s=120)
     assert victim in served.cluster.lost and not served.cluster.groups[victim].alive
     assert served.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10).num_workers == 2
-    again = [StreamThread(served, long_request(10 + i, 100)) for i in range(4)]
-    for s in again:
-        s.start()
+    again = started(served, [long_request(10 + i, 100) for i in range(4)])
     assert_nothing_lost(again, undisturbed(cluster_model, [s.request for s in again]))
     assert "worker-1-r1" in {s.worker_id for s in again}  # the recreated group takes requests
     check_survivors(served)
@@ -182,9 +186,7 @@ def test_killed_tp_rank_takes_its_group_down_and_the_stream_waits_for_its_return
     served = make_cluster(replicas=1, tp_size=2, tp_timeout_s=10)
     request = long_request(0, 200)
     expected = undisturbed(cluster_model, [request])
-    running = StreamThread(served, request)
-    running.start()
-    assert running.first.wait(60)
+    (running,) = started(served, [request])
     group = served.cluster.groups["worker-0"]
     sigkill(group.rank_actors[0])
     # No other worker: the stream waits for the recreated group and continues there.
@@ -207,18 +209,14 @@ def test_killed_router_actor_is_restarted_and_rebuilds_its_view(
     holder = first.worker_id
     requests = [long_request(i, 200) for i in range(4)]
     expected = undisturbed(cluster_model, requests)
-    streams = [StreamThread(served, r) for r in requests]
-    for s in streams:
-        s.start()
-    for s in streams:
-        assert s.first.wait(60)
+    streams = started(served, requests)
     router = served.cluster.router
-    before = ray.get(router.stats.remote(), timeout=10)["reports"]
+    old_pid = ray.get(router.pid.remote(), timeout=10)
     sigkill(router)
     assert_nothing_lost(streams, expected)  # streams do not need the router once placed
     # The restarted router knows both workers again from their reports ...
     wait_for(lambda: set(served.load()) == {"worker-0", "worker-1"}, timeout_s=60)
-    assert ray.get(router.stats.remote(), timeout=10)["reports"] < before  # a new instance
+    assert ray.get(router.pid.remote(), timeout=10) != old_pid  # a new instance
     # ... and their caches, from the snapshots they sent when it asked: the follow-up goes
     # where its prefix is cached.
     wait_for(lambda: ray.get(router.predict_hits.remote(prompt), timeout=10).get(holder, 0) > 0)
