@@ -8,7 +8,7 @@ standard `grpc.health.v1.Health` service and server reflection.
 
 Status codes: INVALID_ARGUMENT for bad input, RESOURCE_EXHAUSTED when no worker has room and
 the router's queue is full (trailing metadata `retry-after-s`), UNAVAILABLE while draining or
-when the worker was lost after tokens were streamed, INTERNAL when the worker's step failed,
+when the request was lost on every worker it may try, INTERNAL when the worker's step failed,
 UNAUTHENTICATED without the configured bearer token. A client cancel or an expired deadline
 closes the stream, which aborts the request on its worker and frees its KV; the deadline also
 bounds the router's queue wait and the request's migrations (`timeout_s`). Nothing a client

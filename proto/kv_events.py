@@ -1,7 +1,8 @@
 """KV events: what a worker's prefix cache stored, removed, tombstoned or revived, per page.
 
-A router mirrors each worker's radix tree from these events (`KVEventMirror`) to route requests
-to the worker that already holds their prefix. A page (P token ids) is named by a hash chained
+A router mirrors each worker's radix tree from these events (the router's `ExactCacheView`;
+`KVEventMirror` here is the one-tree reference that tests and `bench/router_sim.py` check it
+against) to route requests to the worker that already holds their prefix. A page (P token ids) is named by a hash chained
 from its parent page, so equal token prefixes give equal hashes in every process:
 
     page_hash(parent, tokens) = blake2b-64( tag(parent) ‖ int64-le(tokens) )
