@@ -8,7 +8,7 @@ Workloads, drawn once per seed and replayed for every policy:
       message; the next turn comes a think time after the reply.
   (b) independent prompts: random tokens, Poisson arrivals.
 
-A worker admits like the engine's scheduler (DESIGN §6): it matches `prompt[:-1]` in its
+A worker admits like the engine's scheduler (architecture §6): it matches `prompt[:-1]` in its
 tree with window repair (R = `window_repair_tokens(L_swa, W, P)`, L_swa = `--swa-layers`),
 checks both pools (free + evictable − what running requests still need), prefills in chunks
 (freeing out-of-window SWA, caching unfinished chunks), and at the end of the reply decodes in

@@ -1,7 +1,7 @@
 """Pure KV rules shared by the worker and the router (which must not import each other).
 
 - `cdiv` / `page_floor` / `page_ceil`: page arithmetic.
-- `valid_match_length`: the SWA window rule of a prefix match (DESIGN §6). A matched path is a
+- `valid_match_length`: the SWA window rule of a prefix match (architecture §6). A matched path is a
   sequence of runs, each live (SWA KV held) or a tombstone (full KV only). A match may end only
   where at least W live tokens precede the end, or where no tombstone lies before it:
 
@@ -10,7 +10,7 @@
 
   The radix cache (`SWARadixCache._walk`), the KV-event mirror (`KVEventMirror.match_length`)
   call it; the router's one-walk-for-all-workers bit-mask match is tested against it.
-- `prefix_reuse`: what a match lets a request skip once window repair is allowed (DESIGN §6): a
+- `prefix_reuse`: what a match lets a request skip once window repair is allowed (architecture §6): a
   path whose full KV is cached but whose window before the end was freed may be resumed by
   recomputing its last R = `window_repair_tokens(...)` tokens (their SWA KV only), where that
   saves more than the plain match under the window rule. The radix cache, the KV-event mirror

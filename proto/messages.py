@@ -1,7 +1,7 @@
 """Messages between a worker and the router: plain dataclasses, standard library only.
 
 Both `swaserve.worker` and `swaserve.router` import this module; neither imports the other
-(DESIGN §3). Over the network (gRPC `GetLoad`) the same fields travel as protobuf.
+(architecture §3). Over the network (gRPC `GetLoad`) the same fields travel as protobuf.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Headroom:
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
     window_repair_tokens_total: int = 0  # ... tokens recomputed to repair cached windows
     sliding_window_size: int = 0
-    window_repair_tokens: int = 0  # R of a window repair (DESIGN §6); 0: it does not repair
+    window_repair_tokens: int = 0  # R of a window repair (architecture §6); 0: it does not repair
     page_size: int = 1
     chunked_prefill_size: int = 0
     hybrid: bool = True

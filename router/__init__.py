@@ -1,4 +1,4 @@
-"""Prefix-, SWA- and headroom-aware routing (DESIGN §5 router). Pure Python: no torch, no Ray."""
+"""Prefix-, SWA- and headroom-aware routing (architecture §5 router). Pure Python: no torch, no Ray."""
 
 from swaserve.router.cache_view import ApproxCacheView, CacheViewCorrupted, ExactCacheView
 from swaserve.router.config import RouterConfig

@@ -1,4 +1,4 @@
-"""RouterConfig: every knob of the router, validated at the edge (DESIGN §5 router).
+"""RouterConfig: every knob of the router, validated at the edge (architecture §5 router).
 
 Defaults and why:
 

@@ -1,4 +1,4 @@
-"""Router: prefix-, SWA- and headroom-aware routing of requests to workers (DESIGN §5 router).
+"""Router: prefix-, SWA- and headroom-aware routing of requests to workers (architecture §5 router).
 
     route(request)  →  fresh workers → predicted hits (cache views) → those that fit (budgets)
                     →  policy picks one  |  none fits: queue (FIFO, deadline)  |  queue full: raise

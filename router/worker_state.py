@@ -1,5 +1,5 @@
 """What the router knows of one worker: its latest report, the requests routed to it, and the
-KV budgets that admission checks against (DESIGN §6 admission, seen from the router).
+KV budgets that admission checks against (architecture §6 admission, seen from the router).
 
 A report is a snapshot of the worker when it was made. It lists the requests the engine took
 since the previous report (`admitted_request_ids`; a snapshot report lists all open ones):

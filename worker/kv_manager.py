@@ -9,7 +9,7 @@ the host `RequestSlotTable`:
     # [0, swa.cache_protected_len)          owned by the prefix cache (locked by req.lock)
     # [cache_protected_len, num_computed)   owned by the request
 
-A window repair (DESIGN §6) is admitted as a match of m tokens that resumes at m - R:
+A window repair (architecture §6) is admitted as a match of m tokens that resumes at m - R:
 
     # [0, m - R)            the tree's slots, reused
     # [m - R, m)            the tree's full slots in the device table (full layers read them);

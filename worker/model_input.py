@@ -12,7 +12,7 @@ Before the forward, the device slot tables get `writes` (positions rank 0 re-add
 prefix at admission, slots the radix tree deduplicated) and then the new tokens' slots. SWA ids
 are translated from full ids here, once per batch, on the host.
 
-A window repair (`window_repair`, DESIGN §6) changes two things for request i, whose cached
+A window repair (`window_repair`, architecture §6) changes two things for request i, whose cached
 prefix resumes at `start_i` and whose new tokens at positions `[start_i, end_i)` recompute only
 their SWA KV:
 

@@ -1,7 +1,7 @@
 """Scheduler: which requests run in the next step, with how many tokens, and where their KV goes.
 
 A step mixes the decodes of all running requests with prefill chunks, within a prefill token
-budget. Admission checks two budgets, one per pool (DESIGN §6):
+budget. Admission checks two budgets, one per pool (architecture §6):
 
     rem_total_tokens = full free + full evictable − Σ running: min(remaining new, CLIP) × ratio
     rem_swa_tokens   = SWA free + SWA evictable  − Σ running: min(remaining new, I + P)
@@ -12,7 +12,7 @@ less the part of that window its prefix hit just locked in the tree (the lock al
 off the budget; it is no new slot). `ratio` (the expected share of max_new_tokens that gets
 used) decays while decodes succeed and jumps back up after a retraction, as in SGLang.
 
-Liveness (DESIGN §6): every step runs a batch or ends a request. When the decodes cannot get
+Liveness (architecture §6): every step runs a batch or ends a request. When the decodes cannot get
 slots even after evicting the prefix cache, the newest request is retracted: its KV is released
 and it waits again, to be re-prefilled (reusing whatever the cache still holds). When nothing
 decodes and no prefill chunk gets room, the oldest prefilling request takes a shorter chunk

@@ -11,7 +11,7 @@ attention output. Nothing is global: the batch is passed down.
 Shapes: T = new tokens in the batch, B = requests, H = query heads (this TP shard), Hkv = KV
 heads, Dk / Dv = K / V head dims.
 
-Window convention (DESIGN §2): a query at position p of an SWA layer with window W sees key
+Window convention (architecture §2): a query at position p of an SWA layer with window W sees key
 positions `[p - W, p]` (W tokens before it and itself); a full layer sees `[0, p]`.
 """
 

@@ -416,7 +416,7 @@ class SWATokenAllocator:
 
     # ---- integrity -----------------------------------------------------------------------
     def check(self, owned: torch.Tensor | None = None) -> None:
-        """Raise `AllocatorCorrupted` on a broken invariant (DESIGN §6).
+        """Raise `AllocatorCorrupted` on a broken invariant (architecture §6).
 
         Both free lists are sound; mapped SWA slots are distinct, live (not free) and together
         with the free SWA slots cover the SWA pool exactly (no SWA leak); free full slots map to

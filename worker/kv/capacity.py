@@ -22,7 +22,7 @@ from swaserve.worker.parallel import num_kv_heads_per_rank
 BF16_BYTES = 2
 
 # Real layer counts, KV heads and dims (bf16 KV). W is the number of tokens *before* the current
-# one an SWA query sees (DESIGN §2): GPT-OSS's HF config stores sliding_window = 128 = W + 1.
+# one an SWA query sees (architecture §2): GPT-OSS's HF config stores sliding_window = 128 = W + 1.
 MODEL_HEADS: dict[str, dict[str, int]] = {
     # 36 layers alternating sliding / full; 8 KV heads of dim 64.
     "gpt-oss-120b": dict(

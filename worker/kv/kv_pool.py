@@ -28,7 +28,7 @@ class KVLayout:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     def token_bytes(self, dtype: torch.dtype) -> int:
-        """F or S of DESIGN §2: one token, one layer."""
+        """F or S of architecture §2: one token, one layer."""
         return self.num_kv_heads * (self.head_dim + self.v_head_dim) * _dtype_bytes(dtype)
 
 

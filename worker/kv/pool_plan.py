@@ -1,6 +1,6 @@
 """How many token slots each KV pool gets from a byte budget.
 
-Terms (DESIGN §2): F / S are the KV bytes of one token in one full / one SWA layer, L_full /
+Terms (architecture §2): F / S are the KV bytes of one token in one full / one SWA layer, L_full /
 L_swa the layer counts, W the window, P the page size, I the SWA eviction interval and r the
 SWA-pool ÷ full-pool token ratio.
 

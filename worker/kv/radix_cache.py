@@ -1,4 +1,4 @@
-"""SWA-aware radix prefix cache (DESIGN §5 worker.kv, §6); SGLang's SWARadixCache is the model.
+"""SWA-aware radix prefix cache (architecture §5 worker.kv, §6); SGLang's SWARadixCache is the model.
 
 Each node holds a page-aligned run of tokens and their full slot ids. A tombstone node's SWA KV
 was freed while its full KV stays, so a match may run through it but may only end where the

@@ -110,7 +110,7 @@ class MatchResult:
     `last_node`: the node that ends it (the root when nothing matched). The indices stay
     valid while `last_node` is locked (`inc_lock_ref`). `repair_len` > 0: a window repair —
     the last `repair_len` positions have full KV but their SWA KV must be recomputed
-    (DESIGN §6), so the match saves `saved_tokens` = n - repair_len."""
+    (architecture §6), so the match saves `saved_tokens` = n - repair_len."""
 
     indices: torch.Tensor
     last_node: RadixNode
@@ -217,7 +217,7 @@ class RadixTree:
         return events
 
     def check(self) -> None:
-        """Raise `RadixCacheCorrupted` on a broken invariant (DESIGN §6): structure, page
+        """Raise `RadixCacheCorrupted` on a broken invariant (architecture §6): structure, page
         alignment, lock counts, tombstone leaves, LRU membership, size counters, page hashes,
         and agreement with the allocator (slots owned once, live ⇔ mapped to an SWA slot)."""
         check_tree(self)

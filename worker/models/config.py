@@ -108,7 +108,7 @@ class ModelConfig:
     num_heads: int
     layer_types: tuple[str, ...]  # per layer: FULL_ATTENTION or SLIDING_ATTENTION
     mlp_layer_types: tuple[str, ...]  # per layer: "dense" or "sparse"
-    sliding_window_size: int | None  # W (DESIGN §2); None when no layer slides
+    sliding_window_size: int | None  # W (architecture §2); None when no layer slides
     full_attention: AttentionKindConfig
     swa_attention: AttentionKindConfig
     attention_bias: bool  # q/k/v projections

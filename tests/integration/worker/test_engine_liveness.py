@@ -1,4 +1,4 @@
-"""Liveness (DESIGN §6): the engine never idles with work. Every step runs a batch or ends a
+"""Liveness (architecture §6): the engine never idles with work. Every step runs a batch or ends a
 request, and every request finishes, aborts or fails within a bounded number of steps, also
 with SWA pools just above W + P + chunk, where a cached prefix's locked window takes a large
 share of the pool."""

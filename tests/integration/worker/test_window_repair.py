@@ -1,4 +1,4 @@
-"""Window checkpoints and exact window repair through the engine (DESIGN §6): a cached prefix
+"""Window checkpoints and exact window repair through the engine (architecture §6): a cached prefix
 whose window lost its SWA KV is resumed by recomputing only its last R = L_swa · W tokens, and
 the greedy tokens equal a cold run of the same prompt (float32), at P = 1 and 4, with and
 without chunked prefill (chunks smaller than R), on both architectures, and at TP = 2 (gloo)."""

@@ -1,5 +1,5 @@
 """The window rule, window repair, page arithmetic and SWA need of `swaserve.proto.kv_rules`,
-against a brute-force reading of DESIGN §6, and the router's bit-mask match against the same
+against a brute-force reading of architecture §6, and the router's bit-mask match against the same
 rules."""
 
 from __future__ import annotations
