@@ -17,6 +17,7 @@ import torch
 from swaserve.worker.attention.base import ForwardBatch
 from swaserve.worker.attention.registry import select_backend
 from swaserve.worker.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.memory import build_kv_pool
 from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.kv.slot_table import DeviceSlotTable
@@ -113,9 +114,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.backend, dtype=dtype, device=device, tp=self.tp)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(t, self.device)  # pinned, non-blocking on CUDA; no copy on CPU
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:  # [N, vocab] float32 (device)
