@@ -16,12 +16,33 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
+from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import Attention, DecoderLayer, RMSNorm
 from swaserve.worker.models.rotary import RotaryEmbedding
 from swaserve.worker.models.tp_layers import ParallelLMHead, VocabParallelEmbedding
 from swaserve.worker.parallel import TPGroup
+
+
+class UnboundBackend(AttentionBackend):
+    """Stands in for the attention backend of a model that has no KV buffers yet (built only to
+    read its shapes, or loaded before its KV pool is sized): running it raises."""
+
+    name = "unbound"
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        raise RuntimeError("the model has no attention backend yet (see bind_backend)")
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise RuntimeError("the model has no attention backend yet (see bind_backend)")
 
 
 class DecoderModel(nn.Module):
@@ -92,6 +113,14 @@ class HybridCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_backend(self, backend: AttentionBackend) -> None:
+        """Read and write KV through `backend` from now on: a runner loads the weights first
+        (with an `UnboundBackend`), then sizes and allocates the KV buffers from the memory
+        the weights left, then binds the backend over them."""
+        self.backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
 
     def materialize(self, device: str | torch.device) -> HybridCausalLM:
         """Give a meta-built model real (uninitialized) storage on `device`."""

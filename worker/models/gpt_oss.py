@@ -69,6 +69,7 @@ class GptOssExperts(BatchedExperts):
             "down_proj": ParamShard((e, i_all, d), 1, ((i0, i1),), i),
         }
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
+        self.expert_weight_names = ("gate_up_proj", "down_proj")
 
     def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(up + 1) · gate · σ(α · gate), gate clamped above and up on both sides at `limit`."""
@@ -86,9 +87,10 @@ class GptOssExperts(BatchedExperts):
         t, k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
         xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
-        gate_up = torch.bmm(xs, self.gate_up_proj[flat])  # [N, 1, 2I]
+        gate_up = torch.bmm(xs, self.expert_weight("gate_up_proj", flat))  # [N, 1, 2I]
         gate_up = gate_up + self.gate_up_proj_bias[flat].unsqueeze(1)
-        y = torch.bmm(self.clamped_swiglu(gate_up), self.down_proj[flat])  # [N, 1, D]
+        down = self.expert_weight("down_proj", flat)  # [N, I, D]
+        y = torch.bmm(self.clamped_swiglu(gate_up), down)  # [N, 1, D]
         y = y.view(t, k, -1)  # [T, k, D]
         if self.adds_down_bias:
             y = y + self.down_proj_bias[top_k_index]
@@ -100,14 +102,22 @@ class GptOssExperts(BatchedExperts):
         top_k_index: torch.Tensor,  # [T, k] int64
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, D]
-        """Tokens sorted by expert and padded to the largest group: one bmm over [E, C, D]."""
-        groups = sort_by_expert(top_k_index, self.num_experts)
-        xs = x[groups.token_rows]  # [E, C, D]
-        gate_up = torch.bmm(xs, self.gate_up_proj) + self.gate_up_proj_bias.unsqueeze(1)
-        y = torch.bmm(self.clamped_swiglu(gate_up), self.down_proj)  # [E, C, D]
+        """Tokens sorted by expert and padded to the largest group: one bmm over [G, C, D]."""
+        groups = sort_by_expert(
+            top_k_index, self.num_experts, only_selected=self.groups_only_selected
+        )
+        experts = groups.experts  # [G] int64, or None: every expert
+        xs = x[groups.token_rows]  # [G, C, D]
+        gate_up_bias = (
+            self.gate_up_proj_bias if experts is None else self.gate_up_proj_bias[experts]
+        )
+        gate_up = torch.bmm(xs, self.expert_weight("gate_up_proj", experts))  # [G, C, 2I]
+        gate_up = gate_up + gate_up_bias.unsqueeze(1)
+        y = torch.bmm(self.clamped_swiglu(gate_up), self.expert_weight("down_proj", experts))
         if self.adds_down_bias:
-            y = y + self.down_proj_bias.unsqueeze(1)
-        y = y[groups.expert, groups.position]  # [N, D], real pairs only, sorted by expert
+            down_bias = self.down_proj_bias if experts is None else self.down_proj_bias[experts]
+            y = y + down_bias.unsqueeze(1)  # [G, C, D]
+        y = y[groups.group, groups.position]  # [N, D], real pairs only, sorted by expert
         weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1]
         return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
 

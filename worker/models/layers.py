@@ -13,12 +13,14 @@ row-parallel; the dense MLP is column-parallel gate/up and row-parallel down. No
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
+from swaserve.worker.host_tensors import to_device
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.rotary import apply_rotary
@@ -28,6 +30,9 @@ from swaserve.worker.models.tp_layers import (
     even_segments,
 )
 from swaserve.worker.parallel import TPGroup, kv_head_range
+
+if TYPE_CHECKING:
+    from swaserve.worker.models.quantized_weights import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -197,10 +202,36 @@ def gathers_expert_weights(
 class BatchedExperts(nn.Module):
     """MoE experts that choose their path per batch: `forward_gathered` (few pairs, no host
     sync) or `forward_grouped` (many pairs, one host read); see `gathers_expert_weights`.
-    Subclasses set `num_experts` and `expert_elements` and give both paths."""
+    Subclasses set `num_experts`, `expert_elements` and `expert_weight_names` and give both
+    paths, reading their expert weights through `expert_weight` only.
+
+    Weights that stay quantized in memory (see `quantized_weights.keep_quantized`) are listed
+    in `quantized` (parameter name → its resident form); `expert_weight` dequantizes the experts
+    a step selects, nothing else, and keeps nothing."""
 
     num_experts: int
     expert_elements: int
+    expert_weight_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quantized: dict[str, QuantizedWeight] = {}
+
+    def expert_weight(self, name: str, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter `name` [E, ...] of `experts` ([n] int64; None: every expert) in the compute
+        dtype, [n, ...]: the one seam between the experts' matmuls and how their weights are
+        held (a fused quantized kernel replaces the matmul behind it)."""
+        quantized = self.quantized.get(name)
+        if quantized is not None:
+            return quantized.dequantize(self, experts)
+        weight = getattr(self, name)
+        return weight if experts is None else weight[experts]
+
+    @property
+    def groups_only_selected(self) -> bool:
+        """Whether the grouped path runs only the experts a batch selects: when the weights are
+        quantized (each expert run is dequantized first); float weights are read in place."""
+        return bool(self.quantized)
 
     def forward(
         self,
@@ -229,37 +260,53 @@ class BatchedExperts(nn.Module):
 @dataclass(slots=True)
 class ExpertGroups:
     """The T·k (token, expert) pairs sorted by expert (tokens ascending within an expert), and a
-    padded [E, C] table of the token each expert reads, C being the largest group. Padding reads
-    token 0; its outputs are never picked up, since `expert` / `position` name only real pairs."""
+    padded [G, C] table of the token each group reads, C being the largest group. A group is an
+    expert: every expert in order (`experts` None), or only those a token selected (`experts`
+    lists them, ascending). Padding reads token 0; its outputs are never picked up, since
+    `group` / `position` name only real pairs."""
 
-    token_rows: torch.Tensor  # [E, C] int64, token read by each (expert, position); 0 on padding
+    token_rows: torch.Tensor  # [G, C] int64, token read by each (group, position); 0 on padding
     expert: torch.Tensor  # [N] int64, expert of each sorted pair
     position: torch.Tensor  # [N] int64, the pair's position within its expert's group
     token: torch.Tensor  # [N] int64, token row of each sorted pair
     pair: torch.Tensor  # [N] int64, index of each sorted pair in top_k_index.reshape(-1)
+    group: torch.Tensor  # [N] int64, row of token_rows of each sorted pair (= expert when all)
+    experts: torch.Tensor | None = None  # [G] int64, expert of each group; None: G = E, in order
 
 
 def sort_by_expert(
     top_k_index: torch.Tensor,  # [T, k] int64 expert ids
     num_experts: int,
+    *,
+    only_selected: bool = False,
 ) -> ExpertGroups:
-    """Groups the pairs by expert for batched matmuls over [E, C, D], without a loop over experts.
+    """Groups the pairs by expert for batched matmuls over [G, C, D], without a loop over
+    experts; `only_selected`: one group per expert some token chose, not one per expert.
 
-    Reads the largest group size C back to the host once (the buffers' shape depends on it): a
-    host sync, which is why the MoE blocks take this path only for large token counts and gather
-    weights per pair (`gathers_expert_weights`) for small ones."""
+    Reads the expert counts back to the host once (the buffers' shape depends on the largest,
+    and the selected experts on which are not zero): a host sync, which is why the MoE blocks
+    take this path only for large token counts and gather weights per pair
+    (`gathers_expert_weights`) for small ones."""
     k = top_k_index.shape[1]
+    device = top_k_index.device
     flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
     num_pairs = flat.numel()
     pair = torch.argsort(flat, stable=True)  # [N] int64, grouped by expert
     expert = flat[pair]  # [N] int64, ascending
     counts = torch.bincount(flat, minlength=num_experts)  # [E] int64
     starts = torch.cumsum(counts, dim=0) - counts  # [E] int64, first sorted pair of each expert
-    position = torch.arange(num_pairs, device=flat.device) - starts[expert]  # [N] int64
-    capacity = int(counts.max())  # the one host read
+    position = torch.arange(num_pairs, device=device) - starts[expert]  # [N] int64
+    host_counts = counts.cpu()  # [E] int64: the one host read
+    capacity = int(host_counts.max())
     token = pair // k  # [N] int64
-    token_rows = torch.zeros(
-        num_experts, capacity, dtype=torch.int64, device=flat.device
-    )  # [E, C] int64
-    token_rows[expert, position] = token
-    return ExpertGroups(token_rows, expert, position, token, pair)
+    experts: torch.Tensor | None = None
+    group = expert
+    if only_selected:
+        selected = torch.nonzero(host_counts).squeeze(1)  # [G] int64 (host)
+        experts = to_device(selected, device)  # [G] int64
+        group_of = torch.cumsum(counts > 0, dim=0) - 1  # [E] int64, group of each chosen expert
+        group = group_of[expert]  # [N] int64
+    num_groups = num_experts if experts is None else experts.numel()
+    token_rows = torch.zeros(num_groups, capacity, dtype=torch.int64, device=device)  # [G, C]
+    token_rows[group, position] = token
+    return ExpertGroups(token_rows, expert, position, token, pair, group, experts)

@@ -4,8 +4,11 @@ Local files only; nothing is ever downloaded.
 
 Each parameter is looked up in every layout its architecture's `WeightMap` declares (packed
 in-memory names first, then the original / published layout) and, when config.json has a
-`quantization_config`, in its quantized form (MXFP4 blocks + scales, FP8 weight + block scales),
-which is dequantized to the parameter's dtype while loading, one tensor (one expert) at a time.
+`quantization_config`, in its quantized form (MXFP4 blocks + scales, FP8 weight + block scales).
+A model built with `dequantize_weights=False` (the engine's default) holds those parameters in
+their stored form (`quantized_weights.keep_quantized`): the loader copies the checkpoint's bytes
+(FP8 block scales expanded along one dimension). Otherwise the tensors are dequantized to the
+parameter's dtype while loading, one tensor (one expert) at a time.
 
 The whole checkpoint is checked before any data is read, and every mismatch is a typed error
 that names the tensor: a parameter without a tensor (`MissingTensorError`), a tensor of another
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,18 +36,33 @@ from swaserve.worker.attention.base import AttentionBackend
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from swaserve.worker.models.config import ModelConfig, load_model_config
-from swaserve.worker.models.errors import MissingTensorError, UnexpectedTensorError
+from swaserve.worker.models.errors import (
+    MissingTensorError,
+    QuantizedTensorError,
+    UnexpectedTensorError,
+)
+from swaserve.worker.models.fp8 import FP8_DTYPE
 from swaserve.worker.models.param_shard import Index, ParamShard, Region, indexed_shape
 from swaserve.worker.models.quantization import FP8, MXFP4, QuantizationConfig
+from swaserve.worker.models.quantized_weights import Fp8Weight, keep_quantized
 from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import Placement, SkipRule, weight_map
-from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, Source, resolve_source
+from swaserve.worker.models.weight_sources import (
+    FP8_SCALE,
+    MXFP4_BLOCKS,
+    Fp8ScaleSource,
+    Fp8Source,
+    PlainSource,
+    Source,
+    resolve_source,
+)
 from swaserve.worker.parallel import TPGroup
 
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "LoadReport",
+    "build_meta_model",
     "build_model",
     "checkpoint_index",
     "load_model",
@@ -52,6 +71,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _MAX_NAMES_IN_MESSAGE = 8
+# Parameters of these dtypes hold a checkpoint tensor's own bytes (kept quantized).
+_STORED_DTYPES = {FP8_DTYPE: "F8_E4M3", torch.uint8: "U8"}
 
 
 @dataclass(slots=True)
@@ -84,12 +105,17 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     tp: TPGroup | None = None,
+    dequantize_weights: bool = True,
 ) -> HybridCausalLM:
     """Parse config.json, build the model on `device` in `dtype`, load its weights (eval mode).
     `progress`: show a progress bar (None: only on a terminal). `tp`: this rank's TP group; the
-    model holds and loads only its shard (None or a single group: the whole model)."""
+    model holds and loads only its shard (None or a single group: the whole model).
+    `dequantize_weights`: a quantized checkpoint's tensors are dequantized to `dtype` at load
+    (True), or kept in memory as stored (False, the engine's default; see `quantized_weights`)."""
     config = load_model_config(model_dir)
-    model = build_model(config, backend, dtype=dtype, device=device, tp=tp)
+    model = build_model(
+        config, backend, dtype=dtype, device=device, tp=tp, dequantize_weights=dequantize_weights
+    )
     load_weights(model, model_dir, progress=progress)
     return model
 
@@ -101,16 +127,37 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tp: TPGroup | None = None,
+    dequantize_weights: bool = True,
 ) -> HybridCausalLM:
     """The registered class for `config.architecture`, built on meta for `tp`'s rank (raises
-    `ShardingError` when the config does not split over it), then given uninitialized storage
-    on `device`: load weights before running it."""
+    `ShardingError` when the config does not split over it), with the checkpoint's quantized
+    parameters in their stored form unless `dequantize_weights`, then given uninitialized
+    storage on `device`: load weights before running it."""
+    return (
+        build_meta_model(config, backend, dtype=dtype, tp=tp, dequantize_weights=dequantize_weights)
+        .materialize(device)
+        .eval()
+    )
+
+
+def build_meta_model(
+    config: ModelConfig,
+    backend: AttentionBackend,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tp: TPGroup | None = None,
+    dequantize_weights: bool = True,
+) -> HybridCausalLM:
+    """`build_model` without storage: every parameter on the meta device, with the shape and
+    dtype it will have (`quantized_weights.resident_bytes` of it is what the weights will hold)."""
     cls = get_model_class(config.architecture)
     if tp is not None:
         config.check_tp_size(tp.world_size)
     with torch.device("meta"):
         model = cls(config, backend, dtype=dtype, tp=tp)
-    return model.materialize(device).eval()
+    if config.quantization is not None and not dequantize_weights:
+        keep_quantized(model, config.quantization)
+    return model
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
@@ -122,8 +169,9 @@ def load_weights(
     model: HybridCausalLM, model_dir: str | Path, *, progress: bool | None = None
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of `model` from the checkpoint in `model_dir`
-    (dequantized and cast to the parameter's dtype, on its device). Checks names, shapes and
-    quantized layouts of the whole checkpoint before reading any data."""
+    (cast to the parameter's dtype, on its device; a quantized tensor dequantized, unless the
+    parameter keeps its stored form). Checks names, shapes and quantized layouts of the whole
+    checkpoint before reading any data."""
     start = time.perf_counter()
     checkpoint = Checkpoint(model_dir)
     plan, padded, report = _plan(model, checkpoint)
@@ -171,6 +219,7 @@ def _plan(
     quantization = config.quantization
     targets, aliases = _load_targets(model)
     shards = _param_shards(model)
+    fp8_scales = _fp8_scales(model)
     canonical_alias = {canonical: alias for alias, canonical in aliases.items()}
     plan: list[_Read] = []
     checks: list[tuple[Source, tuple[int, ...]]] = []
@@ -180,10 +229,13 @@ def _plan(
     for name, target in targets.items():
         shard = shards.get(id(target))
         shape = shard.full_shape if shard is not None else tuple(target.shape)
-        candidates = layouts.layouts(name, shape)
+        fp8_scale = fp8_scales.get(name)
+        stored_as = fp8_scale[0] if fp8_scale is not None else name  # a scale: its weight's
+        candidates = layouts.layouts(stored_as, shape)
         if name in canonical_alias:
             candidates += layouts.layouts(canonical_alias[name], shape)
-        chosen, absent = _first_complete(candidates, checkpoint, quantization)
+        resolve = _resolver(name, target, fp8_scale, checkpoint, quantization)
+        chosen, absent = _first_complete(candidates, resolve)
         if chosen is None:
             missing.append(name)
             tried += absent
@@ -238,24 +290,64 @@ def _plan(
 
 
 def _first_complete(
-    candidates: list[list[Placement]],
-    checkpoint: Checkpoint,
-    quantization: QuantizationConfig | None,
+    candidates: list[list[Placement]], resolve: Callable[[str], Source | None]
 ) -> tuple[list[tuple[Placement, Source]] | None, list[str]]:
     """(the first layout whose every tensor the checkpoint holds, with their sources; or None
     and the tensors the other layouts lack)."""
     absent: list[str] = []
     for i, layout in enumerate(candidates):
-        found = [
-            (placement, resolve_source(placement.source, checkpoint, quantization))
-            for placement in layout
-        ]
+        found = [(placement, resolve(placement.source)) for placement in layout]
         complete = [(p, source) for p, source in found if source is not None]
         if len(complete) == len(layout):
             return complete, []
         if i > 0:
             absent += [p.source for p, source in found if source is None]
     return None, absent
+
+
+def _resolver(
+    name: str,
+    target: torch.Tensor,
+    fp8_scale: tuple[str, Fp8Weight] | None,
+    checkpoint: Checkpoint,
+    quantization: QuantizationConfig | None,
+) -> Callable[[str], Source | None]:
+    """How target `name` reads one checkpoint tensor: dequantized into a float parameter (the
+    source as found), as stored into a parameter kept quantized (the checkpoint's own bytes),
+    or, for the scale of an FP8 weight kept quantized, its block scales expanded."""
+    stored = _STORED_DTYPES.get(target.dtype)
+
+    def resolve(source_name: str) -> Source | None:
+        source = resolve_source(source_name, checkpoint, quantization)
+        if source is None or (stored is None and fp8_scale is None):
+            return source
+        if isinstance(source, Fp8Source):
+            if fp8_scale is not None:
+                fp8 = fp8_scale[1]
+                return Fp8ScaleSource(
+                    source.weight, source.scale_inv, fp8.block_size, fp8.expand_dim
+                )
+            return PlainSource(source.weight, stored_dtype=stored)
+        if isinstance(source, PlainSource) and fp8_scale is None:
+            return PlainSource(source.info, stored_dtype=stored)
+        raise QuantizedTensorError(
+            f"{name} is kept quantized ({quantization.method if quantization else 'none'}), but "
+            f"the checkpoint stores {source_name!r} unquantized; load with dequantize_weights=True"
+        )
+
+    return resolve
+
+
+def _fp8_scales(model: HybridCausalLM) -> dict[str, tuple[str, Fp8Weight]]:
+    """Resident scale name → (its weight's name, how it is held), for every FP8 weight the
+    model keeps quantized."""
+    found: dict[str, tuple[str, Fp8Weight]] = {}
+    for prefix, module in model.named_modules():
+        for held in getattr(module, "quantized", {}).values():
+            if isinstance(held, Fp8Weight):
+                weight = f"{prefix}.{held.name}" if prefix else held.name
+                found[weight + FP8_SCALE] = (weight, held)
+    return found
 
 
 def _quantized_hint(

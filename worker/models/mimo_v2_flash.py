@@ -84,6 +84,7 @@ class MiMoV2FlashExperts(BatchedExperts):
             "down_proj": ParamShard((e, d, i_all), 2, (gate_rows,), i),
         }
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
+        self.expert_weight_names = ("gate_up_proj", "down_proj")
 
     def forward_gathered(
         self,
@@ -95,9 +96,10 @@ class MiMoV2FlashExperts(BatchedExperts):
         t, k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
         xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
-        gate_up = torch.bmm(xs, self.gate_up_proj[flat].transpose(1, 2))  # [N, 1, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)  # 2 × [N, 1, I]
-        y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2))  # [N, 1, D]
+        gate_up_w = self.expert_weight("gate_up_proj", flat)  # [N, 2I, D]
+        gate, up = torch.bmm(xs, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)  # 2 × [N, 1, I]
+        down_w = self.expert_weight("down_proj", flat)  # [N, D, I]
+        y = torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))  # [N, 1, D]
         y = y.view(t, k, -1)  # [T, k, D]
         return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
@@ -107,12 +109,16 @@ class MiMoV2FlashExperts(BatchedExperts):
         top_k_index: torch.Tensor,  # [T, k] int64
         top_k_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, D]
-        """Tokens sorted by expert and padded to the largest group: one bmm over [E, C, D]."""
-        groups = sort_by_expert(top_k_index, self.num_experts)
-        xs = x[groups.token_rows]  # [E, C, D]
-        gate, up = torch.bmm(xs, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I]
-        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, D]
-        y = y[groups.expert, groups.position]  # [N, D], real pairs only, sorted by expert
+        """Tokens sorted by expert and padded to the largest group: one bmm over [G, C, D]."""
+        groups = sort_by_expert(
+            top_k_index, self.num_experts, only_selected=self.groups_only_selected
+        )
+        xs = x[groups.token_rows]  # [G, C, D]
+        gate_up_w = self.expert_weight("gate_up_proj", groups.experts)  # [G, 2I, D]
+        gate, up = torch.bmm(xs, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)  # [G, C, I]
+        down_w = self.expert_weight("down_proj", groups.experts)  # [G, D, I]
+        y = torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))  # [G, C, D]
+        y = y[groups.group, groups.position]  # [N, D], real pairs only, sorted by expert
         weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1] float32
         return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
 

@@ -8,11 +8,15 @@ transposed and blocked along K:
 
     value[e, k, n] = FP4[code] · 2^(scale - 127)
 
-`dequantize_mxfp4` does what transformers' `convert_moe_packed_tensors` does, op for op, so that
-the results are equal bit for bit in every dtype; it takes one expert or many.
+`dequantize_mxfp4` gives what transformers' `convert_moe_packed_tensors` gives, bit for bit in
+every dtype; it takes one expert or many. The loader calls it once per expert with
+`dequantize_weights`; otherwise the experts stay blocks + scales in memory and the MoE layers
+call it each step on the experts the step selects (`quantized_weights`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -37,17 +41,33 @@ def dequantize_mxfp4(
     scales: torch.Tensor,  # [..., N, G] uint8
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [..., G·32, N] in dtype
-    """The parameter that `blocks` and `scales` store (the last two dims transposed back)."""
+    """The parameter that `blocks` and `scales` store (the last two dims transposed back).
+
+    Each byte's two values are looked up at once (`fp4_pairs`) and each block is multiplied by
+    2^(scale - 127) computed once per block, in float32: the products transformers' `ldexp`
+    computes, rounded once to `dtype`, so the values are equal bit for bit, in half the time
+    (for every finite scale; E8M0's NaN, 255, gives NaN for a zero code where `ldexp` gives 0)."""
     *lead, n, groups, width = blocks.shape
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=dtype, device=blocks.device)  # [16]
-    codes = blocks.to(torch.uint8).reshape(-1, width)  # [rows, 16] uint8
-    exponents = scales.to(torch.int32).reshape(-1, 1) - SCALE_BIAS  # [rows, 1] int32
-    out = torch.empty(codes.shape[0], 2 * width, dtype=dtype, device=blocks.device)  # [rows, 32]
-    out[:, 0::2] = lut[(codes & 0x0F).to(torch.int)]
-    out[:, 1::2] = lut[(codes >> 4).to(torch.int)]
-    torch.ldexp(out, exponents, out=out)
+    codes = blocks.reshape(-1).int()  # [rows · 16] int32
+    rows = codes.numel() // width
+    values = fp4_pairs(dtype, blocks.device).index_select(0, codes).view(rows, 2 * width)
+    exponents = scales.to(torch.int32).reshape(rows, 1) - SCALE_BIAS  # [rows, 1] int32
+    factor = torch.pow(2.0, exponents)  # [rows, 1] float32
+    if dtype == torch.float32:
+        out = values.mul_(factor)  # [rows, 32] float32
+    else:
+        out = torch.mul(values, factor).to(dtype)  # [rows, 32], rounded once
     out = out.view(*lead, n, groups * 2 * width)  # [..., N, K]
     return out.transpose(-1, -2).contiguous()
+
+
+@functools.cache
+def fp4_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [256, 2] in dtype
+    """Byte → its (low nibble, high nibble) FP4 e2m1 values, made once per dtype and device
+    (experts kept in MXFP4 are dequantized every step: no host-to-device copy of it each time)."""
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=dtype)  # [16]
+    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=1)  # [256, 2]
+    return pairs.to(device)
 
 
 def random_mxfp4(

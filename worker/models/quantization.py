@@ -7,10 +7,11 @@ Two methods are read, the two these models are published in:
 - `fp8` (MiMo-V2-Flash, DeepSeek-style): `<name>` in float8_e4m3fn and `<name>_scale_inv`, one
   float scale per `weight_block_size` block of the last two dimensions.
 
-The loader dequantizes both to the model's dtype (`dequantized=True`); the field stays on
-`ModelConfig.quantization` so that a kernel path that keeps the quantized tensors can tell what
-the checkpoint holds. `modules_to_not_convert` (alias `ignored_layers`) lists modules stored
-unquantized, matched as transformers' `should_convert_module` matches them.
+The engine keeps both in memory as stored (`quantized_weights.keep_quantized`, which reads this
+config to know what is stored quantized) and dequantizes per layer and step; with
+`EngineConfig.dequantize_weights` the loader dequantizes them to the model's dtype instead.
+`modules_to_not_convert` (alias `ignored_layers`) lists modules stored unquantized, matched as
+transformers' `should_convert_module` matches them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ class QuantizationConfig:
     method: str  # MXFP4 or FP8
     weight_block_size: tuple[int, int] | None  # FP8: (rows, cols) per scale; MXFP4: None
     modules_to_not_convert: tuple[str, ...] = ()
-    dequantized: bool = True  # the loader turned the tensors into the model dtype
 
     def converts(self, module_name: str) -> bool:
         """Whether `module_name` (e.g. "model.layers.0.self_attn.o_proj") is stored quantized:

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swaserve.worker.models.config import (
     FULL_ATTENTION,
@@ -239,7 +239,7 @@ def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tens
     `hf_config` describes (a tied LM head appears once, as model.embed_tokens.weight)."""
     config = parse_model_config(hf_config, source="<tiny model config>")
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, _ShapeOnlyBackend())
+        model = get_model_class(config.architecture)(config, UnboundBackend())
     gen = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -322,26 +322,6 @@ def write_byte_tokenizer(model_dir: str | Path) -> Tokenizer:
     }
     (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return tokenizer
-
-
-class _ShapeOnlyBackend(AttentionBackend):
-    """Stands in for a backend while a model is built only to read its parameter shapes."""
-
-    name = "shape-only"
-
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        raise RuntimeError("a shape-only model cannot run")
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        raise RuntimeError("a shape-only model cannot run")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """Where one parameter (or one slice of it) comes from in a checkpoint: a plain tensor, an FP8
-block-scaled pair, or an MXFP4 blocks/scales pair. Each source checks its header entries against
+block-scaled pair, an MXFP4 blocks/scales pair, or (for a weight kept in FP8) the block scales
+expanded as the resident weight holds them. Each source checks its header entries against
 the parameter before any data is read (`check`), then fills the parameter (`read_into`),
 one leading index (one expert) at a time for 3-D and larger tensors, so that peak host memory
 stays near one expert's tensor however large the checkpoint.
@@ -7,7 +8,8 @@ stays near one expert's tensor however large the checkpoint.
 A TP rank passes `region` (one slice per dimension, in the parameter's dequantized coordinates;
 see `param_shard.py`) and reads only that part: plain tensors as a safetensors slice, FP8 and
 MXFP4 as the slice of the blocks that cover the region (dequantization is elementwise, so the
-values are those of the whole tensor's dequantization).
+values are those of the whole tensor's dequantization). A parameter kept quantized reads its
+stored tensors as `PlainSource`s of that exact dtype, cut along the stored form's dimensions.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.models.checkpoint import Checkpoint, TensorInfo
 from swaserve.worker.models.errors import QuantizedTensorError, TensorShapeError
-from swaserve.worker.models.fp8 import dequantize_fp8, fp8_scale_shape
+from swaserve.worker.models.fp8 import dequantize_fp8, expanded_scale_shape, fp8_scale_shape
 from swaserve.worker.models.mxfp4 import (
     BYTES_PER_BLOCK,
     VALUES_PER_BLOCK,
@@ -57,7 +59,11 @@ def _rows(shape: torch.Size | tuple[int, ...], region: Region | None = None) -> 
 
 @dataclass(frozen=True, slots=True)
 class PlainSource:
+    """A tensor copied (and cast) as it is. `stored_dtype`: the parameter holds the checkpoint's
+    own bytes (a quantized tensor kept quantized), so the tensor must be of exactly that dtype."""
+
     info: TensorInfo
+    stored_dtype: str | None = None  # safetensors' dtype name, e.g. "F8_E4M3", "U8"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -68,7 +74,13 @@ class PlainSource:
         return self.info.num_bytes
 
     def check(self, expected: tuple[int, ...]) -> None:
-        if self.info.dtype in FLOAT8_DTYPES:
+        if self.stored_dtype is not None:
+            if self.info.dtype != self.stored_dtype:
+                raise QuantizedTensorError(
+                    f"{_where(self.info)}: kept quantized, so it must be {self.stored_dtype}, "
+                    f"got {self.info.dtype}"
+                )
+        elif self.info.dtype in FLOAT8_DTYPES:
             raise QuantizedTensorError(
                 f"{_where(self.info)} is {self.info.dtype} but has no {self.info.name + FP8_SCALE!r} "
                 "(or config.json has no fp8 quantization_config, or lists it in modules_to_not_convert)"
@@ -229,7 +241,62 @@ class Mxfp4Source:
             out[i].copy_(value[k.start - first : k.stop - first])
 
 
-Source = PlainSource | Fp8Source | Mxfp4Source
+@dataclass(frozen=True, slots=True)
+class Fp8ScaleSource:
+    """The block scales of an FP8 weight, read into the resident scale of a weight kept in FP8:
+    expanded along `expand_dim` (`fp8.expanded_scale_shape`). A region (in the resident scale's
+    coordinates) reads only the blocks that cover it:
+
+    # expanded dim  [r0, r1)  ← scale blocks [r0 // b, ceil(r1 / b)), repeated b times, cut
+    """
+
+    weight: TensorInfo
+    scale_inv: TensorInfo
+    block_size: tuple[int, int]
+    expand_dim: int  # -2 or -1
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.scale_inv.name,)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.scale_inv.num_bytes
+
+    def check(self, expected: tuple[int, ...]) -> None:
+        Fp8Source(self.weight, self.scale_inv, self.block_size).check(self.weight.shape)
+        want = expanded_scale_shape(self.weight.shape, self.block_size, self.expand_dim)
+        if want != tuple(expected):
+            raise TensorShapeError(
+                f"{_where(self.weight)}: its scales expand to {want}, the parameter's to {expected}"
+            )
+
+    def read_into(
+        self, out: torch.Tensor, checkpoint: Checkpoint, region: Region | None = None
+    ) -> None:
+        rows = _rows(out.shape, region)
+        if rows is None:
+            out.copy_(self._read(checkpoint, (), region))
+            return
+        for i, e in enumerate(rows):
+            out[i].copy_(self._read(checkpoint, (e,), None if region is None else region[1:]))
+
+    def _read(
+        self, checkpoint: Checkpoint, lead: tuple[int, ...], region: Region | None
+    ) -> torch.Tensor:  # the expanded scale (of the region), float32
+        dim = self.expand_dim
+        size = self.weight.shape[dim]
+        block = self.block_size[0] if dim == -2 else self.block_size[1]
+        cut = slice(0, size) if region is None else region[dim]
+        b0, b1 = cut.start // block, cdiv(cut.stop, block)
+        blocked = slice(None) if region is None else region[-1 if dim == -2 else -2]
+        index = (*lead, slice(b0, b1), blocked) if dim == -2 else (*lead, blocked, slice(b0, b1))
+        scale = checkpoint.read(self.scale_inv.name, index).to(torch.float32)
+        expanded = scale.repeat_interleave(block, dim=dim)
+        return expanded.narrow(dim, cut.start - b0 * block, cut.stop - cut.start)
+
+
+Source = PlainSource | Fp8Source | Mxfp4Source | Fp8ScaleSource
 
 
 def resolve_source(
