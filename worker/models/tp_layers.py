@@ -11,9 +11,11 @@ its part of each checkpoint tensor, read as a slice. At TP = 1 each is exactly t
 The embedding and the LM head both split the vocabulary rather than replicate it: they are the
 two largest matrices of a large-vocabulary model (GPT-OSS: 201k × 2880 each, 1.1 GiB in bf16), so
 a replica costs each rank as much memory as several layers, while the split costs one
-all-reduce of [T, D] (as much as one layer's) and one all-gather of the logits, which leaves the
-full vocabulary on every rank (rank 0 samples from it). A vocabulary that does not split evenly is
-padded: each rank holds ceil(V / tp) rows, rows past V are zero and their logits are cut off.
+all-reduce of [T, D] (as much as one layer's) and one gather of the logits to rank 0, the only
+rank that samples: the other ranks send their [N, V_r] and receive nothing (an all-gather would
+bring each of them (tp - 1) · N · V_r logits it never reads). A vocabulary that does not split
+evenly is padded: each rank holds ceil(V / tp) rows, rows past V are zero and their logits are
+cut off.
 """
 
 from __future__ import annotations
@@ -157,16 +159,24 @@ class VocabParallelEmbedding(VocabParallelRows):
 
 class ParallelLMHead(VocabParallelRows):
     """Rank's vocabulary rows of the LM head (the same rows as the embedding's, so a tied head
-    shares its shard); the logits are gathered to the full vocabulary on every rank."""
+    shares its shard). The logits are gathered to the full vocabulary on rank 0, which samples;
+    every other rank returns `no_logits` — [0, V]: no row, nothing to sample or read back."""
 
     def __init__(
         self, hidden_size: int, vocab_size: int, *, dtype: torch.dtype, tp: TPGroup
     ) -> None:
         super().__init__(vocab_size, hidden_size, dtype=dtype, tp=tp)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] on rank 0; [0, V] elsewhere
         logits = F.linear(hidden, self.weight)  # [N, V_r]
         if self.tp.world_size == 1:
             return logits
-        full = self.tp.all_gather(logits, dim=-1)  # [N, tp · V_r], rank order
+        full = self.tp.gather_to_first(logits, dim=-1)  # [N, tp · V_r], rank order; None off 0
+        if full is None:
+            return no_logits(logits, self.shard.vocab_size)
         return full[:, : self.shard.vocab_size]
+
+
+def no_logits(like: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [0, V]
+    """The logits of a rank that does not sample: no row (the full vocabulary is on rank 0)."""
+    return like.new_empty((0, vocab_size))
