@@ -1,25 +1,39 @@
 """Running one engine over a TP group: rank 0 is the engine's own process; ranks 1..tp-1 each
-run `run_worker_rank` wherever the `RankHandles` put them: spawned processes (`ProcessRanks`,
-multiprocessing "spawn", the default) or Ray actors (the cluster's worker groups).
+run `run_worker_rank` wherever the `RankHandles` put them: child processes of rank 0
+(`process_ranks.ProcessRanks`, the default: `python -m swaserve.worker.tp_worker --rank r
+--world-size n`, which imports nothing of the user's program) or Ray actors (the cluster's
+worker groups).
+
+Start-up, on rank 0 (`TPLauncher`), every wait also watching the ranks' liveness, so that a rank
+that dies fails the engine at once with its own error:
+
+    ranks start            ─ each joins the store: rank/arrived/r     (≤ 120 s: imports, start)
+    groups form            ─ init_tp_group on every rank              (≤ tp_timeout_s)
+    every rank loads       ─ each, loaded: rank/ready/r               (≤ 600 s)
+    steps                  ─ broadcast ModelInput → forward on every rank → rank 0 samples
 
 Per step rank 0 broadcasts the `ModelInput` over the gloo control group as two flat int64
 tensors (a header, then the payload; no model, pool, request or tree is ever pickled), every
 rank applies it to its own device slot tables and runs the forward on its shard, and rank 0
-samples. `run_worker_rank` needs nothing but its arguments, so a Ray actor runs it unchanged.
+samples: the logits are gathered to rank 0 only (`ParallelLMHead`); the other ranks' forward
+returns no row and they sample nothing. Between steps ranks wait for the next header for as long
+as rank 0 lives. `run_worker_rank` needs nothing but its arguments, so a Ray actor runs it
+unchanged.
 
-Failure: rank 0 checks its children before every broadcast and every collective waits at most
-`tp_timeout_s`; a dead or hung rank makes rank 0 raise `TensorParallelError`. `shutdown()` tells
-the ranks to stop, joins them, and kills any that do not stop in time; the processes are daemons
-and are also ended when rank 0 exits (including after Ctrl-C).
+Failure: rank 0 checks its ranks before every broadcast and every collective on gloo waits at
+most `tp_timeout_s` (NCCL: the group's own timeout, see `parallel`); a dead or hung rank makes
+rank 0 raise `TensorParallelError` with that rank's own report. `shutdown()` tells the ranks to
+stop, waits for them, and kills any that do not stop in time; a rank process also ends when
+rank 0's process does, however it ends (`process_ranks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import multiprocessing as mp
-import queue
+import time
 import traceback
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,15 +64,37 @@ logger = logging.getLogger(__name__)
 
 STEP, SHUTDOWN = 0, 1
 JOIN_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 600.0  # a rank loading its shard, after rank 0 loaded its own
+POLL_S = 0.05  # how often rank 0 looks at the store and the ranks while they start
+ARRIVED, READY = "arrived", "ready"  # rank/<stage>/<r>: the store keys of start-up
+RANK_MODULE = "swaserve.worker.tp_worker"
 
 
 @dataclass(frozen=True, slots=True)
 class RankSpec:
-    """What a worker rank needs to build its runner: all plain, picklable data."""
+    """What a worker rank needs to build its runner: all plain data (JSON to a rank process,
+    pickled by Ray to an actor)."""
 
     config: EngineConfig
     plan: PoolPlan
     slot_table_shape: tuple[int, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.model_dump(mode="json"),
+            "plan": dataclasses.asdict(self.plan),
+            "slot_table_shape": list(self.slot_table_shape),
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> RankSpec:
+        from swaserve.worker.config import EngineConfig
+        from swaserve.worker.kv.pool_plan import PoolPlan
+
+        rows, cols = data["slot_table_shape"]
+        return RankSpec(
+            EngineConfig.model_validate(data["config"]), PoolPlan(**data["plan"]), (rows, cols)
+        )
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -67,6 +103,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type == "cuda":
         return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
     return device
+
+
+def stage_key(stage: str, rank: int) -> str:
+    return f"rank/{stage}/{rank}"
 
 
 def broadcast_model_input(tp: TPGroup, inp: ModelInput) -> None:
@@ -84,8 +124,10 @@ def broadcast_shutdown(tp: TPGroup) -> None:
 
 
 def receive_model_input(tp: TPGroup) -> ModelInput | None:
-    """Ranks 1..: the next step's input, or None when rank 0 shuts the group down."""
-    header = tp.broadcast_control(torch.zeros(HEADER_LEN, dtype=torch.int64))
+    """Ranks 1..: the next step's input (waiting as long as rank 0 lives: an engine may idle),
+    or None when rank 0 shuts the group down."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [HEADER_LEN] int64
+    tp.broadcast_control(header, wait_forever=True)
     if int(header[COMMAND_FIELD]) == SHUTDOWN:
         return None
     payload = tp.broadcast_control(torch.empty(payload_len(header), dtype=torch.int64))
@@ -98,10 +140,11 @@ def run_worker_rank(
     store_host: str,
     store_port: int,
     spec: RankSpec,
-    errors: Any = None,  # a queue for a startup / step failure message to rank 0, or None
+    errors: Any = None,  # has .put(message): a startup / step failure message to rank 0, or None
 ) -> None:
     """The loop of TP rank `rank` >= 1: join the group, load the shard, then run every forward
-    rank 0 broadcasts until it says stop."""
+    rank 0 broadcasts until it says stop. Its logits stay here: the forward gathers them to
+    rank 0 and returns no row on this rank, which samples nothing."""
     from swaserve.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
     from swaserve.worker.models.config import load_model_config
 
@@ -114,6 +157,7 @@ def run_worker_rank(
             torch.cuda.set_device(device)
         dtype = resolve_dtype(config.dtype, base)
         store = connect_store(store_host, store_port, world_size, rendezvous_timeout_s(timeout_s))
+        store.set(stage_key(ARRIVED, rank), "1")
         tp = init_tp_group(store, rank, world_size, device, timeout_s)
         model_config = load_model_config(config.model)
         runner = ModelRunner(
@@ -125,7 +169,7 @@ def run_worker_rank(
             slot_table_shape=spec.slot_table_shape,
             tp=tp,
         )
-        tp.broadcast_control(torch.zeros(1, dtype=torch.int64))  # ready
+        store.set(stage_key(READY, rank), "1")
         while (inp := receive_model_input(tp)) is not None:
             runner.forward(inp)
     except KeyboardInterrupt:
@@ -160,51 +204,10 @@ class RankHandles(Protocol):
         ...
 
 
-class ProcessRanks:
-    """Ranks 1..tp-1 as spawned daemon processes of rank 0's process."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self._ctx = mp.get_context("spawn")
-        self._errors = self._ctx.Queue()
-        self._procs: list[Any] = []
-        self._finalizer: Any = None
-
-    def start(self, store_host: str, store_port: int, spec: RankSpec) -> None:
-        self._procs = [
-            self._ctx.Process(
-                target=run_worker_rank,
-                args=(rank, self.world_size, store_host, store_port, spec, self._errors),
-                name=f"swaserve-tp-rank{rank}",
-                daemon=True,
-            )
-            for rank in range(1, self.world_size)
-        ]
-        for proc in self._procs:
-            proc.start()
-        # At interpreter exit without stop(): the ranks wait on a broadcast that never comes.
-        self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs), 0.0)
-
-    def dead(self) -> list[str]:
-        return [f"{p.name} (exit code {p.exitcode})" for p in self._procs if not p.is_alive()]
-
-    def errors(self) -> list[str]:
-        messages = []
-        while True:
-            try:
-                messages.append(self._errors.get_nowait())
-            except (queue.Empty, OSError, ValueError):
-                return messages
-
-    def stop(self, join_timeout_s: float) -> None:
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        _stop_processes(self._procs, join_timeout_s)
-
-
+# ---- rank 0 ----------------------------------------------------------------------------------
 class TPLauncher:
-    """Rank 0's side of a TP group: the store, the other ranks (`RankHandles`; spawned
-    processes by default) and their health."""
+    """Rank 0's side of a TP group: the store, the other ranks (`RankHandles`; `ProcessRanks` by
+    default) and their health."""
 
     def __init__(
         self, spec: RankSpec, device: torch.device, ranks: RankHandles | None = None
@@ -212,28 +215,66 @@ class TPLauncher:
         config = spec.config
         self.world_size = config.tp_size
         self.timeout_s = config.tp_timeout_s
-        self.ranks: RankHandles = ranks or ProcessRanks(self.world_size)
+        if ranks is None:
+            from swaserve.worker.process_ranks import ProcessRanks
+
+            ranks = ProcessRanks(self.world_size)
+        self.ranks: RankHandles = ranks
         self._store = create_store(self.world_size, rendezvous_timeout_s(self.timeout_s))
         self.closed = False
+        self._ready = False  # every rank loaded its shard and waits for steps
         self._in_step = False  # rank 0 is inside a step's collectives
         try:
             self.ranks.start("127.0.0.1", self._store.port, spec)
-            self.tp = init_tp_group(self._store, 0, self.world_size, device, self.timeout_s)
+            self._wait_for(ARRIVED, rendezvous_timeout_s(self.timeout_s), "start")
+            # Every rank is at the store: the groups form at once, or a rank died meanwhile.
+            self.tp = init_tp_group(
+                self._store,
+                0,
+                self.world_size,
+                device,
+                self.timeout_s,
+                form_timeout_s=self.timeout_s,
+            )
+        except TensorParallelError as exc:
+            self.close()
+            raise TensorParallelError(f"the TP group did not form: {exc}") from exc
         except Exception as exc:
             failure = self._failure(f"the TP group did not form: {exc}")
             self.close()
             raise TensorParallelError(failure) from exc
+        except BaseException:  # Ctrl-C while the ranks start
+            self.close()
+            raise
+
+    def _wait_for(self, stage: str, timeout_s: float, what: str) -> None:
+        """Until every rank set its `stage` key; raises as soon as a rank ends, or after
+        `timeout_s` naming the ranks that did not `what`."""
+        keys = [stage_key(stage, rank) for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not self._store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                late = [r for r, key in enumerate(keys, start=1) if not self._store.check([key])]
+                raise TensorParallelError(
+                    self._failure(f"TP ranks {late} did not {what} within {timeout_s:.0f} s")
+                )
+            time.sleep(POLL_S)
 
     def wait_ready(self) -> None:
         """After rank 0 loaded its own shard: wait until every rank loaded its shard."""
-        self.guard(lambda: self.tp.broadcast_control(torch.zeros(1, dtype=torch.int64)))
+        try:
+            self._wait_for(READY, LOAD_TIMEOUT_S, "load their shard")
+        except TensorParallelError as exc:
+            raise TensorParallelError(f"the TP ranks did not load their shards: {exc}") from exc
+        self._ready = True
 
     def check_alive(self) -> None:
         dead = self.ranks.dead()
         if dead:
             raise TensorParallelError(self._failure(f"TP rank ended: {', '.join(dead)}"))
 
-    def guard(self, fn: Any) -> Any:
+    def guard(self, fn: Callable[[], Any]) -> Any:
         """Run a collective; turn any failure into `TensorParallelError` with the ranks' story."""
         self.check_alive()
         try:
@@ -241,7 +282,7 @@ class TPLauncher:
         except TensorParallelError as exc:
             raise TensorParallelError(self._failure(str(exc))) from exc
 
-    def run_step(self, inp: ModelInput, forward: Any) -> Any:
+    def run_step(self, inp: ModelInput, forward: Callable[[ModelInput], Any]) -> Any:
         """Broadcast `inp`, then run rank 0's own `forward(inp)`. A step cut short (an error,
         Ctrl-C) leaves the other ranks inside a collective: `close()` then stops them hard."""
         self._in_step = True
@@ -264,11 +305,12 @@ class TPLauncher:
         )
 
     def close(self) -> None:
-        """Stop every rank: a shutdown message if the group still works, then join, then kill."""
+        """Stop every rank: a shutdown message if the group still works (every rank waits for a
+        step), then join, then kill."""
         if self.closed:
             return
         self.closed = True
-        graceful = not self._in_step and not self.ranks.dead() and hasattr(self, "tp")
+        graceful = self._ready and not self._in_step and not self.ranks.dead()
         if graceful:
             try:
                 broadcast_shutdown(self.tp)
@@ -278,14 +320,7 @@ class TPLauncher:
         self.ranks.stop(JOIN_TIMEOUT_S if graceful else 0.0)
 
 
-def _stop_processes(procs: list[Any], join_timeout_s: float) -> None:
-    """Join each rank for up to `join_timeout_s`, then terminate, then kill what is left."""
-    for proc in procs:
-        proc.join(join_timeout_s)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(2.0)
+if __name__ == "__main__":  # a rank process (`process_ranks.rank_command`)
+    from swaserve.worker.process_ranks import rank_main
+
+    rank_main()

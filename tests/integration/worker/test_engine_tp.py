@@ -1,13 +1,20 @@
 """The engine over a TP group of two CPU processes (gloo): the same greedy tokens and logits as
-TP = 1, under memory pressure (page size 4, chunked prefill, prefix cache, tombstones); a rank
-that dies or hangs makes rank 0 raise `TensorParallelError` within the timeout; no process is
-left behind."""
+TP = 1, under memory pressure (page size 4, chunked prefill, prefix cache, tombstones); rank 1
+gets no logits (they are gathered to rank 0 only); a rank that dies or hangs makes rank 0 raise
+`TensorParallelError` within the timeout, one that fails at start-up fails `Engine(...)` within
+10 s with its own error; an idle group outlives the timeout; however the program was started
+(stdin, a file without a main guard) its ranks start, and however it ends (Ctrl-C, SIGKILL) no
+rank is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +25,8 @@ import torch
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.model_input import ModelInput
 from swaserve.worker.parallel import TensorParallelError
+from swaserve.worker.process_ranks import ProcessRanks
+from swaserve.worker.tp_worker import RANK_MODULE, TPLauncher
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +82,13 @@ def engines() -> Iterator[list[Engine]]:
         engine.shutdown()
     for engine in made:
         if engine.launcher is not None:
-            assert not any(p.is_alive() for p in engine.launcher.ranks._procs)
+            assert all(p.poll() is not None for p in rank_processes(engine))
+
+
+def rank_processes(engine: Engine) -> list[subprocess.Popen[bytes]]:
+    assert isinstance(engine.launcher, TPLauncher)
+    assert isinstance(engine.launcher.ranks, ProcessRanks)
+    return engine.launcher.ranks.processes
 
 
 MODELS = {
@@ -130,16 +145,15 @@ def test_a_killed_rank_makes_rank0_raise_and_nothing_is_left(
         engine.add_request(prompt, GREEDY)
     for _ in range(3):
         engine.step()
-    assert engine.launcher is not None
-    victim = engine.launcher.ranks._procs[0]
+    victim = rank_processes(engine)[0]
     victim.kill()
-    victim.join(5)
+    victim.wait(5)
     message = _step_until_error(engine, 15.0)
-    assert "TP rank" in message, message
+    assert "TP rank 1" in message, message
     with pytest.raises(TensorParallelError, match="TP group is down"):
         engine.step()
     engine.shutdown()
-    assert not any(p.is_alive() for p in engine.launcher.ranks._procs)
+    assert all(p.poll() is not None for p in rank_processes(engine))
 
 
 def test_a_hung_rank_raises_within_the_timeout(
@@ -151,16 +165,14 @@ def test_a_hung_rank_raises_within_the_timeout(
     for prompt in workload(3):
         engine.add_request(prompt, GREEDY)
     engine.step()
-    assert engine.launcher is not None
-    victim = engine.launcher.ranks._procs[0]
-    assert victim.pid is not None
+    victim = rank_processes(engine)[0]
     os.kill(victim.pid, signal.SIGSTOP)  # alive but unresponsive
     try:
         message = _step_until_error(engine, 20.0)
     finally:
         engine.shutdown()  # kills the stopped rank
     assert "timeout" in message.lower() or "timed out" in message.lower(), message
-    assert not victim.is_alive()
+    assert victim.poll() is not None
 
 
 def test_generate_cli_with_tp_2(
@@ -193,6 +205,170 @@ def test_tp2_over_nccl_equals_tp1(
     assert tokens_2 == tokens_1
 
 
+# ---- how the rank processes start and end -----------------------------------------------------
+SCRIPT_TIMEOUT_S = 120.0
+
+GENERATE_SCRIPT = """
+import json
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+tokens = {}
+for tp_size in (2, 1):
+    engine = Engine(EngineConfig(model=MODEL, max_total_tokens=256, tp_size=tp_size))
+    tokens[tp_size] = [o.token_ids for o in engine.generate([[5, 6, 7], [9, 1]], greedy)]
+    engine.shutdown()
+print(json.dumps(tokens))
+"""
+
+
+def _generated(out: subprocess.CompletedProcess[str]) -> dict[str, list[list[int]]]:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_engine_built_in_a_script_fed_on_stdin_generates(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """`python - <<EOF`: no file for a child to import as its `__main__`."""
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    script = f"MODEL = {str(model_dir)!r}\n" + GENERATE_SCRIPT
+    out = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )  # fmt: skip
+    tokens = _generated(out)
+    assert tokens["2"] == tokens["1"] and all(len(t) == 6 for t in tokens["1"])
+
+
+def test_an_engine_built_in_a_file_without_a_main_guard_generates(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Module-level code that a re-importing child would run again."""
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    path = tmp_path / "no_main_guard.py"
+    path.write_text(f"MODEL = {str(model_dir)!r}\n" + GENERATE_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S
+    )
+    tokens = _generated(out)
+    assert tokens["2"] == tokens["1"] and all(len(t) == 6 for t in tokens["1"])
+
+
+# A rank that runs the real rank process after a patch (python -c CODE --rank r --world-size n).
+FAIL_AT_START = "raise RuntimeError('injected: the rank cannot start')"
+FAIL_AT_LOAD = """
+import sys
+from swaserve.worker import model_runner
+from swaserve.worker.process_ranks import rank_main
+def fail(*args, **kwargs):
+    raise RuntimeError("injected: no memory for the shard")
+model_runner.ModelRunner.__init__ = fail
+rank_main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        (FAIL_AT_START, "RuntimeError: injected: the rank cannot start"),
+        (FAIL_AT_LOAD, "RuntimeError: injected: no memory for the shard"),
+    ],
+    ids=["before-joining", "while-loading"],
+)
+def test_a_rank_that_fails_at_start_up_fails_the_engine_within_10_s(
+    code: str, error: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    ranks = ProcessRanks(2, [sys.executable, "-c", code])
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError) as err:
+        Engine(EngineConfig(model=str(model_dir), max_total_tokens=256, tp_size=2), tp_ranks=ranks)
+    elapsed_s = time.monotonic() - start
+    assert error in str(err.value), str(err.value)
+    assert "TP rank 1" in str(err.value)
+    assert elapsed_s < 10.0
+    assert all(p.poll() is not None for p in ranks.processes)
+
+
+PROBE = """
+import json
+import sys
+from swaserve.worker import model_runner
+from swaserve.worker.process_ranks import rank_main
+forward = model_runner.ModelRunner.forward
+def probe(self, inp):
+    comm = self.tp.device_comm
+    received, sent = comm.received_bytes, comm.sent_bytes
+    out = forward(self, inp)
+    step = [inp.num_tokens, list(out.shape), comm.received_bytes - received, comm.sent_bytes - sent]
+    print("probe " + json.dumps(step), flush=True)
+    return out
+model_runner.ModelRunner.forward = probe
+rank_main(sys.argv[1:])
+"""
+
+
+def test_rank_1_gets_no_logits_and_receives_only_the_all_reduces(
+    tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """Per step rank 1 sends its logits' shard and receives nothing of the logits: the bytes it
+    receives are exactly the 2 · L + 1 all-reduces of [T, D] float32 (each layer's attention
+    and MLP, the embedding); rank 0 receives those and rank 1's [N, V / 2] logits."""
+    num_layers, hidden, vocab = 4, 32, 288
+    model_dir = tiny_model_factory(
+        "gpt-oss", sliding_window_size=W, hidden_size=hidden, seed=5, num_layers=num_layers
+    )
+    probe = ProcessRanks(2, [sys.executable, "-c", PROBE])
+    engine = Engine(
+        EngineConfig(model=str(model_dir), max_total_tokens=480, tp_size=2, tp_timeout_s=20.0),
+        tp_ranks=probe,
+    )
+    engines.append(engine)
+    assert engine.model_config.vocab_size == vocab
+    comm = engine.runner.tp.device_comm
+    assert comm is not None
+    steps: list[tuple[int, int, int]] = []  # (tokens, rows sampled, bytes rank 0 received)
+    forward = engine.runner.forward
+
+    def recording(inp: ModelInput) -> torch.Tensor:
+        received = comm.received_bytes
+        out = forward(inp)
+        steps.append((inp.num_tokens, out.shape[0], comm.received_bytes - received))
+        return out
+
+    engine.runner.forward = recording  # type: ignore[method-assign]
+    greedy = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    engine.generate([[1, 2, 3, 4, 5], [7, 8]], greedy)
+    engine.shutdown()  # the rank's output is read to its end
+
+    all_reduce_bytes = (2 * num_layers + 1) * hidden * 4  # per token
+    tail = probe._outputs[0].tail
+    rank1 = [json.loads(line.split(" ", 1)[1]) for line in tail if line.startswith("probe ")]
+    assert len(rank1) == len(steps) >= 5
+    for (tokens, rows, received_0), (tokens_1, shape, received_1, sent_1) in zip(
+        steps, rank1, strict=True
+    ):
+        assert tokens_1 == tokens
+        assert shape == [0, vocab]  # no row: nothing to sample on rank 1
+        assert received_1 == tokens * all_reduce_bytes
+        assert sent_1 == tokens * all_reduce_bytes + rows * (vocab // 2) * 4
+        assert received_0 == tokens * all_reduce_bytes + rows * (vocab // 2) * 4
+
+
+def test_an_idle_group_outlives_the_tp_timeout(
+    tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """Between steps ranks wait for rank 0 without a timeout: an engine may idle."""
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    engine = make_engine(model_dir, 2, tp_timeout_s=1.0)
+    engines.append(engine)
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    first = engine.generate([[3, 4, 5]], greedy)[0].token_ids
+    time.sleep(3.0)  # three timeouts with no step: what is tested is that nothing happens
+    assert engine.launcher is not None and engine.launcher.ranks.dead() == []
+    assert engine.generate([[3, 4, 5]], greedy)[0].token_ids == first
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -213,38 +389,70 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
-def test_ctrl_c_leaves_no_rank_behind(tiny_model_factory: Callable[..., Path]) -> None:
-    import subprocess
-    import sys
-
-    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
-    code = "import sys; from swaserve.cluster.cli import main; sys.exit(main(sys.argv[1:]))"
-    argv = ["generate", "--model", str(model_dir), "--prompt", "ab", "--max-new-tokens", "3000"]
-    argv += ["--max-total-tokens", "4096", "--tp-size", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL)
-    ranks: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not ranks:
-            ranks = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
-            time.sleep(0.2)
-        assert ranks, "the TP rank never started"
-        time.sleep(3.0)  # let generation start
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in ranks)
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The TP rank processes among `pid`'s children: `python ... -m swaserve.worker.tp_worker`."""
+    return [kid for kid in _children(pid) if f"-m {RANK_MODULE} " in _cmdline(kid)]
+
+
+STEPPING_SCRIPT = """
+import sys
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+engine = Engine(EngineConfig(model=sys.argv[1], max_total_tokens=4096, tp_size=2))
+engine.add_request([1, 2], SamplingParams(max_new_tokens=3000, ignore_eos=True))
+while not engine.step():
+    pass
+print("generating", flush=True)
+while engine.has_unfinished_requests():
+    engine.step()
+"""
+
+
+def _start_stepping(model_dir: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """A program whose TP = 2 engine is generating (its first token is out); its rank pids."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STEPPING_SCRIPT, str(model_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(SCRIPT_TIMEOUT_S)
+    assert line == ["generating\n"], f"the engine did not start generating: {line}"
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 1, "one TP rank process"
+    return proc, ranks
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
+def test_however_the_program_ends_no_rank_is_left_behind(
+    how: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    """Ctrl-C (SIGINT to the program: Python unwinds) or SIGKILL (nothing runs in it: the rank
+    sees its stdin end)."""
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    proc, ranks = _start_stepping(model_dir)
+    try:
+        proc.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _wait_gone(ranks, 10.0), f"TP rank {ranks} outlived its program"
