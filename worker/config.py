@@ -60,6 +60,12 @@ class EngineConfig(BaseModel):
         description="how much of max_new_tokens admission reserves; < 1 admits more",
     )
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    dequantize_weights: bool = Field(
+        default=False,
+        description="dequantize a quantized checkpoint (MXFP4 experts, FP8 block weights) to "
+        "dtype at load; by default it stays quantized in memory and only the weights a step "
+        "runs are dequantized (FP8 linears use _scaled_mm on GPUs that have it)",
+    )
     tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks (one per device)")
     tp_timeout_s: float = Field(
         default=60.0, gt=0, description="how long a TP collective may wait for a rank"

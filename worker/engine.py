@@ -31,6 +31,7 @@ from swaserve.worker.model_runner import (
     default_kv_cache_bytes,
     resolve_device,
     resolve_dtype,
+    shard_weight_bytes,
 )
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.parallel import TensorParallelError, TPGroup
@@ -83,8 +84,18 @@ class Engine:
         mc.check_tp_size(config.tp_size)  # ShardingError before any rank starts
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        # The KV budget comes from what the weights really hold: loaded first at TP = 1; a TP
+        # group's ranks get the plan when they start, so there it counts their exact bytes.
+        runner: ModelRunner | None = None
+        if config.tp_size == 1:
+            runner = ModelRunner(config, mc, None, device=device, dtype=dtype)
+            weight_bytes = runner.weight_bytes
+        else:
+            weight_bytes = shard_weight_bytes(config, mc, dtype, config.tp_size)
         kv_config = config.kv_memory_config(
-            kv_cache_bytes=default_kv_cache_bytes(config, device, dtype)
+            kv_cache_bytes=default_kv_cache_bytes(
+                config, device, weight_bytes=weight_bytes, weights_loaded=runner is not None
+            )
         )
         # Each rank's KV budget holds its shard of the KV heads: token counts are the group's.
         self.plan = plan_kv_memory(mc.kv_spec(config.tp_size), kv_config, dtype)
@@ -128,9 +139,13 @@ class Engine:
             self.launcher = TPLauncher(RankSpec(config, self.plan, shape), device, tp_ranks)
             tp = self.launcher.tp
         try:
-            self.runner = ModelRunner(
-                config, mc, self.plan, device=device, dtype=dtype, slot_table_shape=shape, tp=tp
-            )
+            if runner is None:
+                runner = ModelRunner(
+                    config, mc, self.plan, device=device, dtype=dtype, slot_table_shape=shape, tp=tp
+                )
+            else:
+                runner.allocate_kv(self.plan, shape)
+            self.runner = runner
             if self.launcher is not None:
                 self.launcher.wait_ready()
         except BaseException:
@@ -145,6 +160,12 @@ class Engine:
         self._events: list[KVEvent] = []
 
     # ---- setup ---------------------------------------------------------------------------
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold in memory on rank 0 (parameters and buffers; its
+        shard under TP, each rank about as much): quantized checkpoints count as stored."""
+        return self.runner.weight_bytes
+
     @property
     def hybrid(self) -> bool:
         return is_hybrid(self.allocator, self.window)

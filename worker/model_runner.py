@@ -9,9 +9,6 @@ the sampling rows. Nothing is read back from the device here.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from swaserve.worker.attention.base import ForwardBatch
@@ -22,8 +19,10 @@ from swaserve.worker.kv.memory import build_kv_pool
 from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.model_input import ModelInput
+from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.loader import load_model
+from swaserve.worker.models.loader import build_meta_model, load_model
+from swaserve.worker.models.quantized_weights import resident_bytes
 from swaserve.worker.parallel import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,74 +43,104 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def checkpoint_numel(model_dir: str | Path) -> int:
-    """Number of weight elements (from the safetensors headers), to size the KV budget on CUDA."""
-    total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with path.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                numel = 1
-                for dim in meta["shape"]:
-                    numel *= dim
-                total += numel
-    return total
+def shard_weight_bytes(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, tp_size: int
+) -> int:
+    """Bytes rank 0's weights will hold once loaded, exactly: its shard built on the meta
+    device, in the form the weights stay in (quantized or not), summed over `nbytes` (what
+    `ModelRunner.weight_bytes` measures after the load)."""
+    model = build_meta_model(
+        model_config,
+        UnboundBackend(),
+        dtype=dtype,
+        tp=TPGroup(rank=0, world_size=tp_size),
+        dequantize_weights=config.dequantize_weights,
+    )
+    return resident_bytes(model)
 
 
 def default_kv_cache_bytes(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    weight_bytes: int,
+    weights_loaded: bool,
 ) -> int | None:
-    """The KV budget when the config gives none: a fixed size on CPU, `mem_fraction_static` of
-    the memory left after the weights on CUDA. None when the config sets one."""
+    """The KV budget when the config gives none: a fixed size on CPU; on CUDA
+    `mem_fraction_static` of the memory free once this rank's weights are resident — measured
+    after they are loaded (`weights_loaded`), or, where the plan must precede the load (a TP
+    group hands it to ranks that load in parallel), the free memory now less their exact
+    resident `weight_bytes` (`shard_weight_bytes`; real bytes: an MXFP4 byte holds two values).
+    None when the config sets one."""
     if config.kv_cache_bytes is not None or config.max_total_tokens is not None:
         return None
     if device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
+    if weights_loaded:
+        torch.cuda.empty_cache()  # what the load left cached is free for the KV pool
     free_bytes, _ = torch.cuda.mem_get_info(device)
-    weights = (
-        checkpoint_numel(config.model)
-        * torch.empty((), dtype=dtype).element_size()
-        // config.tp_size
-    )  # this rank's shard, roughly
-    budget = int((free_bytes - weights) * config.mem_fraction_static)
+    left = free_bytes if weights_loaded else free_bytes - weight_bytes
+    budget = int(left * config.mem_fraction_static)
     if budget <= 0:
+        state = "after loading" if weights_loaded else "before loading"
         raise ValueError(
-            f"no GPU memory left for the KV cache: {free_bytes} B free, weights ≈ {weights} B"
+            f"no GPU memory left for the KV cache: {free_bytes} B free {state} weights of "
+            f"{weight_bytes} B"
         )
     return budget
 
 
 class ModelRunner:
-    """Loads the model on its device with this rank's KV buffers and slot tables, and runs
-    forward passes from `ModelInput`s."""
+    """Loads the model on its device, then gives it this rank's KV buffers and slot tables, and
+    runs forward passes from `ModelInput`s."""
 
     def __init__(
         self,
         config: EngineConfig,
         model_config: ModelConfig,
-        plan: PoolPlan,
+        plan: PoolPlan | None,
         *,
         device: torch.device,
         dtype: torch.dtype,
-        slot_table_shape: tuple[int, int],
+        slot_table_shape: tuple[int, int] | None = None,
         tp: TPGroup | None = None,
     ) -> None:
+        """Loads the weights first (`weight_bytes` is what they hold), then allocates the KV
+        buffers of `plan`; with `plan` None only the weights, so that the caller can size the
+        KV pool from the memory they left and then call `allocate_kv`."""
         self.tp = tp or TPGroup.single(device)
         self.device = device
         self.dtype = dtype
         self.model_config = model_config
+        self.attention_backend = config.attention_backend
+        self.model = load_model(
+            config.model,
+            UnboundBackend(),
+            dtype=dtype,
+            device=device,
+            tp=self.tp,
+            dequantize_weights=config.dequantize_weights,
+        )
+        self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
+        if plan is not None:
+            if slot_table_shape is None:
+                raise ValueError("a ModelRunner given a plan needs its slot_table_shape")
+            self.allocate_kv(plan, slot_table_shape)
+
+    def allocate_kv(self, plan: PoolPlan, slot_table_shape: tuple[int, int]) -> None:
+        """This rank's KV buffers of `plan`, the device slot tables, and the attention backend
+        over them, bound to the model. Once, after the weights are loaded."""
         self.plan = plan
-        spec = model_config.kv_spec(self.tp.world_size)
+        device, dtype = self.device, self.dtype
+        spec = self.model_config.kv_spec(self.tp.world_size)
         self.kv_pool = build_kv_pool(spec, plan, dtype=dtype, device=device)
         rows, max_len = slot_table_shape
         self.slot_table = DeviceSlotTable(
             rows, max_len, with_swa=not plan.single_pool, device=device
         )
-        backend_cls = select_backend(device, config.attention_backend, dtype=dtype)
-        self.backend = backend_cls(self.kv_pool, model_config.sliding_window_size)  # type: ignore[call-arg]
-        self.model = load_model(config.model, self.backend, dtype=dtype, device=device, tp=self.tp)
+        backend_cls = select_backend(device, self.attention_backend, dtype=dtype)
+        self.backend = backend_cls(self.kv_pool, self.model_config.sliding_window_size)  # type: ignore[call-arg]
+        self.model.bind_backend(self.backend)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)  # pinned, non-blocking on CUDA; no copy on CPU
