@@ -17,7 +17,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 class EngineConfig(BaseModel):
-    """Configuration of one engine (one TP group). Field names of DESIGN §5 are fixed.
+    """Configuration of one engine (one TP group). Field names of architecture §5 are fixed.
 
     KV size: give `kv_cache_bytes` or `max_total_tokens` (full-pool tokens), or neither: then
     CUDA takes `mem_fraction_static` of the free memory after the weights, CPU 256 MiB.

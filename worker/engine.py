@@ -172,7 +172,7 @@ class Engine:
 
     @property
     def window_repair_tokens(self) -> int:
-        """R of a window repair (DESIGN §6), the prefix cache's; 0 when this engine does not
+        """R of a window repair (architecture §6), the prefix cache's; 0 when this engine does not
         repair (no prefix cache, or see `_make_tree`)."""
         return self.tree.window_repair_tokens if self.tree is not None else 0
 
@@ -361,7 +361,7 @@ class Engine:
             ):
                 tokens += req.token_slice(start, start + n)
                 rows.append(req.row)
-                if req.repair_end > start:  # this chunk recomputes a window (DESIGN §6)
+                if req.repair_end > start:  # this chunk recomputes a window (architecture §6)
                     if repairs is None:
                         repairs = [(0, 0)] * len(batch.reqs)
                     repairs[nd + i] = (req.repair_start, req.repair_end)

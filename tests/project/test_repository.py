@@ -80,3 +80,36 @@ def test_mypy_clean_on_kv_router_and_cluster() -> None:
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def tracked_text_files() -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.toml", "*.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [REPO / name for name in out]
+
+
+def test_section_references_resolve_in_docs_architecture() -> None:
+    """Code cites `architecture §N` (docs/architecture.md, numbered top-level headings); every
+    cited number is a heading there, and no reference points outside the repository."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    headings = {int(n) for n in re.findall(r"^## (\d+)\. ", doc, flags=re.M)}
+    assert headings >= {2, 3, 5, 6}
+    cited: dict[int, list[str]] = {}
+    outside = []
+    for path in tracked_text_files():
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        rel = str(path.relative_to(REPO))
+        for n in re.findall(r"architecture §(\d+)", text):
+            cited.setdefault(int(n), []).append(rel)
+        if "DESIGN §" in text and rel != "tests/project/test_repository.py":
+            outside.append(rel)
+    assert cited, "no references found: the pattern is stale"
+    assert set(cited) <= headings, {n: f for n, f in cited.items() if n not in headings}
+    assert outside == []
