@@ -18,7 +18,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import BatchedExperts, RMSNorm, sort_by_expert
+from swaserve.worker.models.layers import BatchedExperts, RMSNorm
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.parallel import TPGroup, shard_range
 
@@ -77,49 +77,21 @@ class GptOssExperts(BatchedExperts):
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward_gathered(
+    def expert_outputs(
         self,
-        x: torch.Tensor,  # [T, D]
-        top_k_index: torch.Tensor,  # [T, k] int64
-        top_k_weights: torch.Tensor,  # [T, k]
-    ) -> torch.Tensor:  # [T, D]
-        """Each (token, expert) pair with its own copy of the expert's weights: one bmm each."""
-        t, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
-        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
-        gate_up = torch.bmm(xs, self.expert_weight("gate_up_proj", flat))  # [N, 1, 2I]
-        gate_up = gate_up + self.gate_up_proj_bias[flat].unsqueeze(1)
-        down = self.expert_weight("down_proj", flat)  # [N, I, D]
-        y = torch.bmm(self.clamped_swiglu(gate_up), down)  # [N, 1, D]
-        y = y.view(t, k, -1)  # [T, k, D]
-        if self.adds_down_bias:
-            y = y + self.down_proj_bias[top_k_index]
-        return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
-
-    def forward_grouped(
-        self,
-        x: torch.Tensor,  # [T, D]
-        top_k_index: torch.Tensor,  # [T, k] int64
-        top_k_weights: torch.Tensor,  # [T, k]
-    ) -> torch.Tensor:  # [T, D]
-        """Tokens sorted by expert and padded to the largest group: one bmm over [G, C, D]."""
-        groups = sort_by_expert(
-            top_k_index, self.num_experts, only_selected=self.groups_only_selected
-        )
-        experts = groups.experts  # [G] int64, or None: every expert
-        xs = x[groups.token_rows]  # [G, C, D]
+        xs: torch.Tensor,  # [n, C, D]
+        experts: torch.Tensor | None,  # [n] int64, or None: every expert in order
+    ) -> torch.Tensor:  # [n, C, D]
         gate_up_bias = (
             self.gate_up_proj_bias if experts is None else self.gate_up_proj_bias[experts]
         )
-        gate_up = torch.bmm(xs, self.expert_weight("gate_up_proj", experts))  # [G, C, 2I]
+        gate_up = torch.bmm(xs, self.expert_weight("gate_up_proj", experts))  # [n, C, 2I]
         gate_up = gate_up + gate_up_bias.unsqueeze(1)
         y = torch.bmm(self.clamped_swiglu(gate_up), self.expert_weight("down_proj", experts))
         if self.adds_down_bias:
             down_bias = self.down_proj_bias if experts is None else self.down_proj_bias[experts]
-            y = y + down_bias.unsqueeze(1)  # [G, C, D]
-        y = y[groups.group, groups.position]  # [N, D], real pairs only, sorted by expert
-        weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1]
-        return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
+            y = y + down_bias.unsqueeze(1)  # [n, C, D]
+        return y
 
 
 class GptOssMLP(nn.Module):

@@ -202,12 +202,13 @@ def gathers_expert_weights(
 class BatchedExperts(nn.Module):
     """MoE experts that choose their path per batch: `forward_gathered` (few pairs, no host
     sync) or `forward_grouped` (many pairs, one host read); see `gathers_expert_weights`.
-    Subclasses set `num_experts`, `expert_elements` and `expert_weight_names` and give both
-    paths, reading their expert weights through `expert_weight` only.
+    Subclasses set `num_experts`, `expert_elements` and `expert_weight_names` and give the
+    experts' arithmetic, `expert_outputs`, reading their weights through `expert_weight` only.
 
     Weights that stay quantized in memory (see `quantized_weights.keep_quantized`) are listed
     in `quantized` (parameter name → its resident form); `expert_weight` dequantizes the experts
-    a step selects, nothing else, and keeps nothing."""
+    a step selects, nothing else, and keeps nothing: the grouped path then runs only the
+    selected experts, in chunks whose dequantized weights fit `GATHER_BUDGET_ELEMENTS`."""
 
     num_experts: int
     expert_elements: int
@@ -227,11 +228,13 @@ class BatchedExperts(nn.Module):
         weight = getattr(self, name)
         return weight if experts is None else weight[experts]
 
-    @property
-    def groups_only_selected(self) -> bool:
-        """Whether the grouped path runs only the experts a batch selects: when the weights are
-        quantized (each expert run is dequantized first); float weights are read in place."""
-        return bool(self.quantized)
+    def expert_outputs(
+        self,
+        xs: torch.Tensor,  # [n, C, D]
+        experts: torch.Tensor | None,  # [n] int64: the expert of each row of xs; None: 0..E-1
+    ) -> torch.Tensor:  # [n, C, D]
+        """Each of `experts` applied to its C rows of `xs` (no routing weight)."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -247,14 +250,47 @@ class BatchedExperts(nn.Module):
         return self.forward_grouped(x, top_k_index, top_k_weights)
 
     def forward_gathered(
-        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        raise NotImplementedError
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        """Each (token, expert) pair with its own copy of the expert's weights: one bmm each."""
+        t, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
+        y = self.expert_outputs(xs, flat).view(t, k, -1)  # [T, k, D]
+        return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
     def forward_grouped(
-        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        raise NotImplementedError
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        """Tokens sorted by expert and padded to the largest group: one bmm over [G, C, D]."""
+        quantized = bool(self.quantized)
+        groups = sort_by_expert(top_k_index, self.num_experts, only_selected=quantized)
+        y = self._grouped_outputs(x, groups)  # [G, C, D]
+        y = y[groups.group, groups.position]  # [N, D], real pairs only, sorted by expert
+        weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1]
+        return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
+
+    def _grouped_outputs(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """`expert_outputs` of every group ([G, C, D]): at once for weights read in place; for
+        quantized weights, a chunk of groups at a time whose dequantized weights stay within
+        `GATHER_BUDGET_ELEMENTS` (GPT-OSS-120b in bf16: 5 experts, 250 MiB, per chunk)."""
+        num_groups = groups.token_rows.shape[0]
+        per_chunk = max(1, GATHER_BUDGET_ELEMENTS // self.expert_elements)
+        if groups.experts is None or per_chunk >= num_groups:
+            return self.expert_outputs(x[groups.token_rows], groups.experts)
+        chunks = [
+            self.expert_outputs(
+                x[groups.token_rows[g : g + per_chunk]], groups.experts[g : g + per_chunk]
+            )
+            for g in range(0, num_groups, per_chunk)
+        ]
+        return torch.cat(chunks)
 
 
 @dataclass(slots=True)

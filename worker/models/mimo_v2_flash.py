@@ -18,7 +18,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import BatchedExperts, DenseMLP, sort_by_expert
+from swaserve.worker.models.layers import BatchedExperts, DenseMLP
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.tp_layers import fused_segments
 from swaserve.worker.parallel import TPGroup
@@ -86,41 +86,15 @@ class MiMoV2FlashExperts(BatchedExperts):
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
         self.expert_weight_names = ("gate_up_proj", "down_proj")
 
-    def forward_gathered(
+    def expert_outputs(
         self,
-        x: torch.Tensor,  # [T, D]
-        top_k_index: torch.Tensor,  # [T, k] int64
-        top_k_weights: torch.Tensor,  # [T, k] float32
-    ) -> torch.Tensor:  # [T, D]
-        """Each (token, expert) pair with its own copy of the expert's weights: one bmm each."""
-        t, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)  # [N] int64, N = T·k
-        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
-        gate_up_w = self.expert_weight("gate_up_proj", flat)  # [N, 2I, D]
-        gate, up = torch.bmm(xs, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)  # 2 × [N, 1, I]
-        down_w = self.expert_weight("down_proj", flat)  # [N, D, I]
-        y = torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))  # [N, 1, D]
-        y = y.view(t, k, -1)  # [T, k, D]
-        return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
-
-    def forward_grouped(
-        self,
-        x: torch.Tensor,  # [T, D]
-        top_k_index: torch.Tensor,  # [T, k] int64
-        top_k_weights: torch.Tensor,  # [T, k] float32
-    ) -> torch.Tensor:  # [T, D]
-        """Tokens sorted by expert and padded to the largest group: one bmm over [G, C, D]."""
-        groups = sort_by_expert(
-            top_k_index, self.num_experts, only_selected=self.groups_only_selected
-        )
-        xs = x[groups.token_rows]  # [G, C, D]
-        gate_up_w = self.expert_weight("gate_up_proj", groups.experts)  # [G, 2I, D]
-        gate, up = torch.bmm(xs, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)  # [G, C, I]
-        down_w = self.expert_weight("down_proj", groups.experts)  # [G, D, I]
-        y = torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))  # [G, C, D]
-        y = y[groups.group, groups.position]  # [N, D], real pairs only, sorted by expert
-        weights = top_k_weights.reshape(-1)[groups.pair].unsqueeze(1)  # [N, 1] float32
-        return torch.zeros_like(x).index_add_(0, groups.token, (y * weights).to(x.dtype))
+        xs: torch.Tensor,  # [n, C, D]
+        experts: torch.Tensor | None,  # [n] int64, or None: every expert in order
+    ) -> torch.Tensor:  # [n, C, D]
+        gate_up_w = self.expert_weight("gate_up_proj", experts)  # [n, 2I, D]
+        gate, up = torch.bmm(xs, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)  # 2 × [n, C, I]
+        down_w = self.expert_weight("down_proj", experts)  # [n, D, I]
+        return torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))  # [n, C, D]
 
 
 class MiMoV2FlashMoE(nn.Module):

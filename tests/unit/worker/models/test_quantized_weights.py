@@ -152,6 +152,37 @@ def test_only_the_selected_experts_are_dequantized(
     ]
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "mimo-fp8"])
+def test_grouped_quantized_experts_run_in_chunks_within_the_budget(
+    name: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept, dequantized = (experts_of(m) for m in both(tiny_model_factory(**MODELS[name])))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 32, generator=gen)  # [T, D]
+    index = torch.stack([torch.randperm(7, generator=gen)[:2] for _ in range(9)])  # 7 experts
+    weights = torch.rand(9, 2, generator=gen)  # [T, k]
+    with torch.no_grad():
+        whole = kept.forward_grouped(x, index, weights)
+        want = dequantized.forward_grouped(x, index, weights)
+        monkeypatch.setattr(
+            "swaserve.worker.models.layers.GATHER_BUDGET_ELEMENTS", 3 * kept.expert_elements
+        )
+        asked: list[list[int]] = []
+        original = type(kept).expert_outputs
+
+        def spy(self: BatchedExperts, xs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+            assert ids is not None
+            asked.append(ids.tolist())
+            return original(self, xs, ids)
+
+        monkeypatch.setattr(type(kept), "expert_outputs", spy)
+        chunked = kept.forward_grouped(x, index, weights)
+    chosen = sorted(set(index.reshape(-1).tolist()))
+    assert asked == [chosen[0:3], chosen[3:6], chosen[6:]]  # 3 experts' weights at a time
+    assert torch.equal(chunked, whole)
+    assert torch.equal(chunked, want)
+
+
 def test_sort_by_expert_only_selected_groups_the_chosen_experts() -> None:
     index = torch.tensor([[2, 0], [2, 3], [0, 2]])  # [T=3, k=2]; expert 1 chosen by no token
     groups = sort_by_expert(index, num_experts=4, only_selected=True)
