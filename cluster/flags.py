@@ -22,6 +22,7 @@ ENGINE_FLAGS = (
     "disable_hybrid_swa_memory",
     "enable_prefix_cache",
     "enable_window_repair",
+    "dequantize_weights",
     "chunked_prefill_size",
     "max_prefill_tokens",
     "max_running_requests",
