@@ -32,7 +32,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from tokenizers import Tokenizer
 
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.detokenizer import IncrementalDetokenizer
@@ -48,7 +47,6 @@ from swaserve.cluster.routed import (
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.worker import SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -129,19 +127,6 @@ def check_id(value: str, what: str) -> str:
             f"{what} must be 1 to {MAX_ID_CHARS} characters of [A-Za-z0-9._:-], got {value[:40]!r}"
         )
     return value
-
-
-def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
-    """`tokenizer.encode(text, add_special_tokens=False).ids`, through `encode_batch`, which
-    releases the GIL while it runs (`encode` holds it: even on another thread, a huge prompt
-    would stall the event loop for as long as it takes)."""
-    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-
-
-def encode_prompt(tokenizer: TextTokenizer, text: str) -> list[int]:
-    """What `TextTokenizer.encode` gives (BOS first when the model has one), by `encode_text`."""
-    ids = encode_text(tokenizer.tokenizer, text)
-    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id, *ids]
 
 
 class RpcFailure(Exception):
@@ -275,7 +260,7 @@ class InferenceService:
             tokenizer = self.cluster.tokenizer
             if tokenizer is None:
                 raise BadRequest("this model has no tokenizer: send token_ids")
-            token_ids = encode_prompt(tokenizer, request.text)
+            token_ids = tokenizer.encode(request.text)
         else:
             token_ids = list(request.token_ids)
         params = sampling_params_from_proto(request.sampling_params, self.info.vocab_size)

@@ -53,8 +53,6 @@ from swaserve.cluster.grpc_server import (
     BadRequest,
     check_id,
     check_stop_strings,
-    encode_prompt,
-    encode_text,
 )
 from swaserve.cluster.metrics import CONTENT_TYPE, ServingMetrics
 from swaserve.cluster.routed import (
@@ -70,6 +68,7 @@ from swaserve.proto.kv_rules import page_floor
 from swaserve.worker import SamplingParams
 from swaserve.worker.models.chat_template import ChatTemplate
 from swaserve.worker.models.errors import ChatTemplateError
+from swaserve.worker.tokenizer import encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +373,7 @@ class OpenAIServer:
         if isinstance(prompt, str):
             if self.cluster.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-            ids = encode_prompt(self.cluster.tokenizer, prompt)
+            ids = self.cluster.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
             ids = list(prompt)
         else:

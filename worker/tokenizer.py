@@ -8,6 +8,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False).ids`, through `encode_batch`, which
+    releases the GIL while it runs (`encode` holds it: even on another thread, a huge prompt
+    would stall the event loop for as long as it takes)."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 class TextTokenizer:
     """Encodes prompts (with the BOS token when the model has one) and decodes outputs."""
 
@@ -25,7 +32,7 @@ class TextTokenizer:
         self.chat_template: str | None = config.get("chat_template")
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = encode_text(self.tokenizer, text)
         return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
 
     def decode(self, token_ids: list[int]) -> str:

@@ -23,15 +23,13 @@ from swaserve.cluster.grpc_server import (
     BearerToken,
     GrpcServer,
     GrpcServerConfig,
-    encode_prompt,
-    encode_text,
 )
 from swaserve.cluster.http_server import HttpServer
 from swaserve.cluster.openai_api import MAX_BODY_BYTES
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.worker import SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer, load_tokenizer
+from swaserve.worker.tokenizer import TextTokenizer, encode_text, load_tokenizer
 
 TOKEN = "s3cret"
 OVER_LIMIT_BYTES = MAX_BODY_BYTES + 4_000_000  # about 20 MB
@@ -246,10 +244,11 @@ def test_a_prompt_being_tokenized_holds_up_no_other_request(
     assert tokens == counting_tokens(prompt_ids, SamplingParams(max_new_tokens=2))
 
 
-def test_encode_prompt_is_text_tokenizer_encode(model_dir: Path) -> None:
+def test_text_tokenizer_encode_is_bos_and_encode_text(model_dir: Path) -> None:
     tokenizer = TextTokenizer(model_dir)
     for text in ["hello", "", " leading space", "wörld ☃ 日本語", "a\nb\tc" * 50]:
-        assert encode_prompt(tokenizer, text) == tokenizer.encode(text)
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        assert tokenizer.encode(text) == bos + encode_text(tokenizer.tokenizer, text)
         expected = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
         assert encode_text(tokenizer.tokenizer, text) == expected
 
