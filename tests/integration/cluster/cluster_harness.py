@@ -159,11 +159,13 @@ def reference_tokens(model: Path, prompts: list[list[int]], max_new: list[int]) 
 
 
 def wait_idle(served: ServedCluster, timeout_s: float = 20.0) -> dict[str, pb.WorkerLoad]:
-    """GetLoad once every worker reports no running or waiting request."""
+    """GetLoad once the router has seen every worker report no running or waiting request and
+    holds no request of its own on any of them (its view is what the next route admits by)."""
     deadline = time.monotonic() + timeout_s
     while True:
         load = served.load()
-        if all(w.num_running == 0 and w.num_waiting == 0 for w in load.values()):
+        idle = all(w.num_running == 0 and w.num_waiting == 0 for w in load.values())
+        if idle and all(s.load == 0 for s in served.loop.run(served.cluster.load())):
             return load
         if time.monotonic() > deadline:
             raise AssertionError(f"workers still busy: {load}")
