@@ -16,7 +16,10 @@
 - mxfp4: bytes resident on the device (`sum(nbytes)` of the loaded model's parameters and
   buffers) of a GPT-OSS MXFP4 checkpoint, against the checkpoint's tensor bytes.
 - decode: decode tokens/s at batch 1 / 8 / 64 on a small GPT-OSS config, flash (P = 16) and
-  torch (P = 1); the ratio flash / torch is the figure against the baseline.
+  torch (P = 1), each eager and with the decode step as CUDA graphs (`compile`); the ratios
+  flash / torch and graphs / eager are the figures against the baselines.
+- graphs: CUDA graphs against eager, both models, torch (P = 1) and flash (P = 16): equal
+  greedy tokens over a batch whose bucket changes as requests end.
 
 Lines read `check  case  STATUS  detail`, STATUS one of PASS, FAIL, INFO, SKIPPED. Without a
 CUDA device every check is SKIPPED and the script exits 0 (harmless in CI); without
@@ -369,10 +372,18 @@ def check_mxfp4(root: Path, device: str) -> list[Result]:
 
 
 # ---- decode ----------------------------------------------------------------------------------
-def decode_tokens_per_s(model_dir: Path, device: str, backend: str, batch: int) -> float:
+def decode_tokens_per_s(
+    model_dir: Path, device: str, backend: str, batch: int, compile_: bool = False
+) -> float:
     page_size = 16 if backend == "flash" else 1
     engine = make_engine(
-        model_dir, device, backend, page_size, max_running_requests=batch, chunked_prefill_size=4096
+        model_dir,
+        device,
+        backend,
+        page_size,
+        max_running_requests=batch,
+        chunked_prefill_size=4096,
+        compile=compile_,
     )
     params = SamplingParams(temperature=0, max_new_tokens=DECODE_STEPS + 16, ignore_eos=True)
     for i in range(batch):
@@ -396,13 +407,54 @@ def check_decode(root: Path, device: str) -> list[Result]:
     backends = ["torch"] + (["flash"] if device != "cpu" and flash_attn_available() else [])
     results = []
     for batch in DECODE_BATCHES:
-        rates = {b: decode_tokens_per_s(model_dir, device, b, batch) for b in backends}
-        detail = ", ".join(f"{b} {r:,.0f} tok/s" for b, r in rates.items())
-        values: dict[str, Any] = {f"{b}_tokens_per_s": r for b, r in rates.items()}
-        if "flash" in rates:
-            values["flash_over_torch"] = rates["flash"] / rates["torch"]
-            detail += f" (flash / torch {values['flash_over_torch']:.2f})"
+        rates = {
+            (b, c): decode_tokens_per_s(model_dir, device, b, batch, c)
+            for b in backends
+            for c in (False, True)
+        }
+        names = {(b, c): b + (" graphs" if c else "") for b, c in rates}
+        detail = ", ".join(f"{names[k]} {r:,.0f} tok/s" for k, r in rates.items())
+        values: dict[str, Any] = {
+            f"{names[k].replace(' ', '_')}_tokens_per_s": r for k, r in rates.items()
+        }
+        for b in backends:
+            values[f"{b}_graphs_over_eager"] = rates[b, True] / rates[b, False]
+        if "flash" in backends:
+            values["flash_over_torch"] = rates["flash", False] / rates["torch", False]
+        detail += " (" + ", ".join(f"{k} {v:.2f}" for k, v in values.items() if "over" in k) + ")"
         results.append(Result("decode", f"gpt-oss batch {batch}", "info", detail, values))
+    return results
+
+
+def check_graphs(root: Path, device: str) -> list[Result]:
+    """CUDA graphs (`compile=True`): greedy tokens equal to the eager engine's, both models,
+    torch (P = 1) and flash (P = 16), decoding past the window with a batch that changes
+    bucket as requests end; every decode step replayed a captured graph."""
+    results = []
+    cases = [("torch", 1)] + ([("flash", 16)] if flash_attn_available() else [])
+    prompts = [[(i * 17 + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=40 + 12 * i, ignore_eos=True) for i in range(6)
+    ]
+    for arch in ARCHS:
+        model_dir = tiny_model(root, arch, num_layers=4)
+        for backend, page_size in cases:
+            case = f"{arch} {backend} P={page_size}"
+            tokens = {}
+            for compile_ in (False, True):
+                engine = make_engine(model_dir, device, backend, page_size, compile=compile_)
+                tokens[compile_] = [o.token_ids for o in engine.generate(prompts, params)]
+                step = engine.runner.decode_step
+                engine.check()
+                engine.shutdown()
+            assert step is not None
+            same = tokens[False] == tokens[True]
+            detail = (
+                f"tokens {'equal' if same else 'DIFFER'}; {step.stats.captures} graphs captured, "
+                f"{step.stats.steps} steps, buckets {sorted(step.stats.buckets)}, capture "
+                f"{step.stats.compile_s:.1f} s"
+            )
+            results.append(Result("graphs", case, "pass" if same else "fail", detail))
     return results
 
 
@@ -412,8 +464,16 @@ CHECKS: dict[str, Callable[[Path, str], list[Result]]] = {
     "sync": check_sync,
     "mxfp4": check_mxfp4,
     "decode": check_decode,
+    "graphs": check_graphs,
 }
-NEEDS = {"attn": "flash", "logits": "flash", "sync": "cuda", "mxfp4": "any", "decode": "any"}
+NEEDS = {
+    "attn": "flash",
+    "logits": "flash",
+    "sync": "cuda",
+    "mxfp4": "any",
+    "decode": "any",
+    "graphs": "cuda",
+}
 
 
 def skip_reason(check: str, device: str) -> str | None:

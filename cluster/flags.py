@@ -23,6 +23,7 @@ ENGINE_FLAGS = (
     "enable_prefix_cache",
     "enable_window_repair",
     "dequantize_weights",
+    "compile",
     "chunked_prefill_size",
     "max_prefill_tokens",
     "max_running_requests",
@@ -47,7 +48,18 @@ def add_config_flags(
         field = model.model_fields[name]
         flag = "--" + (prefix + name).replace("_", "-")
         dest = prefix.replace("-", "_") + name
-        if field.annotation is bool:
+        if field.annotation == bool | typing.Literal["auto"]:  # `--compile` alone: true
+            parser.add_argument(
+                flag,
+                dest=dest,
+                type=parse_bool_or_auto,
+                nargs="?",
+                const=True,
+                default=None,
+                metavar="true|false|auto",
+                help=field.description,
+            )
+        elif field.annotation is bool:
             parser.add_argument(
                 flag,
                 dest=dest,
@@ -81,6 +93,10 @@ def parse_bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_bool_or_auto(text: str) -> bool | str:
+    return "auto" if text.lower() == "auto" else parse_bool(text)
 
 
 def _parse_value(annotation: object) -> typing.Callable[[str], object]:

@@ -40,6 +40,7 @@ from swaserve.cluster.local_ray import (
 )
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig
+from swaserve.worker.cache_paths import cache_dir
 
 if TYPE_CHECKING:
     from swaserve.cluster.cluster import Cluster, ClusterConfig
@@ -49,13 +50,6 @@ logger = logging.getLogger("swaserve.serve")
 
 ROUTER_FLAGS = tuple(RouterConfig.model_fields)
 DEMO_MODEL_NAME = "demo-gpt-oss"
-
-
-def cache_dir() -> Path:
-    if os.environ.get("SWASERVE_CACHE_DIR"):
-        return Path(os.environ["SWASERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "swaserve"
 
 
 def ensure_demo_model(root: Path | None = None) -> Path:

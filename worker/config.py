@@ -66,6 +66,12 @@ class EngineConfig(BaseModel):
         "dtype at load; by default it stays quantized in memory and only the weights a step "
         "runs are dequantized (FP8 linears use _scaled_mm on GPUs that have it)",
     )
+    compile: bool | Literal["auto"] = Field(
+        default="auto",
+        description="run pure-decode steps as one fixed-shape graph per batch bucket: CUDA "
+        "graphs on CUDA, torch.compile (inductor, cached on disk) on CPU; 'auto': on with "
+        "CUDA, off on CPU (compiling costs the start-up; see the README)",
+    )
     tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks (one per device)")
     tp_timeout_s: float = Field(
         default=60.0, gt=0, description="how long a TP collective may wait for a rank"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.kv.slot_table import RequestSlotTable
 from swaserve.worker.kv_manager import KVCacheManager, is_hybrid
-from swaserve.worker.model_input import ModelInput, build_model_input
+from swaserve.worker.model_input import ModelInput, build_model_input, padding_decode_input
 from swaserve.worker.model_runner import (
     ModelRunner,
     default_kv_cache_bytes,
@@ -153,6 +154,7 @@ class Engine:
                 self.launcher.close()
             raise
         self._broken: str | None = None  # why the TP group can no longer run
+        self._warm_up_decode_step()
         self.sampler = Sampler(device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
@@ -160,6 +162,28 @@ class Engine:
         self._events: list[KVEvent] = []
 
     # ---- setup ---------------------------------------------------------------------------
+    def _warm_up_decode_step(self) -> None:
+        """With `compile`, compile (CPU) or capture (CUDA) the decode graphs now, through the
+        same path as a step (every TP rank runs them), so that no request waits for it."""
+        step = self.runner.decode_step
+        if step is None:
+            return
+        start = time.perf_counter()
+        for batch_size in step.warm_up_shapes():
+            self._forward(
+                padding_decode_input(
+                    batch_size,
+                    two_pools=not self.plan.single_pool,
+                    sliding_window_size=self.window,
+                )
+            )
+        logger.info(
+            "decode step %s: %d shapes ready in %.1f s",
+            step.mode,
+            len(step.warm_up_shapes()),
+            time.perf_counter() - start,
+        )
+
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold in memory on rank 0 (parameters and buffers; its

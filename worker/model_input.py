@@ -123,6 +123,27 @@ class ModelInput:
         return sum(x.numel() * x.element_size() for x in tensors if x is not None)
 
 
+def padding_decode_input(
+    batch_size: int, *, two_pools: bool, sliding_window_size: int | None
+) -> ModelInput:
+    """A decode step of `batch_size` requests that are all padding: token 0 at position 0 of
+    slot-table row 0, KV into the padding slot 0 (which no request reads), slot tables left
+    as they are. What the engine runs to compile or capture the decode graphs at start."""
+    zeros = torch.zeros(batch_size, dtype=torch.int64)  # [B] int64
+    return ModelInput(
+        input_ids=zeros,
+        positions=zeros,
+        req_rows=zeros,
+        prefix_lens=zeros,
+        seq_lens=zeros + 1,
+        out_full_loc=zeros,
+        out_swa_loc=zeros if two_pools else None,
+        writes=SlotWrites.empty(two_pools),
+        logits_indices=torch.arange(batch_size),
+        sliding_window_size=sliding_window_size,
+    )
+
+
 def build_model_input(
     *,
     token_ids: Sequence[int],

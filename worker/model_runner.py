@@ -9,11 +9,14 @@ the sampling rows. Nothing is read back from the device here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from swaserve.worker.attention.base import ForwardBatch
 from swaserve.worker.attention.registry import select_backend
 from swaserve.worker.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from swaserve.worker.decode_step import DecodeStep, Graph
 from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.memory import build_kv_pool
 from swaserve.worker.kv.pool_plan import PoolPlan
@@ -90,9 +93,21 @@ def default_kv_cache_bytes(
     return budget
 
 
+def compile_mode(config: EngineConfig, device: torch.device) -> str | None:
+    """How the pure-decode step runs: "graphs" (CUDA graphs), "compile" (torch.compile) or
+    None (eager). `compile="auto"`: CUDA graphs on CUDA, eager on CPU (see the README)."""
+    if config.compile == "auto":
+        return "graphs" if device.type == "cuda" else None
+    if not config.compile:
+        return None
+    return "graphs" if device.type == "cuda" else "compile"
+
+
 class ModelRunner:
     """Loads the model on its device, then gives it this rank's KV buffers and slot tables, and
     runs forward passes from `ModelInput`s."""
+
+    decode_step: DecodeStep | None = None  # the compiled pure-decode step (`allocate_kv`)
 
     def __init__(
         self,
@@ -104,6 +119,7 @@ class ModelRunner:
         dtype: torch.dtype,
         slot_table_shape: tuple[int, int] | None = None,
         tp: TPGroup | None = None,
+        graph_factory: Callable[[], Graph] | None = None,
     ) -> None:
         """Loads the weights first (`weight_bytes` is what they hold), then allocates the KV
         buffers of `plan`; with `plan` None only the weights, so that the caller can size the
@@ -121,7 +137,10 @@ class ModelRunner:
             tp=self.tp,
             dequantize_weights=config.dequantize_weights,
         )
+        self.model.fuse_projections()
         self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
+        self.compile_mode = compile_mode(config, device)
+        self.graph_factory = graph_factory
         if plan is not None:
             if slot_table_shape is None:
                 raise ValueError("a ModelRunner given a plan needs its slot_table_shape")
@@ -141,6 +160,17 @@ class ModelRunner:
         backend_cls = select_backend(device, self.attention_backend, dtype=dtype)
         self.backend = backend_cls(self.kv_pool, self.model_config.sliding_window_size)  # type: ignore[call-arg]
         self.model.bind_backend(self.backend)
+        if self.compile_mode is not None:
+            self.decode_step = DecodeStep(
+                self.model,
+                self.slot_table,
+                sliding_window_size=self.model_config.sliding_window_size,
+                two_pools=not plan.single_pool,
+                device=device,
+                mode=self.compile_mode,
+                graph_factory=self.graph_factory,
+                graph_breaks=self.tp.world_size > 1,
+            )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)  # pinned, non-blocking on CUDA; no copy on CPU
@@ -156,6 +186,8 @@ class ModelRunner:
             dev(writes.full),
             None if writes.swa is None else dev(writes.swa),
         )
+        if self.decode_step is not None and self.decode_step.accepts(inp):
+            return self.decode_step.run(inp)
         positions = dev(inp.positions)
         out_full = dev(inp.out_full_loc)
         out_swa = None if inp.out_swa_loc is None else dev(inp.out_swa_loc)

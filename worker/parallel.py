@@ -171,15 +171,19 @@ class Collectives:
         self.sent_bytes += sent_bytes
         self.received_bytes += received_bytes
 
+    @torch.compiler.disable  # a compiled step calls it eagerly, between graphs
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the group, in place; returns it."""
+        """Sum `tensor` over the group, in place when it is contiguous; returns the sum (a
+        compiled graph may hand over a strided output, which the backends do not take)."""
         start = time.perf_counter()
+        tensor = tensor.contiguous()
         others = (self.world_size - 1) * tensor.nbytes
         self._count(others, others)
         work = self.group.allreduce([tensor], self._options(dist.AllreduceOptions()))
         self._finish(work, start, self.timeout_s)
         return tensor
 
+    @torch.compiler.disable  # a compiled step calls it eagerly, between graphs
     def gather_to_first(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Every rank's `tensor`, concatenated along `dim` in rank order, on rank 0 only; None
         on the other ranks, which only send theirs."""

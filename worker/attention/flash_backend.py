@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.metadata import AttentionMetadata, KVReads, build_attention_metadata
-from swaserve.worker.attention.torch_backend import check_shapes
+from swaserve.worker.attention.static_decode import DecodeMetadata
+from swaserve.worker.attention.torch_backend import check_shapes, static_decode
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,8 @@ class FlashAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,  # [H]
     ) -> torch.Tensor:  # [T, H, Dv]
         meta = batch.attn_metadata
+        if isinstance(meta, DecodeMetadata):  # a captured decode step: no host-planned varlen
+            return static_decode(self.kv_pool, q, k, v, layer, meta, sinks)
         if not isinstance(meta, FlashMetadata):
             raise ValueError(
                 "batch.attn_metadata is not set by the flash backend: call "

@@ -17,6 +17,7 @@ from swaserve.worker.attention.metadata import (
     build_attention_metadata,
 )
 from swaserve.worker.attention.sdpa import attention
+from swaserve.worker.attention.static_decode import DecodeMetadata
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 QUERY_TILE_TOKENS = 128
@@ -55,6 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,  # [H]
     ) -> torch.Tensor:  # [T, H, Dv]
+        if isinstance(batch.attn_metadata, DecodeMetadata):
+            return static_decode(self.kv_pool, q, k, v, layer, batch.attn_metadata, sinks)
         meta = metadata_of(batch)
         check_shapes(q, k, v, layer, sinks)
         reads = meta.reads(layer)
@@ -86,17 +89,9 @@ class TorchAttentionBackend(AttentionBackend):
         """All one-token requests at once: the read window of each is exactly what it sees, so
         the only mask is the padding."""
         assert reads.decode_slots is not None and reads.decode_bias is not None  # decode_table
-        num, width = reads.decode_slots.shape
-        group = max(1, SCORE_BUDGET_ELEMENTS // (layer.num_heads * max(width, 1)))
-        outs = []
-        for a in range(0, num, group):
-            rows = reads.decode_slots[a : a + group]  # [b, Lmax] int64
-            keys = gather_rows(k_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dk]
-            values = gather_rows(v_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dv]
-            bias = reads.decode_bias[a : a + group, None, :]  # [b, 1, Lmax]
-            out = attention(q[a : a + group, None], keys, values, bias, layer.scaling, sinks)
-            outs.append(out[:, 0])
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return decode_attention(
+            q, k_buf, v_buf, reads.decode_slots, reads.decode_bias, layer, sinks
+        )
 
     def _prefill(
         self,
@@ -135,6 +130,61 @@ class TorchAttentionBackend(AttentionBackend):
             )
             outs.append(out[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [Bd, H, Dk]
+    k_buf: torch.Tensor,  # [rows, Hkv, Dk]
+    v_buf: torch.Tensor,  # [rows, Hkv, Dv]
+    slots: torch.Tensor,  # [Bd, Lmax] int64 pool rows each one-token request reads
+    bias: torch.Tensor,  # [Bd, Lmax] float32: 0 on a key, -inf on padding
+    layer: AttentionLayer,
+    sinks: torch.Tensor | None,
+    *,
+    split: bool = True,
+) -> torch.Tensor:  # [Bd, H, Dv]
+    """One-token requests over their padded reads: one attention call (more only when the
+    batch's scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not
+    split, so that its batch and width stay symbolic)."""
+    num, width = slots.shape
+    group = num if not split else max(1, SCORE_BUDGET_ELEMENTS // (layer.num_heads * max(width, 1)))
+    if group >= num:
+        return attention(
+            q[:, None],
+            gather_rows(k_buf, slots).to(q.dtype),
+            gather_rows(v_buf, slots).to(q.dtype),
+            bias[:, None, :],
+            layer.scaling,
+            sinks,
+        )[:, 0]
+    outs = []
+    for a in range(0, num, group):
+        rows = slots[a : a + group]  # [b, Lmax] int64
+        keys = gather_rows(k_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dk]
+        values = gather_rows(v_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dv]
+        out = attention(
+            q[a : a + group, None], keys, values, bias[a : a + group, None, :], layer.scaling, sinks
+        )
+        outs.append(out[:, 0])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def static_decode(
+    kv_pool: SWAKVPool | KVPool,
+    q: torch.Tensor,  # [Bp, H, Dk]
+    k: torch.Tensor,  # [Bp, Hkv, Dk]
+    v: torch.Tensor,  # [Bp, Hkv, Dv]
+    layer: AttentionLayer,
+    meta: DecodeMetadata,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # [Bp, H, Dv]
+    """A layer of a fixed-shape decode step (`static_decode.DecodeMetadata`): write the new
+    K/V, then attend over the padded reads; no host work, no host read (any backend's decode
+    step of a compiled or captured graph runs this)."""
+    meta.write_kv(kv_pool, layer.layer_id, k, v)
+    k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+    reads = meta.reads(layer)
+    return decode_attention(q, k_buf, v_buf, reads.slots, reads.bias, layer, sinks, split=False)
 
 
 def gather_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

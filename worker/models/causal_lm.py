@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import Attention, DecoderLayer, RMSNorm
+from swaserve.worker.models.layers import Attention, DecoderLayer, FusedLinear, RMSNorm
 from swaserve.worker.models.rotary import RotaryEmbedding
 from swaserve.worker.models.tp_layers import ParallelLMHead, VocabParallelEmbedding
 from swaserve.worker.parallel import TPGroup
@@ -122,6 +123,26 @@ class HybridCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
+    def fuse_projections(self) -> None:
+        """Once the weights are loaded: projections of one input into one weight each (q/k/v;
+        a dense MLP's gate/up) — fewer kernels per layer. Checkpoint names stay the modules'
+        until then, so loading is unchanged."""
+        for module in list(self.modules()):
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """`state_dict()` under the checkpoint's names: fused projections split back into
+        their parts (what an HF class of the model loads)."""
+        state = self.state_dict()
+        for name, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                prefix = name.rsplit(".", 1)[0]
+                for key in [k for k in state if k.startswith(f"{name}.")]:
+                    del state[key]
+                state.update({f"{prefix}.{k}": v for k, v in module.unfused().items()})
+        return state
+
     def materialize(self, device: str | torch.device) -> HybridCausalLM:
         """Give a meta-built model real (uninitialized) storage on `device`."""
         self.to_empty(device=device)
@@ -129,7 +150,7 @@ class HybridCausalLM(nn.Module):
         return self
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, vocab]
+    def forward(self, batch: ForwardBatch | DecodeBatch) -> torch.Tensor:  # [N, vocab]
         """Run all layers over the batch's new tokens. Calls the backend's
         `init_forward_metadata(batch)` first unless the runner already did."""
         if batch.attn_metadata is None:
@@ -141,5 +162,6 @@ class HybridCausalLM(nn.Module):
         }
         for layer, kind in zip(self.model.layers, self.config.layer_types, strict=True):
             hidden = layer(hidden, cos_sin[kind], batch)
-        hidden = self.model.norm(hidden[batch.logits_indices()])  # [N, D]; the norm is per row
+        rows = batch.logits_indices()  # None: every row (a fixed-shape decode step)
+        hidden = self.model.norm(hidden if rows is None else hidden[rows])  # [N, D]; per row
         return self.lm_head(hidden)  # [N, vocab]

@@ -12,6 +12,8 @@ row-parallel; the dense MLP is column-parallel gate/up and row-parallel down. No
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
+from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.host_tensors import to_device
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.param_shard import ParamShard
@@ -100,17 +103,30 @@ class Attention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self.value_scale = config.attention_value_scale
+        self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """After the load: q/k/v in one weight (`qkv_proj`, one matmul), unless one of them is
+        held quantized (`Fp8Linear`)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if all(type(p) is ColumnParallelLinear for p in parts):
+            self.qkv_proj = FusedLinear(parts, ("q_proj", "k_proj", "v_proj"))
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, D]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 × [T, R/2]
-        batch: ForwardBatch,
+        batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)  # [T, H, Dk]
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dk]
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.v_head_dim)  # [T, Hkv, Dv]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, Dk]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dk]
+        v = v.view(t, self.num_kv_heads, self.v_head_dim)  # [T, Hkv, Dv]
         if self.value_scale is not None:
             v = v * self.value_scale
         cos, sin = cos_sin
@@ -144,8 +160,60 @@ class DenseMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(d, i, rows, bias=False, dtype=dtype)
         self.down_proj = RowParallelLinear(i, d, rows, bias=False, dtype=dtype, tp=tp)
 
+        self.gate_up_proj: FusedLinear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """After the load: gate and up in one weight (`gate_up_proj`), unless held quantized."""
+        parts = [self.gate_proj, self.up_proj]
+        if all(type(p) is ColumnParallelLinear for p in parts):
+            self.gate_up_proj = FusedLinear(parts, ("gate_proj", "up_proj"))
+            del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class FusedLinear(nn.Module):
+    """Column-parallel projections of one input in one weight (their rows stacked, biases too):
+    one matmul instead of several; `forward` returns each projection's output, as views."""
+
+    def __init__(self, parts: list[ColumnParallelLinear], names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.sizes = [p.weight.shape[0] for p in parts]
+        self.names = names  # the parts' module names (the checkpoint's)
+        self.has_bias = [p.bias is not None for p in parts]
+        with torch.no_grad():
+            self.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+            biases = [p.bias for p in parts]
+            self.bias: nn.Parameter | None = None
+            if any(b is not None for b in biases):
+                self.bias = nn.Parameter(
+                    torch.cat(
+                        [
+                            b if b is not None else p.weight.new_zeros(p.weight.shape[0])
+                            for p, b in zip(parts, biases, strict=True)
+                        ]
+                    ),
+                    requires_grad=False,
+                )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def unfused(self) -> dict[str, torch.Tensor]:
+        """The parts' parameters under their own names (`q_proj.weight`, ...), as views."""
+        out: dict[str, torch.Tensor] = {}
+        weights = self.weight.split(self.sizes)
+        biases = None if self.bias is None else self.bias.split(self.sizes)
+        for i, name in enumerate(self.names):
+            out[f"{name}.weight"] = weights[i]
+            if biases is not None and self.has_bias[i]:
+                out[f"{name}.bias"] = biases[i]
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -168,10 +236,28 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,  # [T, D]
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        batch: ForwardBatch,
+        batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+_STATIC_SHAPES = [False]
+
+
+@contextlib.contextmanager
+def static_shapes() -> Iterator[None]:
+    """While a fixed-shape step runs (a compiled or captured decode step, `decode_step.py`):
+    layers take paths that read nothing back to the host (see `in_static_step`)."""
+    _STATIC_SHAPES[0] = True
+    try:
+        yield
+    finally:
+        _STATIC_SHAPES[0] = False
+
+
+def in_static_step() -> bool:
+    return _STATIC_SHAPES[0]
 
 
 # Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and
@@ -243,6 +329,8 @@ class BatchedExperts(nn.Module):
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, D]
         """Σ over each token's k experts of weight · expert(x)."""
+        if in_static_step():
+            return self.forward_static(x, top_k_index, top_k_weights)
         if gathers_expert_weights(
             top_k_index.numel(), self.num_experts, self.expert_elements, x.device
         ):
@@ -261,6 +349,45 @@ class BatchedExperts(nn.Module):
         xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N, 1, D]
         y = self.expert_outputs(xs, flat).view(t, k, -1)  # [T, k, D]
         return (y * top_k_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+
+    def forward_static(
+        self,
+        x: torch.Tensor,  # [T, D]
+        top_k_index: torch.Tensor,  # [T, k] int64
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, D]
+        """A fixed-shape step's path: no host read, so that it compiles into one graph and a
+        CUDA graph can capture it. The pairs' own weights when there are no more pairs than
+        experts (CPU: one token) and their copies fit the budget (`forward_gathered`; compiled
+        on CPU, the gather fuses into the matmul loop and copies nothing: b = 1 of the decode
+        bench runs 1.2× faster than over every expert); else every expert over all T tokens in one bmm, each token's
+        output weighted by its routing weight for that expert (0 where it did not choose it):
+        E/k times the arithmetic of the chosen pairs, but each expert's weights are read once,
+        as the grouped path reads them. Weights held quantized dequantize every expert then,
+        in `GATHER_BUDGET_ELEMENTS` chunks."""
+        t, k = top_k_index.shape
+        pairs = t * k
+        # On CPU only one token's pairs gather: a compiled step then has two graphs in all (one
+        # token, and every larger batch with the batch symbolic).
+        few = t == 1 if x.device.type == "cpu" else pairs <= self.num_experts
+        if few and pairs * self.expert_elements <= GATHER_BUDGET_ELEMENTS:
+            return self.forward_gathered(x, top_k_index, top_k_weights)
+        dense = torch.zeros(
+            t, self.num_experts, dtype=top_k_weights.dtype, device=x.device
+        ).scatter_(1, top_k_index, top_k_weights)  # [T, E] routing weight of every pair
+        xs = x.unsqueeze(0).expand(self.num_experts, t, x.shape[1])  # [E, T, D]
+        if self.quantized:
+            per_chunk = max(1, GATHER_BUDGET_ELEMENTS // self.expert_elements)
+            experts = torch.arange(self.num_experts, device=x.device)
+            y = torch.cat(
+                [
+                    self.expert_outputs(xs[e : e + per_chunk], experts[e : e + per_chunk])
+                    for e in range(0, self.num_experts, per_chunk)
+                ]
+            )  # [E, T, D]
+        else:
+            y = self.expert_outputs(xs, None)  # [E, T, D]
+        return torch.einsum("etd,te->td", y, dense.to(y.dtype)).to(x.dtype)
 
     def forward_grouped(
         self,

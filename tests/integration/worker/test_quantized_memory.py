@@ -78,7 +78,7 @@ def test_greedy_tokens_and_logits_equal_the_dequantized_path(model_dir: Path) ->
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    ours = engine(model_dir, dequantize=True).runner.model.state_dict()
+    ours = engine(model_dir, dequantize=True).runner.model.checkpoint_state_dict()
     config = transformers.AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -1,0 +1,118 @@
+"""The compiled decode step for real (`EngineConfig(compile=True)`: torch.compile on CPU):
+greedy tokens equal to transformers and to the eager engine for both architectures, pages of 1
+and 4, with the prefix cache and SWA freeing on; TP = 2 compiled equals TP = 1.
+
+Slow: each engine compiles its decode graphs at start (tens of seconds cold on a 2-core
+machine). The inductor cache is shared by the module's engines, as by a server's restarts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+
+W = 8
+MAX_NEW = 30
+GREEDY = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield
+
+
+def workload(seed: int) -> list[list[int]]:
+    """10 prompts of 1..120 tokens; every other one shares a 40-token system prefix."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 250) for _ in range(40)]
+    return [
+        (system if i % 2 else []) + [rng.randrange(1, 250) for _ in range(rng.randint(1, 80))]
+        for i in range(10)
+    ]
+
+
+def reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    out = []
+    for prompt in prompts:
+        ids = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_NEW,
+            min_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def make_engine(model: Path, *, compile_: bool, page_size: int = 1, tp_size: int = 1) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model),
+            max_total_tokens=640,
+            swa_full_tokens_ratio=0.5,
+            chunked_prefill_size=32,
+            page_size=page_size,
+            swa_eviction_interval=8,
+            max_running_requests=6,
+            compile=compile_,
+            tp_size=tp_size,
+            tp_timeout_s=120.0,
+        )
+    )
+
+
+def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """The workload twice: the second pass resumes from the prefix cache."""
+    engine.generate(prompts[::3], GREEDY)
+    return [o.token_ids for o in engine.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+def test_compiled_decode_equals_transformers_and_eager(
+    arch: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    model = tiny_model_factory(arch, num_layers=4, sliding_window_size=W, hidden_size=32, seed=7)
+    prompts = workload(1)
+    want = reference(model, prompts)
+    eager = make_engine(model, compile_=False)
+    assert run(eager, prompts) == want
+    for page_size in (1, 4):
+        engine = make_engine(model, compile_=True, page_size=page_size)
+        step = engine.runner.decode_step
+        assert step is not None and step.mode == "compile"
+        warmed = step.stats.steps  # the start-up's padding-only steps
+        assert warmed == len(step.buckets)
+        assert run(engine, prompts) == want
+        engine.check()
+        assert step.stats.steps - warmed >= MAX_NEW  # decodes went through the compiled step
+        assert engine.stats.cached_tokens > 0 and engine.stats.swa_freed_tokens > 0
+        engine.shutdown()
+
+
+def test_tp2_compiled_equals_tp1(tiny_model_factory: Callable[..., Path]) -> None:
+    model = tiny_model_factory(
+        "gpt-oss", num_layers=4, num_heads=4, num_kv_heads=2, sliding_window_size=W, seed=5
+    )
+    prompts = workload(2)
+    single = make_engine(model, compile_=False, page_size=4)
+    want = run(single, prompts)
+    tp = make_engine(model, compile_=True, page_size=4, tp_size=2)
+    try:
+        assert run(tp, prompts) == want
+        step = tp.runner.decode_step
+        assert step is not None and step.stats.steps > len(step.buckets) + MAX_NEW
+        tp.check()
+    finally:
+        tp.shutdown()

@@ -1,0 +1,323 @@
+"""The compiled decode step: a pure-decode batch run as one fixed-shape graph.
+
+At small batches a decode step is dominated by per-operator dispatch (hundreds of small ops,
+each a few microseconds of Python and dispatcher work), not by arithmetic. SGLang and vLLM take
+that away on GPUs with CUDA graphs captured per batch-size bucket over persistent input buffers;
+this module does the same on CUDA and runs the same fixed-shape step through `torch.compile`
+(inductor: fused C++ kernels, no Python per op) on CPU.
+
+A step is taken here when every request of the batch adds exactly one token and none repairs a
+window (`DecodeStep.accepts`); prefill and mixed steps stay eager. The step is padded:
+
+    batch      B requests → Bp = the smallest bucket >= B (`BATCH_BUCKETS`, up to the slot
+               table's rows); a padded request reads row 0, writes the padding slot 0
+    full keys  the longest read → Lf, rounded up to `KEY_BLOCK` (CPU: a dynamic dimension of
+               one compiled graph) or to a power of two >= `MIN_GRAPH_KEYS` (CUDA: one graph
+               per (Bp, Lf))
+    SWA keys   always W + 1
+
+Every per-step input — token ids, positions, slot-table rows, the new tokens' full and SWA
+slots — is packed on the host into one [5, Bp] int64 tensor and copied with one transfer into a
+persistent device buffer (`inputs`), which the graph reads in place; the attention reads come
+from the device slot table, gathered inside the graph (`static_decode.decode_metadata`). So
+one step is one host → device copy of 40 · Bp bytes, one replay (or one compiled call), and the
+logits it returns; nothing is read back. TP ranks pad the broadcast `ModelInput` the same way
+(`bucket` depends only on it), so every rank runs the same bucket.
+
+Models see `static_shapes()` True while the step runs: the MoE then takes a path with no host
+read (`BatchedExperts.forward`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from swaserve.worker.attention.static_decode import DecodeBatch, decode_metadata
+from swaserve.worker.cache_paths import compile_cache_dir
+from swaserve.worker.host_tensors import to_device
+from swaserve.worker.kv.slot_table import DeviceSlotTable
+from swaserve.worker.model_input import ModelInput
+from swaserve.worker.models.layers import static_shapes
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+"""Padded batch sizes of the decode graph (SGLang's capture sizes are alike: dense at small
+batches, where padding costs most). A slot table with more rows adds its row count."""
+KEY_BLOCK = 64
+"""CPU: the full layers' key width is rounded up to this (a dynamic dimension of the graph)."""
+MIN_GRAPH_KEYS = 256
+"""CUDA: the smallest key width of a captured graph; widths double from there."""
+INPUT_FIELDS = 5  # input ids, positions, slot-table rows, full slots, SWA slots
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The buckets up to `max_batch`, and `max_batch` itself."""
+    small = tuple(b for b in BATCH_BUCKETS if b < max_batch)
+    return (*small, max_batch)
+
+
+def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"a decode batch of {n} requests exceeds the largest bucket {buckets[-1]}")
+
+
+def key_width(longest: int, max_len: int, *, graphs: bool) -> int:
+    """The padded key width of the full layers for a batch whose longest read is `longest`."""
+    if graphs:
+        width = MIN_GRAPH_KEYS
+        while width < longest:
+            width *= 2
+    else:
+        width = -(-longest // KEY_BLOCK) * KEY_BLOCK
+    return min(width, max_len)
+
+
+class Graph(Protocol):
+    """A captured step: `capture(fn)` records `fn` (which reads only persistent buffers) and
+    returns its output buffer; `replay()` runs it again, refilling that buffer."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """`torch.cuda.CUDAGraph`, captured after one warm-up run on a side stream (lazy
+    initialisations and the caching allocator's first blocks happen outside the capture); every
+    graph of a runner shares one memory pool."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # the warm-up computes the step for real: the replay below repeats it exactly
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def cuda_graph_factory() -> Callable[[], Graph]:
+    pool = torch.cuda.graph_pool_handle()
+    return lambda: CudaGraph(pool)
+
+
+@dataclass(slots=True)
+class DecodeStepStats:
+    steps: int = 0
+    captures: int = 0  # graphs captured (CUDA) or compiled shapes first run (CPU)
+    compile_s: float = 0.0  # wall time of the first runs of each shape (compile or capture)
+    buckets: dict[int, int] = field(default_factory=dict)  # Bp → steps run in it
+
+
+class DecodeStep:
+    """The fixed-shape decode step of one model runner (see the module docstring).
+
+    `mode`: "graphs" captures one `Graph` per (Bp, Lf) from `graph_factory` (CUDA graphs by
+    default); "compile" runs the step through `torch.compile` (two graphs: batch 1, and the
+    larger buckets with the batch dynamic; the key width dynamic in both). `model(batch)` is
+    the model's forward."""
+
+    def __init__(
+        self,
+        model: Callable[[DecodeBatch], torch.Tensor],
+        slot_table: DeviceSlotTable,
+        *,
+        sliding_window_size: int | None,
+        two_pools: bool,
+        device: torch.device,
+        mode: str,
+        graph_factory: Callable[[], Graph] | None = None,
+        graph_breaks: bool = False,
+    ) -> None:
+        """`graph_breaks`: the model's forward breaks the graph (TP collectives run eagerly
+        between compiled pieces, see `compile_options`)."""
+        self.graph_breaks = graph_breaks
+        if mode not in ("graphs", "compile"):
+            raise ValueError(f"mode must be 'graphs' or 'compile', got {mode!r}")
+        if mode == "compile":
+            self.cache_dir = use_compile_cache(compile_cache_dir())
+        self.model = model
+        self.slot_table = slot_table
+        self.window = sliding_window_size
+        self.two_pools = two_pools
+        self.device = device
+        self.mode = mode
+        self.buckets = batch_buckets(slot_table.full.shape[0])
+        self.max_len = slot_table.max_len
+        self.inputs = torch.zeros(
+            INPUT_FIELDS, self.buckets[-1] + 1, dtype=torch.int64, device=device
+        )  # [5, Bmax + 1] int64: the persistent input buffer every graph reads (one column
+        # more than the largest bucket: every bucket's view has the same strides)
+        self._cols = torch.arange(self.max_len, dtype=torch.int64, device=device)  # [L] int64
+        self.stats = DecodeStepStats()
+        self._graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
+        self._graph_factory = graph_factory
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._seen: set[tuple[int, int]] = set()
+
+    def accepts(self, inp: ModelInput) -> bool:
+        """Whether `inp` is a pure-decode step this graph runs: one new token per request, no
+        window repair, within the buckets."""
+        return (
+            inp.num_tokens == inp.batch_size
+            and inp.batch_size > 0
+            and inp.window_repair is None
+            and inp.batch_size <= self.buckets[-1]
+            and (inp.out_swa_loc is not None) == self.two_pools
+        )
+
+    def shape(self, inp: ModelInput) -> tuple[int, int]:
+        """(Bp, Lf) of `inp`: a function of the input alone, the same on every TP rank."""
+        bp = bucket_of(inp.batch_size, self.buckets)
+        longest = int(inp.positions.max()) + 1
+        return bp, key_width(longest, self.max_len, graphs=self.mode == "graphs")
+
+    def run(self, inp: ModelInput) -> torch.Tensor:  # [N, vocab] float32 (device)
+        """The logits of `inp.logits_indices`. The runner applies `inp.writes` (re-addressed
+        positions) first; the new tokens' own slot-table entries are written in the graph."""
+        bp, width = self.shape(inp)
+        b = inp.batch_size
+        host = torch.zeros(INPUT_FIELDS, bp, dtype=torch.int64)  # [5, Bp] int64; padding 0
+        host[0, :b] = inp.input_ids
+        host[1, :b] = inp.positions
+        host[2, :b] = inp.req_rows
+        host[3, :b] = inp.out_full_loc
+        if inp.out_swa_loc is not None:
+            host[4, :b] = inp.out_swa_loc
+        self.inputs[:, :bp].copy_(to_device(host, self.device), non_blocking=True)
+        self.stats.steps += 1
+        self.stats.buckets[bp] = self.stats.buckets.get(bp, 0) + 1
+        first = (bp, width) not in self._seen
+        start = time.perf_counter()
+        with static_shapes():
+            logits = self._graph(bp, width) if self.mode == "graphs" else self._compile(bp, width)
+        if first:
+            self._seen.add((bp, width))
+            self.stats.captures += 1
+            self.stats.compile_s += time.perf_counter() - start
+        rows = inp.logits_indices
+        if (rows.numel() == b and b == bp) or logits.shape[0] == 0:  # [0, V]: a TP rank > 0
+            return logits
+        return logits[to_device(rows, self.device)]
+
+    def _step(self, inputs: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # [Bp, V] float
+        """The step over the persistent inputs [5, Bp] and the key columns [Lf]."""
+        table = self.slot_table
+        rows, positions, out_full = inputs[2], inputs[1], inputs[3]
+        real = out_full > 0  # [Bp] bool: a padded request's slot is the padding slot 0
+        table.full[rows, positions] = torch.where(
+            real, out_full.to(table.dtype), table.full[rows, positions]
+        )  # a padded request (row 0, position 0) writes back what is there
+        if table.swa is not None and self.two_pools:
+            table.swa[rows, positions] = torch.where(
+                real, inputs[4].to(table.dtype), table.swa[rows, positions]
+            )
+        swa_table = None
+        if self.window is not None:
+            swa_table = table.swa if self.two_pools else table.full
+        meta = decode_metadata(
+            full_table=table.full,
+            swa_table=swa_table,
+            rows=inputs[2],
+            positions=inputs[1],
+            out_full_loc=inputs[3],
+            out_swa_loc=inputs[4] if self.two_pools else None,
+            full_cols=cols,
+            sliding_window_size=self.window,
+        )
+        return self.model(DecodeBatch(inputs[0], inputs[1], meta)).float()
+
+    def _graph(self, bp: int, width: int) -> torch.Tensor:
+        key = (bp, width)
+        entry = self._graphs.get(key)
+        if entry is None:
+            factory = self._graph_factory or cuda_graph_factory()
+            self._graph_factory = factory
+            graph = factory()
+            inputs, cols = self.inputs[:, :bp], self._cols[:width]
+            out = graph.capture(lambda: self._step(inputs, cols))
+            self._graphs[key] = entry = (graph, out)
+            return out  # the capture's warm-up ran this step
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _compile(self, bp: int, width: int) -> torch.Tensor:
+        if self._compiled is None:
+            options = compile_options(guard_modules=self.graph_breaks)
+            self._compiled = torch.compile(
+                own_code(self), fullgraph=not self.graph_breaks, options=options
+            )
+        inputs, cols = self.inputs[:, :bp], self._cols[:width]
+        # Batch and key width symbolic where the model lets them be: a few graphs in all
+        # (batch 1; the batches whose MoE copies the pairs' weights; the rest), any width.
+        if bp > 1:
+            torch._dynamo.maybe_mark_dynamic(inputs, 1)
+        torch._dynamo.maybe_mark_dynamic(cols, 0)
+        try:
+            return self._compiled(inputs, cols)
+        except torch._dynamo.exc.Unsupported as exc:  # a break in a step meant to trace whole
+            if self.graph_breaks:
+                raise
+            logger.warning("the decode step breaks the graph (%s): compiling it in pieces", exc)
+            self.graph_breaks, self._compiled = True, None
+            return self._compile(bp, width)
+
+    def warm_up_shapes(self) -> list[int]:
+        """The batch sizes whose padding-only steps compile (CPU) or capture (CUDA) every graph
+        the step will need, so that no request pays for it: every bucket, at the smallest key
+        width (a wider graph is captured on CUDA when a batch first needs it; on CPU the width
+        is symbolic). A bucket whose graph exists costs one padded step."""
+        return list(self.buckets)
+
+
+def own_code(step: DecodeStep) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`step._step` over a code object of its own. dynamo keeps its compiled graphs per code
+    object, and the module guards are off (`compile_options`): two engines in one process (two
+    models) must not share graphs, so each step's function is a copy."""
+    fn = DecodeStep._step
+    code = fn.__code__.replace()
+    return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), step)
+
+
+def compile_options(*, guard_modules: bool) -> dict[str, Any]:
+    """inductor's options for the CPU step. Without `guard_modules` the model's modules are
+    not guarded: their weights are fixed once the step exists (fused, bound), and checking ~10
+    guards per parameter on every call costs about as much as a layer (0.17 ms of a 2.6 ms step
+    at batch 1). That holds only for a step traced whole, from `_step` down: under TP each
+    collective breaks the graph, and the code resumed after a break inside a layer is one code
+    object for every layer, told apart by its module guards alone. The FX graph and AOT caches
+    (on by default) live under `TORCHINDUCTOR_CACHE_DIR` (`compile_cache_dir`)."""
+    if guard_modules:
+        return {}
+    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
+
+def use_compile_cache(cache_dir: Path) -> Path:
+    """Point inductor's on-disk caches (FX graphs, AOT graphs, compiled kernels) at
+    `cache_dir` unless `TORCHINDUCTOR_CACHE_DIR` says otherwise, so that a second start loads
+    the compiled step instead of compiling it again. Returns the directory in use."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    return path
