@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
+from swaserve.worker.attention.static_decode import padded_reads, write_new_kv
 from swaserve.worker.host_tensors import pack_to_device
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
@@ -169,14 +170,7 @@ class AttentionMetadata:
     def write_kv(
         self, kv_pool: SWAKVPool | KVPool, layer_id: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store the new tokens' K/V of one layer: full slots for full layers and for every layer
-        of a single pool, the batch's translated SWA slots for SWA layers of two pools."""
-        if isinstance(kv_pool, SWAKVPool):
-            if self.out_swa_loc is None:
-                raise ValueError("a two-pool KV memory needs the batch's SWA slots (out_swa_loc)")
-            kv_pool.set_kv_buffer(layer_id, self.out_full_loc, self.out_swa_loc, k, v)
-        else:
-            kv_pool.set_kv_buffer(layer_id, self.out_full_loc, k, v)
+        write_new_kv(kv_pool, layer_id, self.out_full_loc, self.out_swa_loc, k, v)
 
 
 def build_attention_metadata(
@@ -328,16 +322,8 @@ def _decode_table(
     ends: torch.Tensor,  # [Bd] int64 (device)
     width: int,  # Lmax: the longest read (host)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the one-token requests as a padded [Bd, Lmax] table, gathered on the device.
-
-    Padding repeats the request's newest row (the token just written, always live), so a padded
-    read never touches a freed or garbage row; its score is masked by the -inf bias.
-    """
-    device = table.device
-    n = ends - starts  # [Bd] int64
-    col = torch.arange(width, dtype=torch.int64, device=device)  # [Lmax] int64
-    pos = starts[:, None] + torch.minimum(col[None, :], n[:, None] - 1)  # [Bd, Lmax] int64
-    slots = table[rows[:, None].expand_as(pos), pos].to(torch.int64)  # [Bd, Lmax] int64
-    bias = torch.zeros(pos.shape, dtype=torch.float32, device=device)  # [Bd, Lmax] float32
-    bias.masked_fill_(col[None, :] >= n[:, None], float("-inf"))
-    return slots, bias
+    """Rows of the one-token requests as a padded [Bd, Lmax] table, gathered on the device
+    (`static_decode.padded_reads`: padding repeats the newest row, masked with -inf)."""
+    cols = torch.arange(width, dtype=torch.int64, device=table.device)  # [Lmax] int64
+    reads = padded_reads(table, rows, starts, ends, cols)
+    return reads.slots, reads.bias

@@ -57,12 +57,25 @@ class DecodeMetadata:
     def write_kv(
         self, kv_pool: SWAKVPool | KVPool, layer_id: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        if isinstance(kv_pool, SWAKVPool):
-            if self.out_swa_loc is None:
-                raise ValueError("a two-pool KV memory needs the step's SWA slots")
-            kv_pool.set_kv_buffer(layer_id, self.out_full_loc, self.out_swa_loc, k, v)
-        else:
-            kv_pool.set_kv_buffer(layer_id, self.out_full_loc, k, v)
+        write_new_kv(kv_pool, layer_id, self.out_full_loc, self.out_swa_loc, k, v)
+
+
+def write_new_kv(
+    kv_pool: SWAKVPool | KVPool,
+    layer_id: int,
+    out_full_loc: torch.Tensor,  # [T] int64
+    out_swa_loc: torch.Tensor | None,  # [T] int64 (two pools)
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store the new tokens' K/V of one layer: full slots for full layers and for every layer
+    of a single pool, the step's translated SWA slots for SWA layers of two pools."""
+    if isinstance(kv_pool, SWAKVPool):
+        if out_swa_loc is None:
+            raise ValueError("a two-pool KV memory needs the batch's SWA slots (out_swa_loc)")
+        kv_pool.set_kv_buffer(layer_id, out_full_loc, out_swa_loc, k, v)
+    else:
+        kv_pool.set_kv_buffer(layer_id, out_full_loc, k, v)
 
 
 @dataclass(slots=True)
