@@ -9,8 +9,9 @@ of --prompt-len tokens generate --new-tokens greedy tokens each:
     decode step ms  median of the steps after that (all B requests decoding)
     decode tok/s    B / decode step
 
-Eager and compiled runs alternate, --repeats times each; the best run of each counts (a busy
-machine slows both alike). The greedy tokens of the two must be equal (`same_tokens`).
+Eager and compiled runs alternate, --repeats times each, on the same fresh prompts (no prefix
+hit); the best run of each counts (a busy machine slows both alike). The greedy tokens of the
+two must be equal (`same_tokens`).
 
 Start-up: the compile is paid when the engine starts (it compiles its decode graphs before the
 first request). `compile_cold_s` is that extra start-up time with an empty inductor cache;
@@ -76,9 +77,11 @@ def timed_start(model: Path, compile_: bool) -> tuple[Engine, float]:
 
 
 def run_batch(
-    eng: Engine, batch: int, prompt_len: int, new_tokens: int
+    eng: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int
 ) -> tuple[dict[str, float], list[list[int]]]:
-    rng = random.Random(batch)
+    """`batch` new prompts (fresh per `seed`: a repeat must not hit the prefix cache, which
+    would turn its prefill into one-token steps)."""
+    rng = random.Random(seed)
     ids = []
     for _ in range(batch):
         prompt = [rng.randrange(1, 1000) for _ in range(prompt_len)]
@@ -145,9 +148,10 @@ def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any
     for batch in args.batches:
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         tokens: dict[bool, list[list[int]]] = {}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for compile_, eng in ((False, eager), (True, compiled)):
-                figures, toks = run_batch(eng, batch, args.prompt_len, args.new_tokens)
+                seed = batch * 1000 + repeat
+                figures, toks = run_batch(eng, batch, args.prompt_len, args.new_tokens, seed)
                 runs[compile_].append(figures)
                 tokens[compile_] = toks
         e, c = best(runs[False]), best(runs[True])

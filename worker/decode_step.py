@@ -86,7 +86,8 @@ def key_width(longest: int, max_len: int, *, graphs: bool) -> int:
 
 class Graph(Protocol):
     """A captured step: `capture(fn)` records `fn` (which reads only persistent buffers) and
-    returns its output buffer; `replay()` runs it again, refilling that buffer."""
+    returns its output buffer, holding the result of this step; `replay()` runs it again,
+    refilling that buffer."""
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
 
@@ -106,10 +107,11 @@ class CudaGraph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fn()  # the warm-up computes the step for real: the replay below repeats it exactly
+            fn()  # the warm-up computes the step for real (its K/V writes are idempotent)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(self.graph, pool=self.pool):
-            out = fn()
+            out = fn()  # recorded, not run: `out` is the graph's output buffer
+        self.graph.replay()  # fills it: the caller reads this step's logits from it
         return out
 
     def replay(self) -> None:
@@ -257,7 +259,7 @@ class DecodeStep:
             inputs, cols = self.inputs[:, :bp], self._cols[:width]
             out = graph.capture(lambda: self._step(inputs, cols))
             self._graphs[key] = entry = (graph, out)
-            return out  # the capture's warm-up ran this step
+            return out  # `capture` left this step's result in it
         graph, out = entry
         graph.replay()
         return out
