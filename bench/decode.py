@@ -14,9 +14,9 @@ hit); the best run of each counts (a busy machine slows both alike). The greedy 
 two must be equal (`same_tokens`).
 
 Start-up: the compile is paid when the engine starts (it compiles its decode graphs before the
-first request). `compile_cold_s` is that extra start-up time with an empty inductor cache;
-`compile_cached_s` the same in a new process over the cache the first one left (what a second
-`swaserve serve` pays).
+first request). `compile_cold_s` is that extra start-up time in a new process with an empty
+inductor cache; `compile_cached_s` the same in a second new process over the cache the first one
+left (what a second `swaserve serve` pays).
 
     python bench/decode.py [--json] [--quick] [--batches 1,8,24,64] [--archs gpt-oss,mimo-v2-flash]
 """
@@ -128,23 +128,29 @@ def startup_probe(model: Path) -> None:
     print(json.dumps({"eager_s": eager_s, "compiled_s": compiled_s}))
 
 
-def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    model = make_model(root, arch)
-    eager, eager_start = timed_start(model, False)
-    compiled, compiled_start = timed_start(model, True)
+def probe_startup(model: Path, cache: Path, threads: int) -> float:
+    """Seconds the compile adds to an engine's start, in a new process over `cache`."""
     probe = subprocess.run(
         [sys.executable, __file__, "--startup-probe", str(model)],
         capture_output=True,
         text=True,
         check=True,
-        env=dict(os.environ, BENCH_THREADS=str(args.threads)),
+        env=dict(os.environ, BENCH_THREADS=str(threads), TORCHINDUCTOR_CACHE_DIR=str(cache)),
     )
-    cached = json.loads(probe.stdout.strip().splitlines()[-1])
+    times = json.loads(probe.stdout.strip().splitlines()[-1])
+    return float(times["compiled_s"] - times["eager_s"])
+
+
+def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    model = make_model(root, arch)
+    cache = root / f"inductor-{arch}"  # the arch's own: cold is cold, one model per process
     out: dict[str, Any] = {
-        "compile_cold_s": compiled_start - eager_start,
-        "compile_cached_s": cached["compiled_s"] - cached["eager_s"],
+        "compile_cold_s": probe_startup(model, cache, args.threads),
+        "compile_cached_s": probe_startup(model, cache, args.threads),
         "batches": {},
     }
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    eager, compiled = engine(model, False), engine(model, True)
     for batch in args.batches:
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         tokens: dict[bool, list[list[int]]] = {}
@@ -187,7 +193,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # cold: a fresh cache
         results = {arch: bench_arch(arch, root, args) for arch in archs}
     load = os.getloadavg()[0]
     for arch, res in results.items():
