@@ -63,3 +63,25 @@ def test_serve_fault_flags_reach_the_cluster_config(
     assert config.recreate_backoff_s == 2.5
     with pytest.raises(ValueError):  # pydantic: at least one attempt
         build_configs(parser.parse_args(["--model", str(model), "--max-attempts", "0"]))
+
+
+def test_serve_compile_flag(tiny_model_factory: Callable[..., Path]) -> None:
+    import argparse
+
+    from swaserve.cluster.serve_command import add_arguments, build_configs
+
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=4, hidden_size=32)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given = {
+        (): "auto",
+        ("--compile",): True,
+        ("--compile", "false"): False,
+        ("--compile", "auto"): "auto",
+        ("--compile", "on"): True,
+    }
+    for flags, want in given.items():
+        config, _ = build_configs(parser.parse_args(["--model", str(model), *flags]))
+        assert config.engine.compile == want, flags
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", str(model), "--compile", "sometimes"])
