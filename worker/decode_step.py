@@ -309,10 +309,13 @@ def compile_options(*, guard_modules: bool) -> dict[str, Any]:
     at batch 1). That holds only for a step traced whole, from `_step` down: under TP each
     collective breaks the graph, and the code resumed after a break inside a layer is one code
     object for every layer, told apart by its module guards alone. The FX graph and AOT caches
-    (on by default) live under `TORCHINDUCTOR_CACHE_DIR` (`compile_cache_dir`)."""
-    if guard_modules:
-        return {}
-    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    (on by default) live under `TORCHINDUCTOR_CACHE_DIR` (`compile_cache_dir`). `cpp_wrapper`:
+    the graph's kernels are called from generated C++, not Python (batch 8 of the decode bench
+    1.2-1.3× faster, the same compile time)."""
+    options: dict[str, Any] = {"cpp_wrapper": True}
+    if not guard_modules:
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    return options
 
 
 def use_compile_cache(cache_dir: Path) -> Path:
