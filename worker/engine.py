@@ -169,7 +169,8 @@ class Engine:
         if step is None:
             return
         start = time.perf_counter()
-        for batch_size in step.warm_up_shapes():
+        shapes = step.warm_up_shapes()
+        for batch_size in shapes:
             self._forward(
                 padding_decode_input(
                     batch_size,
@@ -180,7 +181,7 @@ class Engine:
         logger.info(
             "decode step %s: %d shapes ready in %.1f s",
             step.mode,
-            len(step.warm_up_shapes()),
+            len(shapes),
             time.perf_counter() - start,
         )
 

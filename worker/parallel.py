@@ -173,10 +173,8 @@ class Collectives:
 
     @torch.compiler.disable  # a compiled step calls it eagerly, between graphs
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the group, in place when it is contiguous; returns the sum (a
-        compiled graph may hand over a strided output, which the backends do not take)."""
+        """Sum `tensor` over the group, in place; returns it."""
         start = time.perf_counter()
-        tensor = tensor.contiguous()
         others = (self.world_size - 1) * tensor.nbytes
         self._count(others, others)
         work = self.group.allreduce([tensor], self._options(dist.AllreduceOptions()))

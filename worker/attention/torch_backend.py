@@ -146,26 +146,20 @@ def decode_attention(
     """One-token requests over their padded reads: one attention call (more only when the
     batch's scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not
     split, so that its batch and width stay symbolic)."""
-    num, width = slots.shape
-    group = num if not split else max(1, SCORE_BUDGET_ELEMENTS // (layer.num_heads * max(width, 1)))
-    if group >= num:
-        return attention(
-            q[:, None],
-            gather_rows(k_buf, slots).to(q.dtype),
-            gather_rows(v_buf, slots).to(q.dtype),
-            bias[:, None, :],
-            layer.scaling,
-            sinks,
-        )[:, 0]
-    outs = []
-    for a in range(0, num, group):
-        rows = slots[a : a + group]  # [b, Lmax] int64
+
+    def attend(qs: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keys = gather_rows(k_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dk]
         values = gather_rows(v_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dv]
-        out = attention(
-            q[a : a + group, None], keys, values, bias[a : a + group, None, :], layer.scaling, sinks
-        )
-        outs.append(out[:, 0])
+        return attention(qs[:, None], keys, values, mask[:, None, :], layer.scaling, sinks)[:, 0]
+
+    if not split:
+        return attend(q, slots, bias)
+    num, width = slots.shape
+    group = max(1, SCORE_BUDGET_ELEMENTS // (layer.num_heads * max(width, 1)))
+    outs = [
+        attend(q[a : a + group], slots[a : a + group], bias[a : a + group])
+        for a in range(0, num, group)
+    ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
