@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swaserve.proto.kv_events import KVEventMirror
-from swaserve.proto.kv_rules import cdiv, page_floor, window_repair_tokens
+from swaserve.proto.kv_rules import cdiv, page_floor, swa_tokens_for_extend, window_repair_tokens
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Overloaded, RouteDecision, Router, RouterConfig
 from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
@@ -280,7 +280,8 @@ class SimWorker:
         uncached = len(req.prompt) - m
         if (
             uncached + len(req.reply) > full_budget
-            or min(uncached, s.chunk_tokens) + s.window + s.page_size > swa_budget
+            or swa_tokens_for_extend(min(uncached, s.chunk_tokens), s.window, s.page_size)
+            > swa_budget
         ):
             return False
         req.lock = PrefixLock(match.last_node, self.cache.inc_lock_ref(match.last_node))

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError
 
 from swaserve.cluster.engine_loop import GenerateChunk
+from swaserve.cluster.model_info import model_info_of
 from swaserve.cluster.routed import (
     ClusterBusy,
     ClusterError,
@@ -34,7 +35,6 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
     WorkerLost,
-    model_info_of,
 )
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup

@@ -268,12 +268,6 @@ class InferenceService:
         if stop and self.cluster.tokenizer is None:
             raise BadRequest("sampling_params.stop needs a tokenizer: use stop_token_ids")
         self.cluster.check_request(token_ids, params)
-        need = len(token_ids) + params.max_new_tokens
-        if need > self.info.max_model_len:
-            raise BadRequest(
-                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the model's limit of {self.info.max_model_len} tokens"
-            )
         return request_id, token_ids, params, stop, session
 
     async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
@@ -283,19 +277,7 @@ class InferenceService:
 
     async def model_info(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
         await self.cluster.ready()
-        info = self.info
-        return pb.ModelInfo(
-            model_name=info.model_name,
-            architecture=info.architecture,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            sliding_window_size=info.sliding_window_size,
-            page_size=info.page_size,
-            tp_size=info.tp_size,
-            num_workers=len(self.cluster.live_workers),
-            eos_token_ids=list(info.eos_token_ids),
-            has_tokenizer=info.has_tokenizer,
-        )
+        return pb.ModelInfo(**self.info.public_fields(), num_workers=len(self.cluster.live_workers))
 
     async def load(self, request: pb.GetLoadRequest) -> pb.LoadResponse:
         await self.cluster.ready()

@@ -64,7 +64,6 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
 )
-from swaserve.proto.kv_rules import page_floor
 from swaserve.worker import SamplingParams
 from swaserve.worker.models.chat_template import ChatTemplate
 from swaserve.worker.models.errors import ChatTemplateError
@@ -359,7 +358,7 @@ class OpenAIServer:
             "object": "model",
             "created": self.started,
             "owned_by": "swaserve",
-            "max_model_len": self.info.max_model_len,
+            "max_model_len": self.info.limits.max_model_len,
         }
 
     # ---- requests -> jobs ----------------------------------------------------------------
@@ -459,26 +458,17 @@ class OpenAIServer:
     def _max_new_tokens(
         self, ids: list[int], asked: int | None, default: int | None, prompt: str, field: str
     ) -> int:
-        """Room left by the prompt in the model's limit and a worker's full pool (requests
-        are refused up front, never cut short); the default (None: all the room) is clipped."""
-        info = self.info
-        limit = min(info.max_model_len, page_floor(info.full_pool_tokens, info.page_size))
-        room = limit - len(ids)
-        if room < 1:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens; this server takes at most {limit - 1} "
-                f"(model limit {info.max_model_len}, a worker's KV pool {info.full_pool_tokens})",
-                param=prompt,
-            )
+        """`asked`, or the default (None: all the room) clipped to the room the prompt leaves
+        (requests are refused up front, never cut short). A request over a limit is a 400
+        naming the prompt or `field`, whichever the limit blames."""
+        limits = self.info.limits
         if asked is None:
-            return room if default is None else min(default, room)
-        if asked > room:
+            room = limits.max_new_tokens_room(len(ids))
+            asked = max(1, room if default is None else min(default, room))
+        refused = limits.check(len(ids), asked, max_new_name=field)
+        if refused is not None:
             raise APIError(
-                400,
-                f"{field} is {asked}, but the prompt's {len(ids)} tokens leave room for {room} "
-                f"(model limit {info.max_model_len}, a worker's KV pool {info.full_pool_tokens})",
-                param=field,
+                400, refused.message, param=prompt if refused.field == "prompt" else field
             )
         return asked
 

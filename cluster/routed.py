@@ -21,18 +21,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from swaserve.cluster.engine_loop import MISROUTED, WORKER_LOST, GenerateChunk
+from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
-from swaserve.proto.kv_rules import page_ceil
-from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer, tokenizer_dir
-
-if TYPE_CHECKING:
-    from swaserve.cluster.worker_group import WorkerInfo
+from swaserve.worker import SamplingParams
+from swaserve.worker.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -75,42 +70,6 @@ def _past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    model_name: str
-    model_path: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    sliding_window_size: int
-    page_size: int
-    tp_size: int
-    eos_token_ids: tuple[int, ...]
-    has_tokenizer: bool
-    full_pool_tokens: int
-    max_unchunked_prompt_tokens: int | None
-
-
-def model_info_of(
-    engine: EngineConfig, info: WorkerInfo, served_model_name: str | None
-) -> ModelInfo:
-    """What the ingresses tell clients and check requests against, from a worker's report."""
-    return ModelInfo(
-        model_name=served_model_name or Path(engine.model).name,
-        model_path=engine.model,
-        architecture=info.architecture,
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_model_len,
-        sliding_window_size=info.sliding_window_size,
-        page_size=info.page_size,
-        tp_size=info.tp_size,
-        eos_token_ids=info.eos_token_ids,
-        has_tokenizer=(tokenizer_dir(engine.model, engine.tokenizer) / "tokenizer.json").is_file(),
-        full_pool_tokens=info.full_pool_tokens,
-        max_unchunked_prompt_tokens=info.max_unchunked_prompt_tokens,
-    )
-
-
 def check_request(info: ModelInfo, token_ids: list[int], params: SamplingParams) -> None:
     """Raise `InvalidRequest` for what no worker can serve (the engine checks again)."""
     if not token_ids:
@@ -118,23 +77,9 @@ def check_request(info: ModelInfo, token_ids: list[int], params: SamplingParams)
     bad = next((t for t in token_ids if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
-    if len(token_ids) >= info.max_model_len:
-        raise InvalidRequest(
-            f"the prompt has {len(token_ids)} tokens; the model's limit is "
-            f"{info.max_model_len} in all"
-        )
-    need = page_ceil(len(token_ids) + params.max_new_tokens, info.page_size)
-    if need > info.full_pool_tokens:
-        raise InvalidRequest(
-            f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-            f"needs {need} KV tokens; a worker's full pool holds {info.full_pool_tokens}"
-        )
-    limit = info.max_unchunked_prompt_tokens
-    if limit is not None and len(token_ids) > limit:
-        raise InvalidRequest(
-            f"a prompt of {len(token_ids)} tokens does not fit the SWA pool without chunked "
-            f"prefill (at most {limit}); enable chunked_prefill_size"
-        )
+    refused = info.limits.check(len(token_ids), params.max_new_tokens)
+    if refused is not None:
+        raise InvalidRequest(refused.message)
     bad_stop = next((t for t in params.stop_token_ids if t >= info.vocab_size), None)
     if bad_stop is not None:
         raise InvalidRequest(f"stop token id {bad_stop} is outside the vocabulary")

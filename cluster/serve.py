@@ -50,13 +50,9 @@ from swaserve.cluster.grpc_server import (
     RpcFailure,
 )
 from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.model_info import ModelInfo, model_info_of
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
-from swaserve.cluster.routed import (
-    ModelInfo,
-    RoutedCluster,
-    WorkerLost,
-    model_info_of,
-)
+from swaserve.cluster.routed import RoutedCluster, WorkerLost
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import EngineWorker, RankWorker, WorkerInfo
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb

@@ -254,8 +254,8 @@ async def serve(
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         tls = " (TLS)" if server.config.tls_cert_file else ""
         print(
-            f"swaserve: serving {info.model_name} ({info.architecture}, W={info.sliding_window_size}) "
-            f"on {host}:{port}{tls}: {len(cluster.live_workers)} worker(s) × TP {info.tp_size}",
+            f"swaserve: serving {info.model_name} ({info.architecture}, "
+            f"W={info.limits.sliding_window_size}) on {host}:{port}{tls}: {len(cluster.live_workers)} worker(s) × TP {info.tp_size}",
             flush=True,
         )
         print(f"try:  swaserve client --server {shown}:{port} 'Hello, swaserve!'", flush=True)

@@ -28,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
+from swaserve.cluster.model_info import ModelInfo, model_info_of_engine
 from swaserve.proto.messages import WorkerReport
 from swaserve.worker import EngineConfig, SamplingParams
 from swaserve.worker.tp_worker import RankSpec, run_worker_rank
@@ -43,17 +44,9 @@ class WorkerInfo:
     """What rank 0 tells the driver once its engine is up (plain data for the ingress)."""
 
     worker_id: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    sliding_window_size: int
-    page_size: int
-    tp_size: int
-    eos_token_ids: tuple[int, ...]
     device: str
     node_id: str
-    full_pool_tokens: int  # a request's prompt + max_new_tokens must fit (page-rounded)
-    max_unchunked_prompt_tokens: int | None  # without chunked prefill: the SWA pool's limit
+    model: ModelInfo  # the model its engine serves and the limits of a request
 
 
 class RankWorker:
@@ -153,20 +146,11 @@ class EngineWorker:
             engine, self.worker_id, on_report=on_report, report_interval_s=self.report_interval_s
         )
         self.loop.start()
-        mc = engine.model_config
         self.info = WorkerInfo(
             worker_id=self.worker_id,
-            architecture=mc.architecture,
-            vocab_size=mc.vocab_size,
-            max_model_len=engine.max_model_len,
-            sliding_window_size=engine.window or 0,
-            page_size=engine.page_size,
-            tp_size=self.config.tp_size,
-            eos_token_ids=tuple(sorted(mc.eos_token_ids)),
             device=str(engine.runner.device),
             node_id=ray.get_runtime_context().get_node_id(),
-            full_pool_tokens=engine.plan.full_tokens,
-            max_unchunked_prompt_tokens=engine.max_unchunked_prompt_tokens(),
+            model=model_info_of_engine(engine),
         )
         return self.info
 

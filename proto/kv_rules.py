@@ -17,7 +17,14 @@
   and the router's cache view all answer with it.
 - `swa_tokens_for_extend`: the SWA slots a prefill chunk of n tokens needs (the chunk plus the
   window before it, plus a page of slack); admission on the worker and the router's headroom
-  estimate both use it.
+  estimate both use it. `max_swa_extend_tokens` inverts it: the longest extend an SWA pool
+  takes (the engine's chunk cap, `RequestLimits`' unchunked-prompt limit).
+- `min_swa_pool_tokens`: the smallest SWA pool that serves one request; every pool planner and
+  the engine refuse a smaller one.
+- `decode_swa_tokens`: `W + I + P`, the most SWA slots a decoding request holds; the pool
+  planners size SWA pools with it.
+
+`RequestLimits` (`request_limits.py`) applies these rules to a request's lengths.
 """
 
 from __future__ import annotations
@@ -108,7 +115,21 @@ def swa_tokens_for_extend(num_tokens: int, sliding_window_size: int, page_size: 
     return num_tokens + sliding_window_size + page_size
 
 
+def max_swa_extend_tokens(swa_pool_tokens: int, sliding_window_size: int, page_size: int) -> int:
+    """The most tokens one extend (a prefill chunk, or a whole prompt without chunked prefill)
+    may add on an SWA pool of `swa_pool_tokens`: its SWA need (`swa_tokens_for_extend`) plus a
+    page for the decode after it must fit."""
+    return swa_pool_tokens - swa_tokens_for_extend(0, sliding_window_size, page_size) - page_size
+
+
 def min_swa_pool_tokens(sliding_window_size: int, page_size: int) -> int:
     """The smallest SWA pool that holds one decoding request: its window, the page it writes
-    into and the next token, page-rounded."""
+    into and the next token, page-rounded. For W >= P this is "more than W + P tokens"."""
     return page_ceil(max(sliding_window_size, page_size) + page_size + 1, page_size)
+
+
+def decode_swa_tokens(sliding_window_size: int, swa_eviction_interval: int, page_size: int) -> int:
+    """`W + I + P`: the most SWA slots a decoding request past its window holds. It frees
+    out-of-window SWA only once I (`swa_eviction_interval`) positions are due, in whole pages
+    (architecture §6.5)."""
+    return sliding_window_size + swa_eviction_interval + page_size

@@ -106,9 +106,8 @@ class WorkerState:
         if not h.hybrid:
             return full, full
         chunk = h.chunked_prefill_size or h.queued_prefill_tokens
-        waiting_swa = h.num_waiting * (h.sliding_window_size + h.page_size) + min(
-            h.queued_prefill_tokens, h.num_waiting * chunk
-        )
+        window = swa_tokens_for_extend(0, h.sliding_window_size, h.page_size)  # W + P
+        waiting_swa = h.num_waiting * window + min(h.queued_prefill_tokens, h.num_waiting * chunk)
         swa = h.swa_available_tokens - h.swa_reserved_tokens - waiting_swa - self.pending.swa_tokens
         return full, swa
 

@@ -14,13 +14,13 @@ import torch
 
 from swaserve.proto.kv_events import KVCleared, KVEvent, KVTombstoned
 from swaserve.proto.kv_rules import (
-    min_swa_pool_tokens,
+    max_swa_extend_tokens,
     page_ceil,
     page_floor,
-    swa_tokens_for_extend,
     window_repair_tokens,
 )
 from swaserve.proto.messages import Headroom
+from swaserve.proto.request_limits import RequestLimits
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
@@ -120,11 +120,20 @@ class Engine:
             sliding_window_size=self.window,
             stats=self.stats,
         )
+        chunk = self._chunk_size()
+        self.request_limits = RequestLimits(
+            max_model_len=self.max_model_len,
+            full_pool_tokens=self.plan.full_tokens,
+            page_size=config.page_size,
+            sliding_window_size=self.window or 0,
+            swa_pool_tokens=self.plan.swa_tokens if self.hybrid else 0,
+            chunked_prefill_size=chunk,
+        )
         limits = SchedulerLimits(
             page_size=config.page_size,
             max_running_requests=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
-            chunked_prefill_size=self._chunk_size(),
+            chunked_prefill_size=chunk,
             max_model_len=self.max_model_len,
             swa_eviction_interval=config.swa_eviction_interval,
             sliding_window_size=self.window,
@@ -213,29 +222,14 @@ class Engine:
         return cls(self.allocator, window, self.page_size, window_repair_tokens=repair)  # type: ignore[arg-type]
 
     def _chunk_size(self) -> int | None:
-        """Chunked-prefill size, capped so that a chunk plus the window fits the SWA pool."""
+        """Chunked-prefill size, capped so that a chunk plus the window fits the SWA pool (the
+        planners made the pool hold at least one request: `pool_plan.check_swa_pool`)."""
         chunk = self.config.chunked_prefill_size
-        if not self.hybrid or self.window is None:
+        if not self.hybrid or self.window is None or chunk is None:
             return chunk
         p = self.page_size
-        swa_total = self.plan.swa_tokens
-        per_request = min_swa_pool_tokens(self.window, p)
-        if swa_total < per_request:
-            raise ValueError(
-                f"the SWA pool ({swa_total} tokens) cannot hold one request's window: need at least "
-                f"{per_request} (W={self.window}, P={p}); raise kv_cache_bytes / max_total_tokens or "
-                "swa_full_tokens_ratio"
-            )
-        if chunk is None:
-            return None
-        return max(p, min(chunk, page_floor(self._max_swa_extend(), p)))
-
-    def _max_swa_extend(self) -> int:
-        """The most tokens one extend (a chunk, or an unchunked prompt) may add: its SWA need
-        (`swa_tokens_for_extend`) plus a page for the decode after it must fit the SWA pool."""
-        assert self.window is not None
-        p = self.page_size
-        return self.plan.swa_tokens - swa_tokens_for_extend(0, self.window, p) - p
+        longest = max_swa_extend_tokens(self.plan.swa_tokens, self.window, p)
+        return max(p, min(chunk, page_floor(longest, p)))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -301,34 +295,14 @@ class Engine:
             raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
         return ids
 
-    def max_unchunked_prompt_tokens(self) -> int | None:
-        """The longest prompt the SWA pool can prefill in one go when chunked prefill is
-        off (None: no such limit)."""
-        if self.hybrid and self.scheduler.limits.chunked_prefill_size is None:
-            return self._max_swa_extend()
-        return None
-
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {n} tokens; the model's limit is {self.max_model_len} in all"
-            )
-        full_total = self.plan.full_tokens
-        need = page_ceil(n + params.max_new_tokens, self.page_size)
-        if need > full_total:
-            raise RequestError(
-                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV "
-                f"tokens; the full pool holds {full_total}"
-            )
-        limit = self.max_unchunked_prompt_tokens()
-        if limit is not None and n > limit:
-            assert self.window is not None
-            need = swa_tokens_for_extend(n, self.window, self.page_size) + self.page_size
-            raise RequestError(
-                f"a prompt of {n} tokens needs {need} SWA tokens without chunked prefill; "
-                f"the SWA pool holds {self.plan.swa_tokens}: enable chunked_prefill_size"
-            )
+        """`RequestError` for a request no state of the pools could serve; past max_model_len
+        it is cut (finish reason "length"), not refused."""
+        refused = self.request_limits.check(
+            len(prompt_ids), params.max_new_tokens, cut_at_model_len=True
+        )
+        if refused is not None:
+            raise RequestError(refused.message)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

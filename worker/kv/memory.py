@@ -16,6 +16,7 @@ from swaserve.worker.kv.pool_plan import (
     LayerShape,
     PoolPlan,
     auto_swa_full_tokens_ratio,
+    check_swa_pool,
     plan_pools,
     plan_pools_chunk_capped,
     plan_single_pool,
@@ -174,12 +175,13 @@ def _plan_from_tokens(shape: LayerShape, config: KVMemoryConfig, single: bool) -
     if not 0 < ratio <= 1:
         raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio}")
     swa_tokens = int(full_tokens * ratio) // p * p
-    w = shape.sliding_window_size
-    if swa_tokens <= w + p:
-        raise ValueError(
-            f"the SWA pool is too small for one request: r={ratio} of max_total_tokens={full_tokens} "
-            f"gives {swa_tokens} SWA tokens, which must exceed W={w} + P={p}"
-        )
+    check_swa_pool(
+        swa_tokens,
+        shape.sliding_window_size,
+        p,
+        source=f"r={ratio} of max_total_tokens={full_tokens}",
+        remedy="Raise max_total_tokens or swa_full_tokens_ratio.",
+    )
     return PoolPlan(
         full_tokens,
         swa_tokens,

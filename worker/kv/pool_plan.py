@@ -9,8 +9,9 @@ Three plans:
 - `plan_pools` (SGLang's rule): `cell = F·L_full + r·S·L_swa` bytes per full-pool token,
   `N_full = floor(bytes / cell)`, `N_swa = r·N_full`, both floored to pages.
 - `plan_pools_chunk_capped`: with the prefix cache off, chunked prefill on and a cap on running
-  requests, SWA need is bounded: each running request keeps at most `W + I + P` SWA tokens and
-  one chunk is in flight. The SWA pool gets exactly that; the full pool the rest.
+  requests, SWA need is bounded: each running request keeps at most `W + I + P` SWA tokens
+  (`decode_swa_tokens`) and one chunk is in flight. The SWA pool gets exactly that; the full
+  pool the rest.
 - `auto_swa_full_tokens_ratio`: choose r from the expected sequence length (see its docstring).
 
 `plan_single_pool` is the baseline (`disable_hybrid_swa_memory`): one pool for every layer.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from swaserve.proto.kv_rules import page_ceil, page_floor
+from swaserve.proto.kv_rules import decode_swa_tokens, min_swa_pool_tokens, page_ceil, page_floor
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 DEFAULT_SWA_EVICTION_INTERVAL = 128
@@ -125,6 +126,21 @@ def _floor_page(num_tokens: float, page_size: int) -> int:
     return page_floor(int(num_tokens), page_size)
 
 
+def check_swa_pool(
+    swa_tokens: int, sliding_window_size: int, page_size: int, *, source: str, remedy: str
+) -> None:
+    """Raise ValueError when an SWA pool of `swa_tokens` cannot serve one request (fewer than
+    `min_swa_pool_tokens`). Every planner that sizes an SWA pool from the user's numbers calls
+    it; `source` says where the size came from, `remedy` what to raise."""
+    need = min_swa_pool_tokens(sliding_window_size, page_size)
+    if swa_tokens < need:
+        raise ValueError(
+            f"the SWA pool is too small for one request: {source} gives {swa_tokens} SWA "
+            f"tokens; one request needs {need} (window W={sliding_window_size}, page size "
+            f"P={page_size}, the next token) {remedy}"
+        )
+
+
 def plan_pools(
     *,
     num_full_layers: int,
@@ -139,7 +155,7 @@ def plan_pools(
     """Split `kv_cache_bytes` between the full and SWA pools at token ratio r.
 
     Raises ValueError on bad input and when the SWA pool could not hold a single request
-    (`swa_tokens <= W + P`).
+    (`check_swa_pool`: fewer than `min_swa_pool_tokens(W, P)` tokens, i.e. `<= W + P` for W >= P).
     """
     _check_shape(
         num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size
@@ -156,14 +172,14 @@ def plan_pools(
     cell = full_cell + r * swa_cell
     full_tokens = _floor_page(kv_cache_bytes / cell, page_size)
     swa_tokens = _floor_page(r * full_tokens, page_size)
-    w = sliding_window_size
-    if swa_tokens <= w + page_size:
-        raise ValueError(
-            f"the SWA pool is too small for one request: swa_full_tokens_ratio r={r} of "
-            f"{full_tokens} full tokens gives {swa_tokens} SWA tokens, which must exceed "
-            f"sliding window W={w} + page size P={page_size} (kv_cache_bytes={kv_cache_bytes}, "
-            f"{cell:.0f} bytes per full token). Raise kv_cache_bytes or r."
-        )
+    check_swa_pool(
+        swa_tokens,
+        sliding_window_size,
+        page_size,
+        source=f"swa_full_tokens_ratio r={r} of {full_tokens} full tokens",
+        remedy=f"(kv_cache_bytes={kv_cache_bytes}, {cell:.0f} bytes per full token) Raise "
+        "kv_cache_bytes or r.",
+    )
     return PoolPlan(
         full_tokens=full_tokens,
         swa_tokens=swa_tokens,
@@ -208,7 +224,7 @@ def plan_pools_chunk_capped(
         return _full_only(num_full_layers * full_token_bytes, kv_cache_bytes, page_size)
 
     w, p = sliding_window_size, page_size
-    per_request = page_ceil(w + swa_eviction_interval + p, p)
+    per_request = page_ceil(decode_swa_tokens(w, swa_eviction_interval, p), p)
     swa_tokens = page_ceil(max_running_requests * per_request + chunked_prefill_size + p, p)
     full_cell = full_token_bytes * num_full_layers
     swa_cell = swa_token_bytes * num_swa_layers
@@ -291,7 +307,7 @@ def auto_swa_full_tokens_ratio(
     The SWA need is multiplied by `swa_margin` (default 1.25, see `AUTO_RATIO_SWA_MARGIN`) so
     that finished requests' windows can stay in the prefix cache. Solved by fixed-point
     iteration (N_full depends on r), clamped to `[r_min, 1]` where r_min still gives the SWA
-    pool more than `W + P` tokens.
+    pool `min_swa_pool_tokens(W, P)`.
     """
     _check_shape(
         num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size
@@ -304,7 +320,7 @@ def auto_swa_full_tokens_ratio(
     if num_swa_layers == 0:
         return 1.0
     w, p = sliding_window_size, page_size
-    per_request = w + swa_eviction_interval + p
+    per_request = decode_swa_tokens(w, swa_eviction_interval, p)
     chunk = chunked_prefill_size or 0
     full_cell = full_token_bytes * num_full_layers
     swa_cell = swa_token_bytes * num_swa_layers
@@ -317,9 +333,9 @@ def auto_swa_full_tokens_ratio(
             running = min(running, max_running_requests)
         swa_need = swa_margin * running * per_request + chunk + p
         r = min(1.0, swa_need / full_tokens)
-    # Smallest r whose SWA pool still holds one request (W + P, plus the page rounding).
+    # Smallest r whose SWA pool still holds one request, plus a page for the pools' floors.
     full_tokens = kv_cache_bytes / (full_cell + r * swa_cell)
-    r_min = min(1.0, (w + 2 * p + 1) / full_tokens)
+    r_min = min(1.0, (min_swa_pool_tokens(w, p) + p) / full_tokens)
     return max(r, r_min)
 
 
@@ -338,7 +354,9 @@ def requests_that_fit(
     by_full = plan.full_tokens // page_ceil(seq_len, p)
     if plan.single_pool:
         return by_full
-    per_request_swa = page_ceil(min(seq_len, sliding_window_size + swa_eviction_interval + p), p)
+    per_request_swa = page_ceil(
+        min(seq_len, decode_swa_tokens(sliding_window_size, swa_eviction_interval, p)), p
+    )
     return min(by_full, plan.swa_tokens // per_request_swa)
 
 
@@ -354,6 +372,8 @@ def request_bound(
     `W + I + P` tokens in SWA layers, nothing else."""
     p = page_size
     full = page_ceil(seq_len, p) * shape.full_token_bytes * shape.num_full_layers
-    swa_tokens = page_ceil(min(seq_len, shape.sliding_window_size + swa_eviction_interval + p), p)
+    swa_tokens = page_ceil(
+        min(seq_len, decode_swa_tokens(shape.sliding_window_size, swa_eviction_interval, p)), p
+    )
     swa = swa_tokens * shape.swa_token_bytes * shape.num_swa_layers
     return kv_cache_bytes // (full + swa)

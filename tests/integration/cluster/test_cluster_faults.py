@@ -195,7 +195,7 @@ def test_killed_tp_rank_takes_its_group_down_and_the_stream_waits_for_its_return
     with pytest.raises(ray.exceptions.RayActorError):  # rank 0 went down with its group
         ray.get(group.engine.num_open.remote(), timeout=30)
     wait_for(lambda: set(served.load()) == {"worker-0-r1"}, timeout_s=120)
-    assert served.cluster.groups["worker-0-r1"].info.tp_size == 2
+    assert served.cluster.groups["worker-0-r1"].info.model.tp_size == 2
     check_survivors(served)
 
 

@@ -368,7 +368,7 @@ def test_a_chats_second_turn_reuses_the_first_prompt_after_the_window_moved_on(
         model=model_name, messages=turn2, max_tokens=4, user="chat-session-1", temperature=0
     )
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
-    page_size = two_workers.cluster.model_info.page_size  # type: ignore[union-attr]
+    page_size = two_workers.cluster.model_info.limits.page_size  # type: ignore[union-attr]
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens - page_size <= cached < second.usage.prompt_tokens
     wait_idle(two_workers)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from swaserve.cluster.engine_loop import GenerateChunk
 from swaserve.cluster.routed import ModelInfo, RoutedCluster
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
+from swaserve.proto.request_limits import RequestLimits
 from swaserve.worker import SamplingParams
 from swaserve.worker.tokenizer import TextTokenizer
 
@@ -114,14 +115,15 @@ def model_info(model_dir: Path, *, max_model_len: int = 4096) -> ModelInfo:
         model_path=str(model_dir),
         architecture="GptOssForCausalLM",
         vocab_size=VOCAB_SIZE,
-        max_model_len=max_model_len,
-        sliding_window_size=4,
-        page_size=1,
         tp_size=1,
         eos_token_ids=(257,),
         has_tokenizer=True,
-        full_pool_tokens=1 << 24,
-        max_unchunked_prompt_tokens=None,
+        limits=RequestLimits(
+            max_model_len=max_model_len,
+            full_pool_tokens=1 << 24,
+            page_size=1,
+            sliding_window_size=4,
+        ),
     )
 
 

@@ -11,6 +11,8 @@ import pytest
 from swaserve.proto.kv_rules import (
     PrefixReuse,
     cdiv,
+    decode_swa_tokens,
+    max_swa_extend_tokens,
     min_swa_pool_tokens,
     page_ceil,
     page_floor,
@@ -88,6 +90,8 @@ def test_page_arithmetic() -> None:
     assert page_floor(7, 4) == 4 and page_ceil(7, 4) == 8 and page_ceil(8, 4) == 8
     assert swa_tokens_for_extend(100, 16, 4) == 120
     assert min_swa_pool_tokens(16, 4) == 24 and min_swa_pool_tokens(2, 4) == 12
+    assert max_swa_extend_tokens(40, 8, 4) == 24  # 24 + W + P fits, plus a page for a decode
+    assert decode_swa_tokens(127, 128, 16) == 271  # W + I + P
 
 
 @pytest.mark.parametrize("seed", range(3))

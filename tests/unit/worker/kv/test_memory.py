@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swaserve.proto.kv_rules import min_swa_pool_tokens
 from swaserve.worker.kv import KVLayout, KVPool, SWAKVPool, SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.memory import KVMemoryConfig, KVModelSpec, build_kv_memory, plan_kv_memory
 
@@ -87,3 +88,29 @@ def test_config_errors() -> None:
         plan_kv_memory(
             SPEC, KVMemoryConfig(max_total_tokens=1000, swa_full_tokens_ratio="auto"), torch.float32
         )
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 32])
+def test_every_planner_holds_the_swa_pool_to_min_swa_pool_tokens(page_size: int) -> None:
+    """One floor (`min_swa_pool_tokens`, W = 16): a pool of exactly the floor is planned, one
+    page less is refused, from tokens and from bytes alike (W < P included)."""
+    need = min_swa_pool_tokens(16, page_size)  # 18, 24, 96
+    for swa_tokens, ok in ((need, True), (need - page_size, False)):
+        full_tokens = 4 * need  # ratio 1/4 gives exactly swa_tokens
+        ratio = swa_tokens / full_tokens
+        by_tokens = KVMemoryConfig(
+            max_total_tokens=full_tokens, swa_full_tokens_ratio=ratio, page_size=page_size
+        )
+        by_bytes = KVMemoryConfig(
+            kv_cache_bytes=full_tokens * 2 * F + swa_tokens * 4 * S,
+            swa_full_tokens_ratio=ratio,
+            page_size=page_size,
+        )
+        for config in (by_tokens, by_bytes):
+            if ok:
+                assert plan_kv_memory(SPEC, config, torch.float32).swa_tokens == swa_tokens
+            else:
+                with pytest.raises(
+                    ValueError, match=f"gives {swa_tokens} SWA tokens; one request needs {need} "
+                ):
+                    plan_kv_memory(SPEC, config, torch.float32)
