@@ -107,3 +107,34 @@ def _matmul(
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     probs = scores.sub_(lse).exp_().to(v.dtype)  # [B, Hkv, M, L]
     return torch.matmul(probs, v), lse.squeeze(-1)
+
+
+def decode_attention_loops(
+    q: torch.Tensor,  # [B, H, Dk]
+    k_buf: torch.Tensor,  # [rows, Hkv, Dk] a pool's K buffer
+    v_buf: torch.Tensor,  # [rows, Hkv, Dv]
+    slots: torch.Tensor,  # [B, L] int64 pool rows each one-token query reads
+    bias: torch.Tensor,  # [B, L] float32: 0 on a key, -inf on padding
+    scaling: float,
+    sinks: torch.Tensor | None = None,  # [H]
+) -> torch.Tensor:  # [B, H, Dv]
+    """`attention` of one-token queries written as products and reductions over the pool rows
+    themselves, for torch.compile: inductor fuses the row gathers into its score and output loops,
+    so no [B, L] copy of K/V (nor its transpose, nor MiMo's Dv padding) is written. In float32
+    whatever the pool holds. Eager, it would materialise the [B, L, Hkv, G, D] products: only a
+    compiled step calls it."""
+    b, h, dk = q.shape
+    hkv = k_buf.shape[1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} KV heads")
+    keys = k_buf[slots].float()  # [B, L, Hkv, Dk] (fused into the loops below)
+    values = v_buf[slots].float()  # [B, L, Hkv, Dv]
+    qg = q.float().view(b, 1, hkv, h // hkv, dk)  # [B, 1, Hkv, G, Dk]
+    scores = (qg * keys[:, :, :, None, :]).sum(-1) * scaling  # [B, L, Hkv, G]
+    scores = scores + bias[:, :, None, None]
+    lse = torch.logsumexp(scores, dim=1, keepdim=True)  # [B, 1, Hkv, G]
+    probs = torch.exp(scores - lse)  # [B, L, Hkv, G]
+    out = (probs[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, h, -1)  # [B, H, Dv]
+    if sinks is not None:
+        out = out * torch.sigmoid(lse.reshape(b, h) - sinks.float())[..., None]
+    return out.to(q.dtype)

@@ -16,7 +16,7 @@ from swaserve.worker.attention.metadata import (
     KVReads,
     build_attention_metadata,
 )
-from swaserve.worker.attention.sdpa import attention
+from swaserve.worker.attention.sdpa import attention, decode_attention_loops
 from swaserve.worker.attention.static_decode import DecodeMetadata
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
@@ -174,10 +174,16 @@ def static_decode(
 ) -> torch.Tensor:  # [Bp, H, Dv]
     """A layer of a fixed-shape decode step (`static_decode.DecodeMetadata`): write the new
     K/V, then attend over the padded reads; no host work, no host read (any backend's decode
-    step of a compiled or captured graph runs this)."""
+    step of a compiled or captured graph runs this). Traced by torch.compile it is written as
+    loops over the pool rows (`decode_attention_loops`); captured eager, as gathers and the
+    attention kernels."""
     meta.write_kv(kv_pool, layer.layer_id, k, v)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
     reads = meta.reads(layer)
+    if torch.compiler.is_compiling():
+        return decode_attention_loops(
+            q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks
+        )
     return decode_attention(q, k_buf, v_buf, reads.slots, reads.bias, layer, sinks, split=False)
 
 

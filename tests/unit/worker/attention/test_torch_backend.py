@@ -6,7 +6,7 @@ from attention_scenario import Scenario, Shape, make_layers, make_memory
 
 from swaserve.worker.attention import MissingSWAKV, TorchAttentionBackend
 from swaserve.worker.attention import torch_backend as torch_backend_module
-from swaserve.worker.attention.sdpa import attention
+from swaserve.worker.attention.sdpa import attention, decode_attention_loops
 
 # Steps of a mixed workload: prefills of different lengths, a one-token prefill, decodes, a
 # prefill chunk after a cached prefix (R1's second and R2's third step), a new request joining.
@@ -197,3 +197,33 @@ def test_bfloat16_stays_close_to_the_reference() -> None:
                 assert got.dtype == torch.bfloat16
                 torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.05)
         sc.free_out_of_window(3)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize(("kv_heads", "dk", "dv"), [(2, 12, 8), (6, 8, 12), (1, 8, 8)])
+def test_decode_attention_loops_equal_the_gathered_attention(
+    sinks: bool, kv_heads: int, dk: int, dv: int
+) -> None:
+    """The compiled step's decode attention, run eager: the same as gathering the rows and
+    calling `attention`, for GQA, MHA and MQA, Dk ≠ Dv, sinks, padded columns, bf16 pools."""
+    gen = torch.Generator().manual_seed(2)
+    rows, b, width, heads = 40, 4, 7, 6
+    k_buf = torch.randn(rows, kv_heads, dk, generator=gen)
+    v_buf = torch.randn(rows, kv_heads, dv, generator=gen)
+    q = torch.randn(b, heads, dk, generator=gen)
+    slots = torch.randint(0, rows, (b, width), generator=gen)
+    seen = torch.tensor([7, 1, 4, 6])
+    bias = torch.zeros(b, width).masked_fill_(torch.arange(width) >= seen[:, None], -torch.inf)
+    sink = torch.randn(heads, generator=gen) if sinks else None
+    keys = k_buf[slots]  # [B, L, Hkv, Dk]
+    values = v_buf[slots]
+    want = attention(q[:, None], keys, values, bias[:, None], 0.4, sink, fused=False)[:, 0]
+    got = decode_attention_loops(q, k_buf, v_buf, slots, bias, 0.4, sink)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    half = decode_attention_loops(
+        q.bfloat16(), k_buf.bfloat16(), v_buf.bfloat16(), slots, bias, 0.4, sink
+    )
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="7 query heads are not a multiple"):
+        decode_attention_loops(q[:, [0] * 7], k_buf[:, [0, 0]], v_buf, slots, bias, 0.4, None)
