@@ -1,0 +1,243 @@
+"""A request's job: a validated request body turned into what its choices share (prompt ids,
+`SamplingParams`, stop strings, session key), or an `APIError` naming the field at fault.
+
+    prompt ids (text: tokenizer, with BOS; messages: the chat template, which places BOS itself;
+    ids: as given)  →  max_tokens against `ModelInfo.limits`  →  SamplingParams  →
+    `RoutedCluster.check_request`
+
+`JobBuilder` tokenizes and renders templates: the routes call it off the event loop, so one huge
+prompt does not stall the other streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from swaserve.cluster.grpc_server import MAX_ID_CHARS, BadRequest, check_id, check_stop_strings
+from swaserve.cluster.model_info import ModelInfo
+from swaserve.cluster.openai_api.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ID_PREFIXES,
+    APIError,
+    BaseGenerateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    message_text,
+)
+from swaserve.cluster.routed import InvalidRequest, RoutedCluster
+from swaserve.worker import SamplingParams
+from swaserve.worker.models.chat_template import ChatTemplate
+from swaserve.worker.models.errors import ChatTemplateError
+from swaserve.worker.tokenizer import encode_text
+
+
+@dataclass(slots=True)
+class Job:
+    """One validated request: what every choice shares."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    response_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    session_id: str | None
+    n: int
+    include_usage: bool
+    return_token_ids: bool
+    arrival_s: float
+
+    def request_id(self, index: int) -> str:
+        return self.response_id if self.n == 1 else f"{self.response_id}-{index}"
+
+
+class JobBuilder:
+    """Makes the `Job` of a completion or chat request for the cluster's model (once
+    `cluster.ready()` returned). Not a coroutine: it tokenizes."""
+
+    def __init__(self, cluster: RoutedCluster) -> None:
+        self.cluster = cluster
+        self._template: ChatTemplate | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        info = self.cluster.model_info
+        assert info is not None, "await cluster.ready() first"
+        return info
+
+    @property
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            self._template = ChatTemplate.from_model_dir(self.info.model_path)
+        return self._template
+
+    def completion_job(self, req: CompletionRequest, arrival_s: float) -> Job:
+        self._check_common(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > 1:
+                raise APIError(400, "one prompt per request (no batches)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if self.cluster.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+            ids = self.cluster.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            ids = list(prompt)
+        else:
+            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+        return self._job("text_completion", req, ids, arrival_s, "prompt", req.max_tokens)
+
+    def chat_job(self, req: ChatCompletionRequest, arrival_s: float) -> Job:
+        self._check_common(req)
+        tokenizer = self.cluster.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        both = (req.max_tokens, req.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise APIError(400, "max_tokens and max_completion_tokens differ", param="max_tokens")
+        messages = [
+            {"role": m.role, "content": message_text(m.content, i), "name": m.name}
+            for i, m in enumerate(req.messages)
+        ]
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        # The template places BOS itself: encode without adding it again.
+        ids = encode_text(tokenizer.tokenizer, text)
+        if req.max_completion_tokens is not None:
+            return self._job(
+                "chat.completion",
+                req,
+                ids,
+                arrival_s,
+                "messages",
+                req.max_completion_tokens,
+                "max_completion_tokens",
+            )
+        return self._job("chat.completion", req, ids, arrival_s, "messages", req.max_tokens)
+
+    def _check_common(self, req: BaseGenerateRequest) -> None:
+        name = self.info.model_name
+        if req.model is not None and req.model != name:
+            raise APIError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+
+    def _job(
+        self,
+        kind: str,
+        req: BaseGenerateRequest,
+        ids: list[int],
+        arrival_s: float,
+        prompt_field: str,
+        max_tokens: int | None,
+        max_tokens_field: str = "max_tokens",
+    ) -> Job:
+        """The job of a request whose prompt is `ids`; checks the lengths and the sampling
+        parameters (a bad one is a 400 naming its field)."""
+        default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "text_completion" else None
+        max_new = self._max_new_tokens(ids, max_tokens, default, prompt_field, max_tokens_field)
+        params = self._sampling_params(req, max_new, max_tokens_field)
+        try:
+            self.cluster.check_request(ids, params)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param=prompt_field) from None
+        return Job(
+            kind=kind,
+            response_id=f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.info.model_name,
+            prompt_ids=ids,
+            params=params,
+            stop=self._stop(req.stop),
+            session_id=self._session(req),
+            n=req.n,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            return_token_ids=req.return_token_ids,
+            arrival_s=arrival_s,
+        )
+
+    def _max_new_tokens(
+        self, ids: list[int], asked: int | None, default: int | None, prompt: str, field: str
+    ) -> int:
+        """`asked`, or the default (None: all the room) clipped to the room the prompt leaves
+        (requests are refused up front, never cut short). A request over a limit is a 400
+        naming the prompt or `field`, whichever the limit blames."""
+        limits = self.info.limits
+        if asked is None:
+            room = limits.max_new_tokens_room(len(ids))
+            asked = max(1, room if default is None else min(default, room))
+        refused = limits.check(len(ids), asked, max_new_name=field)
+        if refused is not None:
+            raise APIError(
+                400, refused.message, param=prompt if refused.field == "prompt" else field
+            )
+        return asked
+
+    def _sampling_params(
+        self, req: BaseGenerateRequest, max_new: int, max_tokens_field: str
+    ) -> SamplingParams:
+        values: dict[str, Any] = {"max_new_tokens": max_new, "ignore_eos": req.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            if getattr(req, name) is not None:
+                values[name] = getattr(req, name)
+        if req.stop_token_ids:
+            bad = [t for t in req.stop_token_ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"stop_token_ids: {bad[0]} is outside [0, {self.info.vocab_size})",
+                    param="stop_token_ids",
+                )
+            values["stop_token_ids"] = tuple(req.stop_token_ids)
+        try:
+            return SamplingParams(**values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            name = str(first["loc"][0]) if first["loc"] else "sampling parameters"
+            name = max_tokens_field if name == "max_new_tokens" else name
+            raise APIError(400, f"{name}: {first['msg']}", param=name) from None
+
+    def _stop(self, stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise APIError(400, "stop must be a string or a list of strings", param="stop")
+        try:
+            checked = check_stop_strings(stops)
+        except BadRequest as exc:
+            raise APIError(400, str(exc).replace("sampling_params.", ""), param="stop") from None
+        if checked and self.cluster.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer: use stop_token_ids", param="stop")
+        return checked
+
+    def _session(self, req: BaseGenerateRequest) -> str | None:
+        """The router's session key: `session_id` (checked as gRPC checks it), else
+        `prompt_cache_key` or `user` (hashed when not a valid id, e.g. an e-mail address)."""
+        if req.session_id is not None:
+            try:
+                return check_id(req.session_id, "session_id")
+            except BadRequest as exc:
+                raise APIError(400, str(exc), param="session_id") from None
+        key = req.prompt_cache_key or req.user
+        if not key:
+            return None
+        try:
+            return check_id(key, "user")
+        except BadRequest:
+            return "user-" + hashlib.sha256(key.encode()).hexdigest()[: MAX_ID_CHARS // 4]

@@ -1,0 +1,182 @@
+"""The routes of the OpenAI-compatible app: `POST /v1/completions`, `POST /v1/chat/completions`,
+`GET /v1/models`, `GET /health`, `GET /metrics`.
+
+A body is at most `MAX_BODY_BYTES`, counted as it streams (a chunked body has no
+Content-Length): past the limit nothing more is kept, the rest is read and dropped (up to
+`MAX_DRAIN_BYTES`, so that a client that sends its whole body before it reads gets the answer,
+not a reset connection), and the answer is a 413 in OpenAI's error shape. Tokenizing a prompt
+and rendering a chat template run off the event loop, so one huge prompt does not stall the
+other streams.
+
+The app keeps no state: routes read `request.app.state.openai`, an `OpenAIServer`, so the same
+app runs standalone (`HttpServer`) and as a Ray Serve ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from swaserve.cluster.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from swaserve.cluster.metrics import CONTENT_TYPE
+from swaserve.cluster.openai_api.protocol import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    api_error,
+    parse_body,
+    validation_error,
+)
+from swaserve.cluster.openai_api.server import OpenAIServer
+from swaserve.cluster.routed import ClusterError
+
+MAX_BODY_BYTES = DEFAULT_MAX_MESSAGE_BYTES  # as the gRPC server's message limit
+MAX_DRAIN_BYTES = 4 * MAX_BODY_BYTES  # of a body past the limit, read and dropped at most
+
+
+def _server(request: Request) -> OpenAIServer:
+    server: OpenAIServer = request.app.state.openai
+    return server
+
+
+async def _ready_server(request: Request) -> OpenAIServer:
+    server = _server(request)
+    await server.cluster.ready()
+    return server
+
+
+async def _authorize(request: Request) -> None:
+    if not _server(request).authorized(request.headers.get("authorization", "")):
+        raise APIError(
+            401,
+            "missing or wrong API key: send Authorization: Bearer <key>",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+async def _json(request: Request) -> Any:
+    body = await _read_body(request)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, or `APIError` 413 once more than `MAX_BODY_BYTES` came (see the module
+    docstring). The 413 closes the connection, so the part of the body not read is never
+    parsed as a next request; a client that sent `Expect: 100-continue` gets it before it sends
+    the body."""
+    too_large = APIError(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES} bytes",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+    declared = request.headers.get("content-length", "")
+    declared_bytes = int(declared) if declared.isdigit() else None
+    stream = request.stream()
+    read = 0
+    if declared_bytes is None or declared_bytes <= MAX_BODY_BYTES:
+        chunks: list[bytes] = []
+        async for chunk in stream:
+            read += len(chunk)
+            if read > MAX_BODY_BYTES:
+                break
+            chunks.append(chunk)
+        else:
+            return b"".join(chunks)
+        chunks.clear()
+    elif declared_bytes > MAX_DRAIN_BYTES or _expects_continue(request):
+        raise too_large  # not worth reading, or not sent yet
+    async for chunk in stream:  # drop the rest, up to the drain limit
+        read += len(chunk)
+        if read > MAX_DRAIN_BYTES:
+            break
+    raise too_large
+
+
+def _expects_continue(request: Request) -> bool:
+    return request.headers.get("expect", "").lower() == "100-continue"
+
+
+async def completions(request: Request) -> Response:
+    arrival_s = time.monotonic()
+    server = await _ready_server(request)
+    req = parse_body(await _json(request), CompletionRequest, COMPLETION_UNSUPPORTED)
+    job = await asyncio.to_thread(server.jobs.completion_job, req, arrival_s)  # tokenizes
+    return await server.responder.respond(request, job, req.stream)
+
+
+async def chat_completions(request: Request) -> Response:
+    arrival_s = time.monotonic()
+    server = await _ready_server(request)
+    req = parse_body(await _json(request), ChatCompletionRequest, CHAT_UNSUPPORTED)
+    job = await asyncio.to_thread(server.jobs.chat_job, req, arrival_s)  # renders, tokenizes
+    return await server.responder.respond(request, job, req.stream)
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [(await _ready_server(request)).model_card()]}
+
+
+async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+    card = (await _ready_server(request)).model_card()
+    if model_id != card["id"]:
+        raise APIError(
+            404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+    return card
+
+
+async def health(request: Request) -> Response:
+    server = _server(request)
+    if server.serving:
+        return JSONResponse({"status": "serving"})
+    if server.cluster.model_info is None:
+        why = "starting"
+    else:
+        why = "draining" if server.cluster.draining else "no live worker"
+    return JSONResponse({"status": why}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    server = _server(request)
+    if server.metrics is None:
+        raise APIError(404, "metrics are not enabled on this server", code="not_found")
+    return Response(await server.metrics.render(server.cluster), media_type=CONTENT_TYPE)
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+    if isinstance(exc, HTTPException):
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), error_type=error_type).response()
+    return api_error(exc).response()
+
+
+def build_openai_app() -> FastAPI:
+    """The app; set `app.state.openai = OpenAIServer(...)` before it serves."""
+    app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    api = APIRouter(dependencies=[Depends(_authorize)])
+    api.add_api_route("/v1/completions", completions, methods=["POST"])
+    api.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    api.add_api_route("/v1/models", list_models, methods=["GET"])
+    api.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    api.add_api_route("/metrics", metrics, methods=["GET"])
+    app.include_router(api)
+    app.add_api_route("/health", health, methods=["GET"])
+    for kind in (APIError, ClusterError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(kind, _on_error)
+    return app

@@ -1,0 +1,55 @@
+"""OpenAIServer: what the routes of the OpenAI app serve from (`app.state.openai`)."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.model_info import ModelInfo
+from swaserve.cluster.openai_api.jobs import JobBuilder
+from swaserve.cluster.openai_api.stream import Responder
+from swaserve.cluster.routed import RoutedCluster
+
+
+class OpenAIServer:
+    """What the routes serve from: the cluster, the metrics (None: no /metrics) and the API key
+    (None: no auth). Set it as `app.state.openai`."""
+
+    def __init__(
+        self,
+        cluster: RoutedCluster,
+        metrics: ServingMetrics | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key must not be empty")
+        self.cluster, self.metrics = cluster, metrics
+        self._expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.started = int(time.time())
+        self.jobs = JobBuilder(cluster)  # request body -> Job (tokenizes: off the event loop)
+        self.responder = Responder(cluster, metrics)  # Job -> choices -> response
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.jobs.info
+
+    @property
+    def serving(self) -> bool:
+        ready = self.cluster.model_info is not None
+        return ready and not self.cluster.draining and bool(self.cluster.live_workers)
+
+    def authorized(self, header: str) -> bool:
+        if self._expected_auth is None:
+            return True
+        return hmac.compare_digest(header.encode(), self._expected_auth)
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.info.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "swaserve",
+            "max_model_len": self.info.limits.max_model_len,
+        }
