@@ -287,7 +287,9 @@ def test_the_grpc_deadline_reaches_the_router_and_http_sends_none(served: Served
         with_deadline = router.route_timeouts[-1]
         list(stub.Generate(request))
         without = router.route_timeouts[-1]
-    assert with_deadline is not None and 0 < with_deadline <= 30
+    # The server reads the deadline gRPC carries on its own clock (`time_remaining`), which can
+    # be a fraction of a second off the client's 30 s: the test checks that one arrives.
+    assert with_deadline is not None and 0 < with_deadline <= 31
     assert without is None
     post(f"{served.url}/v1/completions", json.dumps(completion_body([1, 2], 2)))
     assert router.route_timeouts[-1] is None  # the OpenAI API has no request deadline
