@@ -94,9 +94,12 @@ class HybridCausalLM(nn.Module):
         self.model = DecoderModel(embed, layers, self.make_norm(d))
         self.lm_head = ParallelLMHead(d, config.vocab_size, dtype=dtype, tp=tp)
         self.tie_weights()
+        # In the order the kinds first appear, not a set's: that order is the traced graph's,
+        # and a set of strings iterates in a per-process order (hash randomisation), so the
+        # compiled step's cache key would differ from one start to the next.
         self.rotary = {
             kind: RotaryEmbedding(config.attention_kind(config.layer_types.index(kind)).rope)
-            for kind in set(config.layer_types)
+            for kind in dict.fromkeys(config.layer_types)
         }
 
     def make_mlp(self, layer_id: int) -> nn.Module:

@@ -1,13 +1,18 @@
 """The compiled decode step for real (`EngineConfig(compile=True)`: torch.compile on CPU):
 greedy tokens equal to transformers and to the eager engine for both architectures, pages of 1
-and 4, with the prefix cache and SWA freeing on; TP = 2 compiled equals TP = 1.
+and 4, with the prefix cache and SWA freeing on; TP = 2 compiled equals TP = 1; a second start
+in a new process loads the compiled step from the on-disk cache.
 
 Slow: each engine compiles its decode graphs at start (tens of seconds cold on a 2-core
 machine). The inductor cache is shared by the module's engines, as by a server's restarts."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -116,3 +121,40 @@ def test_tp2_compiled_equals_tp1(tiny_model_factory: Callable[..., Path]) -> Non
         tp.check()
     finally:
         tp.shutdown()
+
+
+START_AND_COUNT = """
+import json, sys
+from torch._dynamo.utils import counters
+from swaserve.worker import Engine, EngineConfig
+Engine(EngineConfig(model=sys.argv[1], max_total_tokens=640, max_running_requests=2, compile=True))
+print(json.dumps({k: dict(v) for k, v in counters.items()}))
+"""
+
+
+def test_a_second_start_loads_the_compiled_step_from_the_cache(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Two starts in new processes over one inductor cache, with different string-hash seeds
+    (what two `swaserve serve` runs get): the second compiles nothing."""
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=W, hidden_size=32)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+
+    def start(hash_seed: int) -> dict[str, dict[str, int]]:
+        done = subprocess.run(
+            [sys.executable, "-c", START_AND_COUNT, str(model)],
+            env=env | {"PYTHONHASHSEED": str(hash_seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold = start(0)
+    assert cold["aot_autograd"].get("autograd_cache_saved", 0) > 0
+    cached = start(1)  # a set of the two layer kinds iterates the other way under this seed
+    assert cached["aot_autograd"].get("autograd_cache_miss", 0) == 0
+    assert (
+        cached["aot_autograd"]["autograd_cache_hit"] == cold["aot_autograd"]["autograd_cache_saved"]
+    )
+    assert cached["inductor"].get("fxgraph_cache_miss", 0) == 0
