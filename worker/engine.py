@@ -528,17 +528,22 @@ class Engine:
         swa_free = self.allocator.swa_available_size()
         swa_total = plan.swa_tokens if self.hybrid else plan.full_tokens
         full_reserved, swa_reserved = self.scheduler.reserved_tokens()
+        full_evictable = tree.full_evictable_size() if tree else 0
+        full_protected = tree.full_protected_size() if tree else 0
+        # One pool: its SWA figures are the pool's own (what eviction frees serves SWA layers too).
+        swa_evictable = tree.swa_evictable_size() if tree and self.hybrid else full_evictable
+        swa_protected = tree.swa_protected_size() if tree and self.hybrid else full_protected
         return Headroom(
             full_total_tokens=plan.full_tokens,
             full_free_tokens=full_free,
-            full_evictable_tokens=tree.full_evictable_size() if tree else 0,
+            full_evictable_tokens=full_evictable,
             swa_total_tokens=swa_total,
             swa_free_tokens=swa_free,
-            swa_evictable_tokens=tree.swa_evictable_size() if tree and self.hybrid else 0,
+            swa_evictable_tokens=swa_evictable,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            full_protected_tokens=tree.full_protected_size() if tree else 0,
-            swa_protected_tokens=tree.swa_protected_size() if tree and self.hybrid else 0,
+            full_protected_tokens=full_protected,
+            swa_protected_tokens=swa_protected,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
             prompt_tokens_total=self.stats.prompt_tokens,
             cached_tokens_total=self.stats.cached_tokens,

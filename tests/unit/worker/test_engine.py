@@ -73,6 +73,24 @@ def test_streaming_add_step_abort(model_dir: Path) -> None:
     assert head.full_free_tokens + head.full_evictable_tokens == head.full_total_tokens
 
 
+@pytest.mark.parametrize("single_pool", [False, True])
+def test_headroom_counts_the_cached_prefix_as_evictable(model_dir: Path, single_pool: bool) -> None:
+    """After the requests end, every token is free or evictable in each view; one pool reports
+    its SWA view as the pool itself (what eviction frees serves SWA layers too)."""
+    engine = make_engine(model_dir, disable_hybrid_swa_memory=single_pool)
+    engine.generate([[5, 6, 7, 8] * 10, [9] * 30], GREEDY)
+    head = engine.headroom()
+    assert head.hybrid is not single_pool
+    assert head.full_evictable_tokens > 0 and head.swa_evictable_tokens > 0
+    assert head.full_free_tokens + head.full_evictable_tokens == head.full_total_tokens
+    assert head.swa_free_tokens + head.swa_evictable_tokens <= head.swa_total_tokens
+    if single_pool:
+        assert head.swa_total_tokens == head.full_total_tokens
+        assert head.swa_evictable_tokens == head.full_evictable_tokens
+        assert head.swa_free_tokens + head.swa_evictable_tokens == head.swa_total_tokens
+    engine.check()
+
+
 def test_stop_token_finishes_with_stop(model_dir: Path) -> None:
     engine = make_engine(model_dir)
     first = engine.generate([[9, 9, 9]], GREEDY)[0].token_ids
