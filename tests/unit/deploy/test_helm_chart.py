@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import typing
 from typing import Any
 
 import pytest
@@ -348,6 +349,36 @@ def test_engine_and_router_keys_are_the_cli_knobs() -> None:
     engine_keys = set(schema["properties"]["engine"]["properties"])
     assert engine_keys == set(ENGINE_FLAGS) - {"tp_size", "device"}  # from tp and demo
     assert set(schema["properties"]["router"]["properties"]) == set(RouterConfig.model_fields)
+
+
+def literal_values(annotation: object) -> set[object]:
+    """The values a config field's annotation allows, when it is a choice (Literal, bool)."""
+    if annotation is bool:
+        return {True, False}
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(typing.get_args(annotation))
+    return set().union(*(literal_values(a) for a in typing.get_args(annotation)))
+
+
+def test_the_chart_schema_offers_the_choices_the_code_has() -> None:
+    """Every enum of the engine and router values is the code's own list of choices (the
+    routing policies are `POLICIES`), so adding one to the code without the chart fails here."""
+    from swaserve.router import POLICIES, RouterConfig
+    from swaserve.worker import EngineConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    checked = []
+    for section, config in (("engine", EngineConfig), ("router", RouterConfig)):
+        for key, prop in schema[section]["properties"].items():
+            if "enum" not in prop:
+                continue
+            checked.append(key)
+            offered = set(prop["enum"]) - {None}
+            if (section, key) == ("router", "policy"):
+                assert offered == set(POLICIES)
+            else:
+                assert offered == literal_values(config.model_fields[key].annotation), key
+    assert {"policy", "compile", "dtype", "schedule_policy", "attention_backend"} <= set(checked)
 
 
 @pytest.mark.parametrize("name", ["defaults", "plain-tp4", "plain-tls", "knobs", "demo-plain"])
