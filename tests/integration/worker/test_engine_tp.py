@@ -1,10 +1,10 @@
 """The engine over a TP group of two CPU processes (gloo): the same greedy tokens and logits as
 TP = 1, under memory pressure (page size 4, chunked prefill, prefix cache, tombstones); rank 1
 gets no logits (they are gathered to rank 0 only); a rank that dies or hangs makes rank 0 raise
-`TensorParallelError` within the timeout, one that fails at start-up fails `Engine(...)` within
-10 s with its own error; an idle group outlives the timeout; however the program was started
-(stdin, a file without a main guard) its ranks start, and however it ends (Ctrl-C, SIGKILL) no
-rank is left behind."""
+`TensorParallelError` within the timeout, as does a forward that raises on rank 0; a rank that
+fails at start-up fails `Engine(...)` within 10 s with its own error; an idle group outlives the
+timeout; however the program was started (stdin, a file without a main guard) its ranks start,
+and however it ends (Ctrl-C, SIGKILL) no rank is left behind."""
 
 from __future__ import annotations
 
@@ -150,6 +150,32 @@ def test_a_killed_rank_makes_rank0_raise_and_nothing_is_left(
     victim.wait(5)
     message = _step_until_error(engine, 15.0)
     assert "TP rank 1" in message, message
+    with pytest.raises(TensorParallelError, match="TP group is down"):
+        engine.step()
+    engine.shutdown()
+    assert all(p.poll() is not None for p in rank_processes(engine))
+
+
+def test_a_forward_that_raises_on_rank_0_takes_the_group_down_cleanly(
+    tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """At TP = 1 a failed forward fails its batch only; at TP = 2 the other rank waits in a
+    collective rank 0 never reaches, so the group is down: the batch is released (check()
+    passes), step() raises TensorParallelError now and on every later call."""
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    engine = make_engine(model_dir, 2, tp_timeout_s=10.0)
+    engines.append(engine)
+    for prompt in workload(4):
+        engine.add_request(prompt, GREEDY)
+    engine.step()
+
+    def boom(inp: ModelInput) -> torch.Tensor:
+        raise RuntimeError("out of memory (injected)")
+
+    engine.runner.forward = boom  # type: ignore[method-assign]
+    with pytest.raises(TensorParallelError, match="out of step: RuntimeError: out of memory"):
+        engine.step()
+    engine.check()
     with pytest.raises(TensorParallelError, match="TP group is down"):
         engine.step()
     engine.shutdown()
