@@ -23,12 +23,16 @@ class Candidate:
     """A worker that can take the request now. `order`: its rank among the workers by
     `add_worker` order (stable tie-break); `load`: its requests (running, waiting, in flight);
     `hit_tokens`: prompt tokens its prefix cache saves it from computing (a repaired hit:
-    its match less the tokens the repair recomputes)."""
+    its match less the tokens the repair recomputes); `queued_prefill_tokens`: prompt tokens
+    it has still to prefill before this request, as far as the router knows: the waiting
+    prompts of its last report plus the uncached tokens of the requests routed to it since
+    (not listed by a report yet)."""
 
     worker_id: str
     order: int
     load: int
     hit_tokens: int
+    queued_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,32 @@ class PrefixPolicy(Policy):
         )
         eligible = [c for c in candidates if c.load <= limit]
         return max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
+
+
+class TTFTPolicy(Policy):
+    """Least predicted time to first token: a worker prefills its queue in order, so this
+    request's first token waits for the tokens queued before it plus its own uncached ones,
+
+        cost = queued_prefill_tokens + (len(prompt) − hit_tokens)
+
+    and the cheapest worker wins (ties: longer hit, lower load, add order). Reuse counts only
+    as the prefill it saves, so a long hit on a busy worker loses to a cold idle one once the
+    queue there is longer than the hit. No balance gate: the queue is the load signal.
+    """
+
+    name = "ttft"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        n = len(request.token_ids)
+        return min(
+            candidates,
+            key=lambda c: (
+                c.queued_prefill_tokens + n - c.hit_tokens,
+                -c.hit_tokens,
+                c.load,
+                c.order,
+            ),
+        )
 
 
 class RoundRobinPolicy(Policy):
@@ -135,6 +165,13 @@ def _weight(session_key: str, worker_id: str) -> int:
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (PrefixPolicy, RoundRobinPolicy, LeastLoadPolicy, PowerOfTwoPolicy, SessionPolicy)
+    for cls in (
+        PrefixPolicy,
+        TTFTPolicy,
+        RoundRobinPolicy,
+        LeastLoadPolicy,
+        PowerOfTwoPolicy,
+        SessionPolicy,
+    )
 }
 """Routing policies by name (`RouterConfig.policy`)."""

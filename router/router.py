@@ -227,11 +227,17 @@ class Router:
                 raise AssertionError(
                     f"worker {w.worker_id!r} sends no events but awaits a snapshot"
                 )
-            pending = [r.need for r in w.inflight.values() if r.pending]
-            totals = (sum(n.full_tokens for n in pending), sum(n.swa_tokens for n in pending))
-            if totals != (w.pending.full_tokens, w.pending.swa_tokens) or w.num_pending != len(
-                pending
-            ):
+            pending = [r for r in w.inflight.values() if r.pending]
+            totals = (
+                sum(r.need.full_tokens for r in pending),
+                sum(r.need.swa_tokens for r in pending),
+                sum(r.prefill_tokens for r in pending),
+            )
+            if totals != (
+                w.pending.full_tokens,
+                w.pending.swa_tokens,
+                w.pending_prefill_tokens,
+            ) or w.num_pending != len(pending):
                 raise AssertionError(f"worker {w.worker_id!r}: pending totals are off")
 
     # ---- internals -----------------------------------------------------------------------
@@ -254,13 +260,15 @@ class Router:
             hit = hits.get(w.bit, 0)
             need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
             if w.fits(need):
-                candidates.append(Candidate(w.worker_id, w.order, w.load, hit))
+                queued = w.queued_prefill_tokens
+                candidates.append(Candidate(w.worker_id, w.order, w.load, hit, queued))
                 needs[w.worker_id] = need
         if not candidates:
             return None
         chosen = self.policy.choose(request, candidates)
         state = self._workers[chosen.worker_id]
-        state.add(request.request_id, needs[chosen.worker_id], now)
+        uncached = len(request.token_ids) - chosen.hit_tokens
+        state.add(request.request_id, needs[chosen.worker_id], now, uncached)
         self._owner[request.request_id] = chosen.worker_id
         if not state.kv_events and self._approx is not None:
             self._approx.record(state.bit, request.token_ids)

@@ -50,11 +50,13 @@ def request_need(
 @dataclass(slots=True)
 class InFlight:
     """A request routed to a worker (at `routed_at_s`, router clock) and not finished.
-    `pending`: no report of the worker listed it yet, so its need is in none."""
+    `pending`: no report of the worker listed it yet, so its need is in none (nor its
+    `prefill_tokens` in the report's queued prefill)."""
 
     need: RequestNeed
     routed_at_s: float
     pending: bool = True
+    prefill_tokens: int = 0  # its uncached prompt tokens (the prefill it will cost the worker)
 
 
 class WorkerState:
@@ -76,6 +78,7 @@ class WorkerState:
         self.reported_at_s = float("-inf")
         self.inflight: dict[str, InFlight] = {}
         self.pending = RequestNeed(0, 0)  # Σ needs of the pending requests
+        self.pending_prefill_tokens = 0  # Σ prefill tokens of the pending requests
         self.num_pending = 0
 
     def is_fresh(self, now_s: float, timeout_s: float) -> bool:
@@ -111,19 +114,29 @@ class WorkerState:
         swa = h.swa_available_tokens - h.swa_reserved_tokens - waiting_swa - self.pending.swa_tokens
         return full, swa
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens the worker has to prefill before a request sent now: the waiting
+        prompts of its last report plus the uncached tokens of the pending requests."""
+        reported = 0 if self.headroom is None else self.headroom.queued_prefill_tokens
+        return reported + self.pending_prefill_tokens
+
     def fits(self, need: RequestNeed) -> bool:
         full, swa = self.budgets()
         return need.full_tokens <= full and need.swa_tokens <= swa
 
-    def add(self, request_id: str, need: RequestNeed, now_s: float) -> None:
-        """A request was routed here at `now_s`: pending until a report covers it."""
-        self.inflight[request_id] = InFlight(need, now_s)
-        self._count(need, +1)
+    def add(
+        self, request_id: str, need: RequestNeed, now_s: float, prefill_tokens: int = 0
+    ) -> None:
+        """A request was routed here at `now_s` with `prefill_tokens` uncached prompt tokens:
+        pending until a report covers it."""
+        r = self.inflight[request_id] = InFlight(need, now_s, prefill_tokens=prefill_tokens)
+        self._count(r, +1)
 
     def remove(self, request_id: str) -> None:
         r = self.inflight.pop(request_id)
         if r.pending:
-            self._count(r.need, -1)
+            self._count(r, -1)
 
     def take_report(
         self, headroom: Headroom, received_at_s: float, admitted_request_ids: Iterable[str]
@@ -137,9 +150,11 @@ class WorkerState:
             r = self.inflight.get(request_id)
             if r is not None and r.pending:
                 r.pending = False
-                self._count(r.need, -1)
+                self._count(r, -1)
 
-    def _count(self, need: RequestNeed, sign: int) -> None:
+    def _count(self, r: InFlight, sign: int) -> None:
+        need = r.need
+        self.pending_prefill_tokens += sign * r.prefill_tokens
         self.pending = RequestNeed(
             self.pending.full_tokens + sign * need.full_tokens,
             self.pending.swa_tokens + sign * need.swa_tokens,

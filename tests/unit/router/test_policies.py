@@ -13,7 +13,14 @@ PROMPT = list(range(1, 18))
 
 
 def test_registry_names() -> None:
-    assert sorted(POLICIES) == ["least_load", "power_of_two", "prefix", "round_robin", "session"]
+    assert sorted(POLICIES) == [
+        "least_load",
+        "power_of_two",
+        "prefix",
+        "round_robin",
+        "session",
+        "ttft",
+    ]
 
 
 def test_round_robin_cycles_in_add_order_and_skips_workers_that_do_not_fit() -> None:
@@ -69,3 +76,32 @@ def test_session_key_reaches_the_policy_through_route() -> None:
         c.report(w)
     picks = {c.router.route(f"r{i}", PROMPT, 1, session_key="s-1").worker_id for i in range(5)}
     assert len(picks) == 1
+
+
+def test_ttft_takes_the_shortest_queue_plus_uncached_prefill() -> None:
+    c = Cluster("a", "b", "c", policy="ttft")
+    c.report("a", [stored(PROMPT)], queued_prefill_tokens=40)  # hit 16: 40 + 1
+    c.report("b", [stored(PROMPT[:8])], queued_prefill_tokens=20)  # hit 8: 20 + 9
+    c.report("c", queued_prefill_tokens=20)  # no hit: 20 + 17
+    assert c.router.predict_hits(PROMPT[:-1]) == {"a": 16, "b": 8, "c": 0}
+    assert c.router.route("r1", PROMPT, 1).worker_id == "b"
+    # r1's 9 uncached tokens now queue on b (pending until a report lists it): b costs
+    # 29 + 9 = 38, c 37.
+    assert c.router.worker("b").queued_prefill_tokens == 29
+    assert c.router.route("r2", PROMPT, 1).worker_id == "c"
+    # A report that lists r1 replaces the estimate by what b says it still queues.
+    c.report("b", [], admitted=["r1"], queued_prefill_tokens=0)
+    assert c.router.worker("b").queued_prefill_tokens == 0
+    assert c.router.route("r3", PROMPT, 1).worker_id == "b"  # 0 + 9
+    c.router.check()
+
+
+def test_ttft_ties_go_to_the_longer_hit_then_the_lower_load() -> None:
+    c = Cluster("a", "b", policy="ttft")
+    c.report("a", queued_prefill_tokens=8, num_running=0)  # 8 + 17 = 25, hit 0
+    c.report("b", [stored(PROMPT[:8])], queued_prefill_tokens=16, num_running=3)  # 16 + 9
+    assert c.router.route("r", PROMPT, 1).worker_id == "b"
+    c.router.finish("r")
+    c.report("a", queued_prefill_tokens=0, num_running=2)
+    c.report("b", queued_prefill_tokens=0, num_running=1)
+    assert c.router.route("s", list(range(100, 117)), 1).worker_id == "b"  # both 17: load
