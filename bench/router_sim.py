@@ -49,9 +49,17 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from anchor_policies import ANCHORS, AnchorRouter
+from router_workloads import (
+    QUICK_PRESSURE,
+    AgentRun,
+    PressureWorkload,
+    agentic_runs,
+    skewed_requests,
+)
 
 from swaserve.proto.kv_events import KVEventMirror
 from swaserve.proto.kv_rules import cdiv, page_floor, swa_tokens_for_extend, window_repair_tokens
@@ -62,6 +70,9 @@ from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
 
 POLICIES = ("prefix", "round_robin", "least_load")
+OURS = ("prefix", "ttft")
+COMPARED = (*OURS, "round_robin", "least_load", *ANCHORS)
+REPORT_DELAYS_S = (0.0, 0.1, 0.5)
 VOCAB = range(50_000)
 
 
@@ -86,6 +97,11 @@ class WorkerSpec:
     prefill_tokens_per_s: float = 20_000.0
     decode_s_per_token: float = 0.02
     heartbeat_s: float = 0.5
+    speed: float = 1.0  # × both rates (0.5: the slow worker)
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return 1.0 / (self.prefill_tokens_per_s * self.speed)
 
     @property
     def repair_tokens(self) -> int:
@@ -129,6 +145,8 @@ class SimRequest:
     repair_end: int = 0  # a repaired match's end while its repair is not computed yet
     repaired: bool = False
     computed: int = 0  # prompt tokens with KV (prefill progress)
+    arrival_s: float = 0.0  # sent to the router
+    first_token_s: float = -1.0  # its prefill ended (simulated time)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     lock: PrefixLock | None = None
     swa: SWAFreeState = field(default_factory=SWAFreeState)
@@ -191,6 +209,7 @@ class SimWorker:
         self.admitted: list[str] = []  # taken since the last report (`admitted_request_ids`)
         self.seq = 0
         self.running_s = 0.0  # ∫ len(running) dt
+        self.prefill_free_s = 0.0  # the prefill engine is busy until then
         self.last_change_s = 0.0
         self.retracted = 0
 
@@ -233,10 +252,29 @@ class SimWorker:
         self.account(now)
         ready = [r for r in self.prefilling if self._prefill(r)]
         self.prefilling = [r for r in self.prefilling if r not in ready]
-        while self.waiting and self._try_admit(self.waiting[0]):
+        for req in ready:
+            self._queue_prefill(req, now)
+        while (
+            self.waiting
+            and not self.prefilling
+            and now >= self.prefill_free_s
+            and self._try_admit(self.waiting[0])
+        ):
             req = self.waiting.popleft()
-            (ready if req.computed == len(req.prompt) else self.prefilling).append(req)
+            if req.computed == len(req.prompt):
+                self._queue_prefill(req, now)
+                ready.append(req)
+            else:
+                self.prefilling.append(req)
         return ready
+
+    def _queue_prefill(self, req: SimRequest, now: float) -> None:
+        """The prefill engine computes the uncached prompt after what it has started."""
+        start = max(now, self.prefill_free_s)
+        self.prefill_free_s = (
+            start + (len(req.prompt) - req.real_hit) * self.spec.prefill_s_per_token
+        )
+        req.first_token_s = self.prefill_free_s
 
     def finish(self, req: SimRequest, now: float) -> None:
         """Decode the reply (in interval blocks, freeing out-of-window SWA), cache it."""
@@ -256,11 +294,8 @@ class SimWorker:
         assert req.lock is not None
         self.cache.cache_finished_request(tokens[:done], req.slots[:done], req.lock, req.swa)
 
-    def service_s(self, req: SimRequest) -> float:
-        s = self.spec
-        return (len(req.prompt) - req.real_hit) / s.prefill_tokens_per_s + len(
-            req.reply
-        ) * s.decode_s_per_token
+    def decode_s(self, req: SimRequest) -> float:
+        return len(req.reply) * self.spec.decode_s_per_token / self.spec.speed
 
     def _try_admit(self, req: SimRequest) -> bool:
         """The scheduler's admission: both budgets, then match, lock and the first chunk."""
@@ -381,26 +416,51 @@ class SimWorker:
 # ---- the simulation -------------------------------------------------------------------------------
 
 
-class Simulation:
-    """Events in time order: arrivals (route), finishes, heartbeat reports, queue deadlines.
-    After each event, queued requests that fit now are sent (`Router.poll`). Heartbeats run
-    while other events remain."""
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """How the cluster differs from the plain one: reports reach the router
+    `report_delay_s` after the worker sends them; the first `slow_workers` workers run at
+    half speed (prefill and decode)."""
 
-    def __init__(self, policy: str, workers: int, spec: WorkerSpec) -> None:
+    report_delay_s: float = 0.0
+    slow_workers: int = 0
+
+
+class Simulation:
+    """Events in time order: arrivals (route), prefill ends, finishes, heartbeat reports,
+    report deliveries, queue deadlines. After each event, queued requests that fit now are
+    sent (`Router.poll`). Heartbeats run while other events remain. `policy` names one of
+    the router's policies or an anchor's rule (`anchor_policies.ANCHORS`: it routes in
+    place of the `Router`, from what that router sees)."""
+
+    def __init__(
+        self, policy: str, workers: int, spec: WorkerSpec, scenario: Scenario = Scenario()
+    ) -> None:
         self.now = 0.0
-        self.router = Router(RouterConfig(policy=policy), clock=lambda: self.now)
-        self.workers = {f"w{i}": SimWorker(f"w{i}", spec) for i in range(workers)}
-        for worker in self.workers.values():
-            self.router.add_worker(worker.worker_id)
-            self._report(worker)
         self._events: list[tuple[float, int, bool, Callable[[], None]]] = []
         self._order = itertools.count()
         self._outstanding = 0  # scheduled events that are not heartbeats
+        self.scenario = scenario
+        ids = [f"w{i}" for i in range(workers)]
+        self.workers = {
+            w: SimWorker(w, replace(spec, speed=0.5) if i < scenario.slow_workers else spec)
+            for i, w in enumerate(ids)
+        }
+        self.anchor = ANCHORS[policy](ids, lambda: self.now) if policy in ANCHORS else None
+        self.router: Router | AnchorRouter = self.anchor or Router(
+            RouterConfig(policy=policy), clock=lambda: self.now
+        )
+        for worker in self.workers.values():  # registered long before the first request
+            if self.anchor is None:
+                self.router.add_worker(worker.worker_id)  # type: ignore[union-attr]
+            self._deliver(worker.report(self.now))
         self.routing: dict[str, SimRequest] = {}  # routed or queued, not yet on a worker
         self.done: list[SimRequest] = []
         self.refused = self.queued = 0
         self.decision_s: list[float] = []
         self.instant_imbalance_s = self.busy_s = 0.0
+        self.first_arrival_s = float("inf")
+        self.last_finish_s = 0.0
         self.on_end: Callable[[SimRequest | None, int | None], None] = lambda req, session: None
 
     def at(self, when: float, action: Callable[[], None], heartbeat: bool = False) -> None:
@@ -430,6 +490,8 @@ class Simulation:
 
     def arrive(self, req: SimRequest) -> None:
         """A client sends `req`; `on_end(None, session)` if it is refused."""
+        req.arrival_s = self.now
+        self.first_arrival_s = min(self.first_arrival_s, self.now)
         start = time.perf_counter()
         try:
             decision = self.router.route(
@@ -465,21 +527,41 @@ class Simulation:
         self._started(worker, worker.submit(req, self.now))
 
     def _started(self, worker: SimWorker, admitted: list[SimRequest]) -> None:
+        """Requests whose prefill is queued: their first token at `first_token_s`, their
+        finish a decode later; at the prefill's end the worker admits the next."""
         for req in admitted:
-            self.at(self.now + worker.service_s(req), lambda r=req, w=worker: self._finish(w, r))
+            end = req.first_token_s + worker.decode_s(req)
+            self.at(req.first_token_s, lambda r=req: self._first_token(r))
+            self.at(end, lambda r=req, w=worker: self._finish(w, r))
+        if admitted:
+            self.at(worker.prefill_free_s, lambda w=worker: self._started(w, w.admit(self.now)))
         self._report(worker)
+
+    def _first_token(self, req: SimRequest) -> None:
+        if self.anchor is not None:
+            self.anchor.prefilled(req.request_id)
 
     def _finish(self, worker: SimWorker, req: SimRequest) -> None:
         worker.finish(req, self.now)
         self.router.finish(req.request_id)
         self.done.append(req)
+        self.last_finish_s = self.now
         self._started(worker, worker.admit(self.now))
         self.on_end(req, req.session)
 
     def _report(self, worker: SimWorker) -> None:
-        """No report is lost here, so the router never asks for a snapshot."""
-        resync = self.router.update(worker.report(self.now))
-        assert not resync, f"{worker.worker_id}: the router lost track of a lossless stream"
+        """Send a report now; it reaches the router `report_delay_s` later. No report is
+        lost and they arrive in order, so the router never asks for a snapshot."""
+        report = worker.report(self.now)
+        if self.scenario.report_delay_s:
+            delay = self.scenario.report_delay_s
+            self.at(self.now + delay, lambda: self._deliver(report), heartbeat=True)
+        else:
+            self._deliver(report)
+
+    def _deliver(self, report: WorkerReport) -> None:
+        resync = self.router.update(report)
+        assert not resync, f"{report.worker_id}: the router lost track of a lossless stream"
 
     def _heartbeat(self, worker: SimWorker) -> None:
         self._report(worker)
@@ -498,6 +580,8 @@ class Simulation:
         average_running = [w.running_s / max(self.now, 1e-9) for w in self.workers.values()]
         mean_running = sum(average_running) / len(average_running)
         decision_ms = sorted(1e3 * t for t in self.decision_s) or [0.0]
+        ttft_ms = sorted(1e3 * (r.first_token_s - r.arrival_s) for r in self.done) or [0.0]
+        span_s = max(self.last_finish_s - self.first_arrival_s, 1e-9)
         return {
             "requests": len(self.done),
             "prompt_tokens": prompt_tokens,
@@ -515,6 +599,9 @@ class Simulation:
             "swa_unaware_equals_real": sum(r.naive_hit == r.real_hit for r in done) / len(done),
             "decision_p50_ms": percentile(decision_ms, 0.50),
             "decision_p99_ms": percentile(decision_ms, 0.99),
+            "ttft_p50_ms": percentile(ttft_ms, 0.50),
+            "ttft_p99_ms": percentile(ttft_ms, 0.99),
+            "throughput_tok_s": sum(len(r.reply) for r in self.done) / span_s,
             "simulated_s": self.now,
         }
 
@@ -523,9 +610,15 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def run_chat(policy: str, workers: int, spec: WorkerSpec, sessions: list[dict]) -> dict[str, float]:
+def run_chat(
+    policy: str,
+    workers: int,
+    spec: WorkerSpec,
+    sessions: list[dict],
+    scenario: Scenario = Scenario(),
+) -> dict[str, float]:
     """Each session sends its turns one after another; a refused turn ends the session."""
-    sim = Simulation(policy, workers, spec)
+    sim = Simulation(policy, workers, spec, scenario)
     history = [list(s["system"]) for s in sessions]
     turn = [0] * len(sessions)
 
@@ -551,14 +644,64 @@ def run_chat(policy: str, workers: int, spec: WorkerSpec, sessions: list[dict]) 
 
 
 def run_independent(
-    policy: str, workers: int, spec: WorkerSpec, requests: list[tuple[float, SimRequest]]
+    policy: str,
+    workers: int,
+    spec: WorkerSpec,
+    requests: list[tuple[float, SimRequest]],
+    scenario: Scenario = Scenario(),
 ) -> dict[str, float]:
-    sim = Simulation(policy, workers, spec)
+    sim = Simulation(policy, workers, spec, scenario)
     for when, req in requests:
-        fresh = SimRequest(req.request_id, req.prompt, req.reply, None)
+        fresh = SimRequest(req.request_id, req.prompt, req.reply, req.session)
         sim.at(when, lambda r=fresh: sim.arrive(r))
     sim.run()
     return sim.metrics()
+
+
+def run_agentic(
+    policy: str, workers: int, spec: WorkerSpec, runs: list[AgentRun], scenario: Scenario
+) -> dict[str, float]:
+    """Each run sends its sub-requests at once, then its join once all have answered (a
+    refused sub-request leaves its reply out of the join)."""
+    sim = Simulation(policy, workers, spec, scenario)
+    left = [len(run.subs) for run in runs]
+    replies: list[list[list[int]]] = [[] for _ in runs]
+
+    def start(i: int) -> None:
+        for j, (instruction, reply) in enumerate(runs[i].subs):
+            sim.arrive(SimRequest(f"a{i}-{j}", runs[i].prefix + instruction, reply, i))
+
+    def on_end(req: SimRequest | None, i: int | None) -> None:
+        assert i is not None
+        if req is not None and req.request_id.endswith("-join"):
+            return
+        if req is not None:
+            replies[i].append(req.reply)
+        left[i] -= 1
+        if left[i] == 0:
+            instruction, answer = runs[i].join
+            prompt = runs[i].prefix + [t for r in replies[i] for t in r] + instruction
+            sim.arrive(SimRequest(f"a{i}-join", prompt, answer, i))
+
+    sim.on_end = on_end
+    for i, run in enumerate(runs):
+        sim.at(run.start_s, lambda i=i: start(i))
+    sim.run()
+    return sim.metrics()
+
+
+def run_skewed(
+    policy: str,
+    workers: int,
+    spec: WorkerSpec,
+    requests: list[tuple[float, int, list[int], list[int]]],
+    scenario: Scenario,
+) -> dict[str, float]:
+    reqs = [
+        (when, SimRequest(f"k{i}", prompt, reply, tenant))
+        for i, (when, tenant, prompt, reply) in enumerate(requests)
+    ]
+    return run_independent(policy, workers, spec, reqs, scenario)
 
 
 # ---- decision latency with 10^4 cached sequences --------------------------------------------------
@@ -675,12 +818,90 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         }
         sequences, probes = (400, 200) if args.quick else (10_000, 2000)
         latency = decision_latency(args.workers, spec, sequences, probes, args.seed)
+        pressure = QUICK_PRESSURE if args.quick else PressureWorkload()
+        comparison = compare(args, spec, sessions, pressure)
     finally:
         torch.set_num_threads(threads)
     report = summarize(args, spec, runs, latency)
+    report["comparison"] = summarize_comparison(comparison)
     if args.json:
         print(json.dumps(report))
     return report
+
+
+def compare(
+    args: argparse.Namespace, spec: WorkerSpec, sessions: list[dict], pressure: PressureWorkload
+) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """workload -> report delay (ms, as a string) -> policy -> metrics: every policy of
+    `COMPARED` on the same trace, one slow worker, reports delayed by each of
+    `REPORT_DELAYS_S`."""
+    rng = random.Random(args.seed + 7)
+    traces = {
+        "chat": (run_chat, sessions),
+        "agentic": (run_agentic, agentic_runs(rng, pressure, args.workers)),
+        "skewed": (run_skewed, skewed_requests(rng, pressure, args.workers)),
+    }
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for workload, (run, trace) in traces.items():
+        out[workload] = {}
+        for delay_s in REPORT_DELAYS_S:
+            scenario = Scenario(report_delay_s=delay_s, slow_workers=1)
+            out[workload][f"{1e3 * delay_s:g}"] = {
+                p: run(p, args.workers, spec, trace, scenario)
+                for p in COMPARED  # type: ignore[operator]
+            }
+    return out
+
+
+def summarize_comparison(comparison: dict) -> dict[str, object]:
+    """Print one table per workload × report delay and the TTFT p99 ratios: the best anchor's
+    (and the best of every baseline's) p99 over the better of ours."""
+    print(
+        f"\nsame traces, one worker at half speed, reports delayed; TTFT and throughput in "
+        f"simulated time\n{'workload':<9} {'delay':>6} {'policy':<20} {'reuse':>6} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'tok/s':>7} {'pred=real':>9} {'queued':>6}"
+    )
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for workload, by_delay in comparison.items():
+        ratios[workload] = {}
+        for delay, by_policy in by_delay.items():
+            for policy, m in by_policy.items():
+                print(
+                    f"{workload:<9} {delay + ' ms':>6} {policy:<20} {m['reuse']:>6.3f} "
+                    f"{m['ttft_p50_ms']:>9.0f} {m['ttft_p99_ms']:>9.0f} "
+                    f"{m['throughput_tok_s']:>7.0f} {m['predicted_equals_real']:>9.4f} {m['queued']:>6}"
+                )
+            ours = min(OURS, key=lambda p: by_policy[p]["ttft_p99_ms"])
+            anchor = min(ANCHORS, key=lambda p: by_policy[p]["ttft_p99_ms"])
+            baseline = min(
+                (p for p in by_policy if p not in OURS), key=lambda p: by_policy[p]["ttft_p99_ms"]
+            )
+            best_p99 = max(by_policy[ours]["ttft_p99_ms"], 1e-9)
+            ratios[workload][delay] = {
+                "ours": ours,  # type: ignore[dict-item]
+                "best_anchor": anchor,  # type: ignore[dict-item]
+                "best_baseline": baseline,  # type: ignore[dict-item]
+                "vs_best_anchor": by_policy[anchor]["ttft_p99_ms"] / best_p99,
+                "vs_best_baseline": by_policy[baseline]["ttft_p99_ms"] / best_p99,
+            }
+            r = ratios[workload][delay]
+            print(
+                f"{workload:<9} {delay + ' ms':>6} TTFT p99: {ours} vs {anchor} {r['vs_best_anchor']:.2f}x, "
+                f"vs {baseline} {r['vs_best_baseline']:.2f}x"
+            )
+    at_100 = {
+        w: min(by_delay["100"][p]["predicted_equals_real"] for p in OURS)
+        for w, by_delay in comparison.items()
+        if "100" in by_delay
+    }
+    goals = {
+        "ttft_p99_ge_1_2x_best_anchor": all(
+            r["vs_best_anchor"] >= 1.2 for by in ratios.values() for r in by.values()
+        ),
+        "predicted_equals_real_ge_0_95_at_100ms": all(v >= 0.95 for v in at_100.values()),
+    }
+    print(f"ours' predicted == real at 100 ms: {at_100}; goals: {goals}")
+    return {"runs": comparison, "ratios": ratios, "predicted_at_100ms": at_100, "goals": goals}
 
 
 def summarize(

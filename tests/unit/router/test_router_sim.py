@@ -1,6 +1,9 @@
 """bench/router_sim.py --quick runs in-process and reports the promised JSON keys, and with
 reports after every change the router predicts each worker's real reuse exactly, repaired
-window hits included (no timing asserts: the bench is a measurement, not a test)."""
+window hits included; the comparison with the anchors' rules replays every request of each
+trace for every policy and report delay, and the exact-KV baseline (no window rule) predicts
+what an SWA-unaware view predicts (no timing asserts: the bench is a measurement, not a
+test)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # its sibling modules
     spec = importlib.util.spec_from_file_location("router_sim", ROOT / "bench" / "router_sim.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -40,3 +44,28 @@ def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
     # The trace reaches repaired hits on every policy (a shared system prompt whose window
     # checkpoint the SWA pool evicted: its full KV stays, a new session repairs R of it).
     assert min(m["repaired"] for m in report["runs"]["chat"].values()) > 0
+
+    comparison = report["comparison"]["runs"]
+    assert set(comparison) == {"chat", "agentic", "skewed"}
+    # Every trace's requests: chat 23 turns; agentic 4 runs × (4 subs + 1 join); skewed 24.
+    sizes = {"chat": 23, "agentic": 20, "skewed": 24}
+    policies = {"prefix", "ttft", "round_robin", "least_load"}
+    policies |= {"sglang_cache_aware", "ray_prefix_affinity", "exact_kv"}
+    for workload, by_delay in comparison.items():
+        assert set(by_delay) == {"0", "100", "500"}
+        for by_policy in by_delay.values():
+            assert set(by_policy) == policies
+            for m in by_policy.values():
+                assert (m["requests"], m["refused"], m["stuck"]) == (sizes[workload], 0, 0)
+                assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and m["throughput_tok_s"] > 0
+    for workload in ("chat", "agentic"):  # SWA pressure: cached prefixes lost their windows
+        instant = comparison[workload]["0"]
+        assert instant["prefix"]["predicted_equals_real"] == 1.0
+        assert instant["ttft"]["predicted_equals_real"] == 1.0
+        exact = instant["exact_kv"]
+        # A tombstoned page counts as a hit: it predicts what the SWA-unaware view does,
+        # and misses the real reuse where the window was lost.
+        assert exact["predicted_equals_real"] == exact["swa_unaware_equals_real"] < 1.0
+    ratios = report["comparison"]["ratios"]
+    assert set(ratios["agentic"]) == {"0", "100", "500"}
+    assert ratios["agentic"]["0"]["ours"] in {"prefix", "ttft"}
