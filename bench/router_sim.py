@@ -36,6 +36,16 @@ cached conversations (from real caches) times `route` alone: p50 and p99 (see
 Goals (multi-turn chat, 4 and 8 workers): prefix reuses >= 2x the tokens of round_robin with
 imbalance <= 1.3; predicted == real for >= 99 % of requests; p99 decision < 1 ms.
 
+Then the comparison (`compare`): the chat trace and the SWA-pressure traces of
+`router_workloads.py` (agentic fan-out, one skewed tenant), one worker at half speed, reports
+delivered 0 / 100 / 500 ms after they are sent, for our policies (`prefix`, `ttft`),
+round_robin, least_load and the anchors' rules (`anchor_policies.py`). A worker prefills its
+admitted requests one after another at its rate (it admits the next when the previous
+prefill ends) and decodes each at its per-token time; TTFT = first token − arrival at the
+router (router queue + worker queue + prefill), throughput = generated tokens / the run's
+span, all in simulated time. Goals: TTFT p99 >= 1.2x the best anchor's; ours' predicted ==
+real >= 0.95 with 100 ms reports.
+
     python bench/router_sim.py [--seed N] [--workers K] [--swa-layers L] [--json] [--quick]
 """
 
