@@ -25,6 +25,11 @@ dropped. The skipped first block gives the first row's lead-in memory to read. P
 Dk in the pool instead would cost 20% more KV bytes per MiMo token (192 + 192 vs 192 + 128)
 and a change of the pool's layout and budget; two kernel calls cannot split a softmax.
 
+A fixed-shape decode step (`DecodeMetadata`, the CUDA-graph step) calls the same paged kernel
+with block tables made on the device from its padded reads (`decode_block_table`), so a
+captured graph reads the pool in place too; on a gathered pool it runs the torch backend's
+`static_decode`.
+
 Sinks are applied afterwards through the returned logsumexp: `out * sigmoid(lse - sink)`.
 vllm_flash_attn is imported lazily, on the first forward: this module imports without it and
 without CUDA.
@@ -41,9 +46,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.metadata import AttentionMetadata, KVReads, build_attention_metadata
-from swaserve.worker.attention.static_decode import DecodeMetadata
+from swaserve.worker.attention.static_decode import DecodeMetadata, DecodeReads
 from swaserve.worker.attention.torch_backend import check_shapes, static_decode
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
@@ -223,6 +229,7 @@ class FlashAttentionBackend(AttentionBackend):
         self._kernel = None if kernel is None else adapt_varlen(kernel)
         self.page_size = kv_pool.page_size
         self._paged = self._paged_views() if self.page_size % BLOCK_TOKENS == 0 else None
+        self._decode_cache: tuple[DecodeMetadata, dict[bool, FlashKeys]] | None = None
         if self._paged is None:
             logger.warning(
                 "flash attention copies each layer's K/V out of the pool every step: the "
@@ -281,7 +288,11 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [T, H, Dv]
         meta = batch.attn_metadata
         if isinstance(meta, DecodeMetadata):  # a captured decode step: no host-planned varlen
-            return static_decode(self.kv_pool, q, k, v, layer, meta, sinks)
+            if self._paged is None:
+                return static_decode(self.kv_pool, q, k, v, layer, meta, sinks)
+            meta.write_kv(self.kv_pool, layer.layer_id, k, v)
+            cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)  # [Bp + 1]
+            return self._attend(q, layer, self._decode_keys(meta, layer), cu_q, 1, sinks)
         if not isinstance(meta, FlashMetadata):
             raise ValueError(
                 "batch.attn_metadata is not set by the flash backend: call "
@@ -292,6 +303,18 @@ class FlashAttentionBackend(AttentionBackend):
         kv = meta.swa if layer.is_swa else meta.full
         assert kv is not None  # reads() raised otherwise
         meta.base.write_kv(self.kv_pool, layer.layer_id, k, v)
+        return self._attend(q, layer, kv, meta.cu_seqlens_q, meta.max_seqlen_q, sinks)
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, H, Dk]
+        layer: AttentionLayer,
+        kv: FlashKeys,
+        cu_seqlens_q: torch.Tensor,  # [B+1] int32
+        max_seqlen_q: int,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """One kernel call over this layer's K/V (written already): paged or gathered."""
         if self._kernel is None:
             self._kernel = load_flash_kernel()
         window = (-1, -1) if layer.sliding_window_size is None else (layer.sliding_window_size, 0)
@@ -312,8 +335,8 @@ class FlashAttentionBackend(AttentionBackend):
             q.contiguous(),
             keys,
             values,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            max_seqlen_q=meta.max_seqlen_q,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
             cu_seqlens_k=kv.cu_seqlens_k,
             seqused_k=kv.seqused_k,
             max_seqlen_k=kv.max_seqlen_k,
@@ -323,6 +346,55 @@ class FlashAttentionBackend(AttentionBackend):
         )
         out = out[..., column : column + dv].to(in_dtype)  # [T, H, Dv]
         return out if sinks is None else apply_sinks(out, lse, sinks)
+
+    def _decode_keys(self, meta: DecodeMetadata, layer: AttentionLayer) -> FlashKeys:
+        """The block tables of a fixed-shape decode step, one per layer kind, built on the
+        first layer of each kind and reused by the others (`decode_block_table`)."""
+        cached = self._decode_cache
+        if cached is None or cached[0] is not meta:
+            cached = self._decode_cache = (meta, {})
+        keys = cached[1].get(layer.is_swa)
+        if keys is None:
+            reads = meta.reads(layer)
+            window = meta.sliding_window_size if layer.is_swa else None
+            keys = cached[1][layer.is_swa] = decode_block_table(reads, meta.positions, window)
+        return keys
+
+
+def decode_block_table(
+    reads: DecodeReads,
+    positions: torch.Tensor,  # [Bp] int64 the new token's position
+    window: int | None,  # W for an SWA layer, None for a full one
+) -> FlashKeys:
+    """The paged kernel's keys for a decode step of fixed shapes, from its padded reads, on
+    the device: block j of row b starts at position `first_b + 16·j`, `first_b` = 0 (full) or
+    `floor_16(max(0, p_b - W))` (SWA; the lead-in keys before the window share the window's
+    first page, so they are live, and the kernel's window mask hides them). The block id is
+    the pool row of the block's first read position // 16 - 1 (the paged views skip block 0).
+    Shapes depend on the read's width only: Lf / 16 blocks for full layers (Lf a multiple of
+    16), cdiv(W + 16, 16) for SWA ones; `max_seqlen_k` is their token span."""
+    block = BLOCK_TOKENS
+    width = reads.slots.shape[1]  # Lf, or W + 1
+    if window is None:
+        if width % block:
+            raise ValueError(f"a paged decode reads a multiple of {block} keys, not {width}")
+        first = torch.zeros_like(positions)  # [Bp] int64
+        cols = torch.arange(0, width, block, device=positions.device)  # [Lf / 16] int64
+        columns = cols[None, :].expand(positions.shape[0], -1)  # [Bp, Lf / 16] int64
+    else:
+        start = torch.clamp(positions - window, min=0)  # [Bp] int64 the window's first key
+        first = torch.div(start, block, rounding_mode="floor") * block  # [Bp] int64
+        cols = torch.arange(cdiv(window + block, block), device=positions.device) * block
+        columns = torch.clamp(first[:, None] - start[:, None] + cols[None, :], 0, width - 1)
+    slots = torch.gather(reads.slots, 1, columns)  # [Bp, blocks] int64 pool rows
+    block_table = torch.clamp(torch.div(slots, block, rounding_mode="floor") - 1, min=0)
+    used = (positions + 1 - first).to(torch.int32)  # [Bp] int32
+    return FlashKeys(
+        cu_seqlens_k=F.pad(torch.cumsum(used, 0, dtype=torch.int32), (1, 0)),
+        max_seqlen_k=columns.shape[1] * block,
+        block_table=block_table.to(torch.int32),
+        seqused_k=used,
+    )
 
 
 def _same_head_dim(

@@ -17,6 +17,9 @@ from fake_flash_attn import FakeFlashAttn
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker import model_runner as model_runner_module
 from swaserve.worker.attention import FlashAttentionBackend
+from swaserve.worker.attention.flash_backend import decode_block_table
+from swaserve.worker.attention.static_decode import decode_metadata
+from swaserve.worker.decode_step import DecodeStep
 from swaserve.worker.model_input import ModelInput
 
 W = 8
@@ -96,3 +99,83 @@ def test_flash_logits_equal_the_torch_backend(
     assert any(inp.writes.num_writes for inp, _ in steps)  # a prefix-cache hit re-addressed
     assert {c.paged for c in fake.calls} == {page_size == 16}
     assert {c.window for c in fake.calls} == {(-1, -1), (W, 0)}
+
+
+class ReplayedGraph:
+    """A CPU stand-in for a CUDA graph (capture runs `fn`, replay runs it again into the
+    captured output; new inputs reach it only through the buffers `fn` closed over)."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.fn, self.out = fn, fn()
+        return self.out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize("api", ["v2_6", "newer"])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+def test_a_captured_decode_step_reads_the_pool_through_block_tables(
+    tiny_model_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    api: str,
+) -> None:
+    """At P = 16 the fixed-shape decode step calls the paged kernel, with block tables built on
+    the device from its padded reads (`decode_block_table`), and gives the torch backend's
+    greedy tokens while windows slide past the lead-in keys and SWA KV is freed."""
+    model_dir = tiny_model_factory(arch, num_layers=6, sliding_window_size=W, seed=5)
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [PREFIX + [7] * 30, [*PREFIX, 9, 9], [3, 1, 4, 1, 5], PREFIX[:21]]
+    want = [o.token_ids for o in engine(model_dir, 16).generate(prompts, greedy)]
+    fake = FakeFlashAttn()
+    backend = functools.partial(FlashAttentionBackend, kernel=getattr(fake, api))
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner_module, "select_backend", lambda *a, **k: backend)
+        twin = engine(model_dir, 16)
+    runner = twin.runner
+    step = runner.decode_step = DecodeStep(
+        runner.model,
+        runner.slot_table,
+        sliding_window_size=runner.model_config.sliding_window_size,
+        two_pools=not runner.plan.single_pool,
+        device=runner.device,
+        mode="graphs",
+        graph_factory=ReplayedGraph,
+    )
+    assert [o.token_ids for o in twin.generate(prompts, greedy)] == want
+    twin.check()
+    assert step.stats.steps == greedy.max_new_tokens - 1  # every decode, as one graph
+    assert twin.stats.swa_freed_tokens > 0
+    decode_calls = [c for c in fake.calls if c.paged and c.seqused_k == (api == "newer")]
+    assert {c.window for c in decode_calls} == {(-1, -1), (W, 0)}
+    assert not any(not c.paged for c in fake.calls)
+    assert len(fake.calls) >= 6 * step.stats.steps  # each decode step: one call per layer
+
+
+def test_decode_block_tables_start_at_the_window_page() -> None:
+    """Row 0 at position 40 with W = 8 reads from position 32 (its block) on SWA layers, from
+    0 on full ones; row 1 (position 3) from 0 on both; block ids are pool rows // 16 - 1."""
+    table = torch.arange(2 * 64).view(2, 64) + 16  # [rows, positions] → pool row, from block 1
+    positions = torch.tensor([40, 3])
+    meta = decode_metadata(
+        full_table=table,
+        swa_table=table,
+        rows=torch.tensor([0, 1]),
+        positions=positions,
+        out_full_loc=torch.tensor([56, 83]),
+        out_swa_loc=torch.tensor([56, 83]),
+        full_cols=torch.arange(64),
+        sliding_window_size=W,
+    )
+    assert meta.swa is not None
+    swa = decode_block_table(meta.swa, positions, W)
+    assert swa.seqused_k.tolist() == [9, 4]  # 40 - 32 + 1, 3 + 1
+    assert swa.max_seqlen_k == 32  # cdiv(W + 16, 16) = 2 blocks
+    assert swa.block_table.tolist() == [[(16 + 32) // 16 - 1, (16 + 40) // 16 - 1], [4, 4]]
+    full = decode_block_table(meta.full, positions, None)
+    assert full.seqused_k.tolist() == [41, 4] and full.max_seqlen_k == 64
+    assert full.block_table.tolist()[0] == [0, 1, 2, 2]  # positions 0, 16, 32, then the last
+    assert full.cu_seqlens_k.tolist() == [0, 41, 45]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        decode_block_table(meta.swa, positions, None)
