@@ -161,16 +161,23 @@ class ModelRunner:
         self.backend = backend_cls(self.kv_pool, self.model_config.sliding_window_size)  # type: ignore[call-arg]
         self.model.bind_backend(self.backend)
         if self.compile_mode is not None:
-            self.decode_step = DecodeStep(
-                self.model,
-                self.slot_table,
-                sliding_window_size=self.model_config.sliding_window_size,
-                two_pools=not plan.single_pool,
-                device=device,
-                mode=self.compile_mode,
-                graph_factory=self.graph_factory,
-                graph_breaks=self.tp.world_size > 1,
-            )
+            self.decode_step = self.make_decode_step(self.compile_mode, self.graph_factory)
+
+    def make_decode_step(
+        self, mode: str, graph_factory: Callable[[], Graph] | None = None
+    ) -> DecodeStep:
+        """The fixed-shape decode step over this runner's model, slot table and pools (after
+        `allocate_kv`); `graph_factory` stands in for CUDA graphs (tests)."""
+        return DecodeStep(
+            self.model,
+            self.slot_table,
+            sliding_window_size=self.model_config.sliding_window_size,
+            two_pools=not self.plan.single_pool,
+            device=self.device,
+            mode=mode,
+            graph_factory=graph_factory,
+            graph_breaks=self.tp.world_size > 1,
+        )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)  # pinned, non-blocking on CUDA; no copy on CPU

@@ -78,17 +78,7 @@ class no_host_reads:
 
 
 def replay_step(engine: Engine) -> DecodeStep:
-    runner = engine.runner
-    step = DecodeStep(
-        runner.model,
-        runner.slot_table,
-        sliding_window_size=runner.model_config.sliding_window_size,
-        two_pools=not runner.plan.single_pool,
-        device=runner.device,
-        mode="graphs",
-        graph_factory=ReplayGraph,
-    )
-    runner.decode_step = step
+    step = engine.runner.decode_step = engine.runner.make_decode_step("graphs", ReplayGraph)
     return step
 
 

@@ -19,7 +19,6 @@ from swaserve.worker import model_runner as model_runner_module
 from swaserve.worker.attention import FlashAttentionBackend
 from swaserve.worker.attention.flash_backend import decode_block_table
 from swaserve.worker.attention.static_decode import decode_metadata
-from swaserve.worker.decode_step import DecodeStep
 from swaserve.worker.model_input import ModelInput
 
 W = 8
@@ -133,16 +132,7 @@ def test_a_captured_decode_step_reads_the_pool_through_block_tables(
     with monkeypatch.context() as patch:
         patch.setattr(model_runner_module, "select_backend", lambda *a, **k: backend)
         twin = engine(model_dir, 16)
-    runner = twin.runner
-    step = runner.decode_step = DecodeStep(
-        runner.model,
-        runner.slot_table,
-        sliding_window_size=runner.model_config.sliding_window_size,
-        two_pools=not runner.plan.single_pool,
-        device=runner.device,
-        mode="graphs",
-        graph_factory=ReplayedGraph,
-    )
+    step = twin.runner.decode_step = twin.runner.make_decode_step("graphs", ReplayedGraph)
     assert [o.token_ids for o in twin.generate(prompts, greedy)] == want
     twin.check()
     assert step.stats.steps == greedy.max_new_tokens - 1  # every decode, as one graph
