@@ -25,6 +25,8 @@ Per cell (workers N × sequences S):
   new 128-token message, 10 % a system prompt plus a fresh message, 10 % random tokens — each
   timed thrice (route, finish, route again) keeping the fastest, and the single-shot p99;
   in-flight requests are capped at 4 per worker (finished FIFO);
+- GC: the time of one full `gc.collect()` over the built router (every trie node is a
+  tracked object: the pause a collection of the oldest generation costs the router);
 - ingest: steady churn in reports sized like the engine's: a new sequence stored, its earlier
   turns tombstoned, the oldest sequences' leaf pages removed at the engine's removed / stored
   rate; pages applied per second of `Router.update` alone.
@@ -374,7 +376,9 @@ def run_cell(workers: int, sequences: int, mix: EventMix, args: argparse.Namespa
     start = time.perf_counter()
     sent, update_s = build(router, fleet, sequences)
     build_s = time.perf_counter() - start
-    gc.collect()
+    start = time.perf_counter()
+    gc.collect()  # a full pass over the router's objects: the pause a router process can see
+    gc_full_ms = 1e3 * (time.perf_counter() - start)
     memory = rss_bytes() - rss_before
     traced = tracemalloc.get_traced_memory()[0] if args.traced else None
     tracemalloc.stop()
@@ -394,6 +398,7 @@ def run_cell(workers: int, sequences: int, mix: EventMix, args: argparse.Namespa
         "trie_pages": len(view.by_hash),
         "build_s": build_s,
         "build_pages_per_s": held / update_s,
+        "gc_full_ms": gc_full_ms,
         "rss_bytes": memory,
         "memory_bytes": memory if traced is None else traced,
         "memory_measure": "rss" if traced is None else "tracemalloc",
@@ -523,7 +528,8 @@ def print_cell(c: dict) -> None:
     print(
         f"{c['workers']:>4} workers x {c['sequences']:>6} seqs ({tag:>9}): {c['pages_held']:>11,} pages, "
         f"{c['bytes_per_page']:6.0f} B/page, {c['memory_bytes'] / 1e9:7.2f} GB; decision p50 "
-        f"{d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} ms; ingest {c['ingest']['pages_per_s']:,.0f} pages/s",
+        f"{d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} ms; ingest {c['ingest']['pages_per_s']:,.0f} pages/s"
+        + (f"; full GC {c['gc_full_ms']:.0f} ms" if "gc_full_ms" in c else ""),
         flush=True,
     )
 

@@ -27,6 +27,7 @@ Worker ids here are small ints (bit positions); the router maps its worker ids o
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -39,8 +40,27 @@ from swaserve.proto.kv_events import (
     KVTombstoned,
 )
 
-PageKey = int | tuple[int, ...]
-"""A page's tokens: the token itself when P = 1, else the tuple of its P tokens."""
+PageKey = int | bytes
+"""A page's tokens: the token itself when P = 1, else its P tokens as little-endian uint32
+(4P bytes: a third of a tuple's size, without an int object per token)."""
+
+_KEY_TOKEN_BYTES = 4
+
+
+def page_keys(token_ids: Sequence[int], page_size: int) -> Sequence[PageKey]:
+    """The keys of the whole pages of `token_ids`, as the trie files them. With P > 1, pages
+    from the first token outside [0, 2^32) on have none (no page can hold such a token)."""
+    n = len(token_ids) // page_size * page_size
+    if page_size == 1:
+        return token_ids
+    try:
+        data = struct.pack(f"<{n}I", *token_ids[:n])
+    except struct.error:
+        bad = next(i for i, t in enumerate(token_ids) if not 0 <= t < 1 << 32)
+        n = bad // page_size * page_size
+        data = struct.pack(f"<{n}I", *token_ids[:n])
+    step = _KEY_TOKEN_BYTES * page_size
+    return [data[i : i + step] for i in range(0, len(data), step)]
 
 
 class CacheViewCorrupted(AssertionError):
@@ -49,14 +69,18 @@ class CacheViewCorrupted(AssertionError):
 
 class _Node:
     """One page under its parent. `held`: bit w set when worker w caches the page; `tomb`:
-    bit w set when it is a tombstone there (`tomb` ⊆ `held`)."""
+    bit w set when it is a tombstone there (`tomb` ⊆ `held`).
+
+    `children` is None (a leaf), the one child itself (a chain: most pages), or a dict by key
+    (two or more; the root's is always a dict): a 1-entry dict costs more than the page's
+    other state. Read them through `_PageTrie._find` / `_kids`."""
 
     __slots__ = ("children", "held", "key", "page_hash", "parent", "tomb")
 
     def __init__(self, key: PageKey, parent: _Node | None, page_hash: int | None = None) -> None:
         self.key = key
         self.parent = parent
-        self.children: dict[PageKey, _Node] = {}
+        self.children: _Node | dict[PageKey, _Node] | None = None
         self.held = 0
         self.tomb = 0
         self.page_hash = page_hash
@@ -76,8 +100,12 @@ class _PageTrie:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self.root = _Node((), None)
+        self.root = _Node(b"", None)
+        self.root.children = {}
         self._num_pages: dict[int, int] = {}  # worker -> pages it holds
+        # One int object per worker bit, shared by every page only that worker holds (an int
+        # of 2^30 and up is a 32-60-byte object of its own each time it is computed).
+        self._bits: dict[int, int] = {}
 
     def num_pages(self, worker: int) -> int:
         return self._num_pages.get(worker, 0)
@@ -112,11 +140,20 @@ class _PageTrie:
         repairing = sum(1 << w for w in repairs)
         ok, in_tomb = alive, 0
         ready: dict[int, int] = {}  # worker -> end at which its live run reaches W
-        node, end, n = self.root, 0, len(token_ids) // p * p
-        while end < n and alive:
-            key = token_ids[end] if p == 1 else tuple(token_ids[end : end + p])
-            child = node.children.get(key)
-            if child is None:
+        node, end = self.root, 0
+        for key in page_keys(token_ids, p):
+            if not alive:
+                break
+            kids = node.children
+            if kids is None:
+                break
+            if isinstance(kids, dict):
+                child = kids.get(key)
+                if child is None:
+                    break
+            elif kids.key == key:
+                child = kids
+            else:
                 break
             if alive & ~child.held:
                 gone = alive & ~child.held
@@ -151,15 +188,67 @@ class _PageTrie:
             _repair(best, alive & repairing & ~ok, end, repairs)
         return best
 
-    def _key(self, token_ids: Sequence[int], start: int) -> PageKey:
-        p = self.page_size
-        return token_ids[start] if p == 1 else tuple(token_ids[start : start + p])
+    def _bit(self, worker: int) -> int:
+        """`1 << worker`, one object per worker."""
+        bit = self._bits.get(worker)
+        if bit is None:
+            bit = self._bits[worker] = 1 << worker
+        return bit
+
+    @staticmethod
+    def _find(parent: _Node, key: PageKey) -> _Node | None:
+        """`parent`'s child of `key`, or None."""
+        kids = parent.children
+        if kids is None:
+            return None
+        if isinstance(kids, dict):
+            return kids.get(key)
+        return kids if kids.key == key else None
+
+    @staticmethod
+    def _kids(node: _Node) -> Iterable[_Node]:
+        kids = node.children
+        if kids is None:
+            return ()
+        return kids.values() if isinstance(kids, dict) else (kids,)
 
     def _child(self, parent: _Node, key: PageKey, page_hash: int | None = None) -> _Node:
-        node = parent.children.get(key)
-        if node is None:
-            node = parent.children[key] = _Node(key, parent, page_hash)
+        """`parent`'s child of `key`, created (held by nobody) if it is missing."""
+        node = self._find(parent, key)
+        if node is not None:
+            return node
+        node = _Node(key, parent, page_hash)
+        kids = parent.children
+        if kids is None:
+            parent.children = node
+        elif isinstance(kids, dict):
+            kids[key] = node
+        else:
+            parent.children = {kids.key: kids, key: node}
         return node
+
+    @staticmethod
+    def _unlink(parent: _Node, node: _Node) -> None:
+        kids = parent.children
+        if isinstance(kids, dict):
+            del kids[node.key]
+            if len(kids) == 1 and parent.parent is not None:  # the root keeps its dict
+                parent.children = next(iter(kids.values()))
+        else:
+            parent.children = None
+
+    def _hold(self, node: _Node, worker: int, tombstone: bool) -> bool:
+        """`worker` holds `node` (a tombstone or not); False if it already held it."""
+        bit = self._bit(worker)
+        new = not node.held & bit
+        if new:
+            node.held = node.held | bit if node.held else bit
+            self._num_pages[worker] = self._num_pages.get(worker, 0) + 1
+        if tombstone:
+            node.tomb = node.tomb | bit if node.tomb else bit
+        elif node.tomb & bit:
+            node.tomb &= ~bit
+        return new
 
     def _release(self, node: _Node, worker: int) -> None:
         """Worker `worker` no longer holds `node` (it did)."""
@@ -169,9 +258,9 @@ class _PageTrie:
 
     def _prune(self, node: _Node) -> None:
         """Remove `node` and then each ancestor while it is held by nobody and has no child."""
-        while node.parent is not None and not node.held and not node.children:
+        while node.parent is not None and not node.held and node.children is None:
             parent, node.parent = node.parent, None
-            del parent.children[node.key]
+            self._unlink(parent, node)
             self._forget(node)
             node = parent
 
@@ -184,7 +273,7 @@ class _PageTrie:
         while stack:
             x = stack.pop()
             out.append(x)
-            stack.extend(x.children.values())
+            stack.extend(self._kids(x))
         return out[::-1]
 
     def _check_trie(self) -> list[_Node]:
@@ -193,12 +282,14 @@ class _PageTrie:
         counts: dict[int, int] = {}
         for x in nodes:
             parent = x.parent
-            if parent is None or parent.children.get(x.key) is not x:
+            if parent is None or self._find(parent, x.key) is not x:
                 raise CacheViewCorrupted(f"page {x.key!r} is not filed under its parent")
-            size = 1 if isinstance(x.key, int) else len(x.key)
+            size = 1 if isinstance(x.key, int) else len(x.key) // _KEY_TOKEN_BYTES
             if size != self.page_size or (self.page_size == 1) != isinstance(x.key, int):
                 raise CacheViewCorrupted(f"page key {x.key!r} does not fit P={self.page_size}")
-            if not x.held and not x.children:
+            if isinstance(x.children, dict) and len(x.children) < 2:
+                raise CacheViewCorrupted(f"page {x.key!r} keeps a dict for {len(x.children)} child")
+            if not x.held and x.children is None:
                 raise CacheViewCorrupted(f"page {x.key!r} is held by nobody and has no child")
             if x.tomb & ~x.held:
                 raise CacheViewCorrupted(f"page {x.key!r} is a tombstone where it is not held")
@@ -283,24 +374,22 @@ class ExactCacheView(_PageTrie):
         p = self.page_size
         if event.page_size != p or len(event.token_ids) < len(event.page_hashes) * p:
             return 1
+        keys = page_keys(event.token_ids, p)
+        if len(keys) < len(event.page_hashes):  # a token outside [0, 2^32)
+            return 1
         parent = self.root if event.parent_hash is None else self.by_hash.get(event.parent_hash)
         bit = 1 << worker
         if parent is None or (parent is not self.root and not parent.held & bit):
             return 1
         mismatch = 0
-        for i, h in enumerate(event.page_hashes):
-            key = self._key(event.token_ids, i * p)
+        for key, h in zip(keys, event.page_hashes, strict=False):
             node = self._child(parent, key, h)
             if node.page_hash != h:  # a different hash for the same tokens: not our chain
                 self._prune(node)
                 return 1
             self.by_hash[h] = node
-            if node.held & bit:
+            if not self._hold(node, worker, event.swa_tombstone):
                 mismatch = 1
-            else:
-                node.held |= bit
-                self._num_pages[worker] = self._num_pages.get(worker, 0) + 1
-            node.tomb = node.tomb | bit if event.swa_tombstone else node.tomb & ~bit
             parent = node
         return mismatch
 
@@ -327,7 +416,8 @@ class ExactCacheView(_PageTrie):
             if node is None or not node.held & bit or bool(node.tomb & bit) == tombstone:
                 mismatch = 1
                 continue
-            node.tomb ^= bit
+            tomb = node.tomb ^ bit
+            node.tomb = self._bit(worker) if tomb == bit else tomb
         return mismatch
 
     def _forget(self, node: _Node) -> None:
@@ -358,17 +448,16 @@ class ApproxCacheView(_PageTrie):
     def record(self, worker: int, token_ids: Sequence[int]) -> None:
         """`worker` now caches the whole pages of `token_ids`; evicts LRU pages past the cap."""
         node, path = self.root, []
-        for start in range(0, len(token_ids) // self.page_size * self.page_size, self.page_size):
-            node = self._child(node, self._key(token_ids, start))
+        for key in page_keys(token_ids, self.page_size):
+            node = self._child(node, key)
             path.append(node)
         bit = 1 << worker
         for node in reversed(path):
             if node.held & bit:
                 self._lru.move_to_end((node, worker))
             else:
-                node.held |= bit
+                self._hold(node, worker, False)
                 self._lru[node, worker] = None
-                self._num_pages[worker] = self._num_pages.get(worker, 0) + 1
         while self.num_tokens > self.max_tokens:
             (node, w), _ = self._lru.popitem(last=False)
             self._release(node, w)

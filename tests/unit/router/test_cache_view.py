@@ -20,6 +20,7 @@ from swaserve.proto.kv_events import (
     page_hashes,
 )
 from swaserve.router import ApproxCacheView, CacheViewCorrupted, ExactCacheView
+from swaserve.router.cache_view import page_keys
 from swaserve.worker.kv import SWATokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 
@@ -126,7 +127,7 @@ def test_events_that_do_not_fit_are_counted_and_never_leave_an_orphan(
 def test_exact_view_check_catches_an_orphan_page() -> None:
     view = ExactCacheView(P)
     view.apply(0, [stored(TOKENS[:4])])
-    view.root.children[(1, 2)].held = 0  # the parent page forgets worker 0
+    view.root.children[page_keys([1, 2], P)[0]].held = 0  # the parent page forgets worker 0
     with pytest.raises(CacheViewCorrupted, match="held where its parent is not"):
         view.check()
 
