@@ -18,15 +18,17 @@ Per cell (workers N × sequences S):
 - build: each worker's sequences, 64 per report (seq 1, 2, ...; headroom of an idle worker
   with room for everything), into one router; the view's page count must equal the pages sent
   (no event mismatch);
-- memory: RSS growth of the process over the build (the router is the only thing that grows),
+- memory: RSS growth over the build, in a process forked for the cell (the router is the
+  only thing that grows there),
   and that ÷ pages held: bytes per cached page (`--traced` adds tracemalloc's exact figure, at
   a cost in time and memory);
 - decision: `Router.route` on probes — 80 % a cached sequence cut after a random turn plus a
   new 128-token message, 10 % a system prompt plus a fresh message, 10 % random tokens — each
   timed thrice (route, finish, route again) keeping the fastest, and the single-shot p99;
   in-flight requests are capped at 4 per worker (finished FIFO);
-- GC: the time of one full `gc.collect()` over the built router (every trie node is a
-  tracked object: the pause a collection of the oldest generation costs the router);
+- GC: the time of one full `gc.collect()` after the build less one before it: the router's
+  share of the pause a collection of the oldest generation costs (every trie node is a
+  tracked object);
 - ingest: steady churn in reports sized like the engine's: a new sequence stored, its earlier
   turns tombstoned, the oldest sequences' leaf pages removed at the engine's removed / stored
   rate; pages applied per second of `Router.update` alone.
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import random
 import tempfile
@@ -368,7 +371,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_cell(workers: int, sequences: int, mix: EventMix, args: argparse.Namespace) -> dict:
     fleet = SyntheticFleet(workers, args.seed, mix)
+    start = time.perf_counter()
     gc.collect()
+    gc_before_ms = 1e3 * (time.perf_counter() - start)
     if args.traced:
         tracemalloc.start()
     rss_before = rss_bytes()
@@ -378,7 +383,7 @@ def run_cell(workers: int, sequences: int, mix: EventMix, args: argparse.Namespa
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     gc.collect()  # a full pass over the router's objects: the pause a router process can see
-    gc_full_ms = 1e3 * (time.perf_counter() - start)
+    gc_full_ms = 1e3 * (time.perf_counter() - start) - gc_before_ms  # the router's share
     memory = rss_bytes() - rss_before
     traced = tracemalloc.get_traced_memory()[0] if args.traced else None
     tracemalloc.stop()
@@ -457,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         workers_grid, sequences_grid, sessions, pool = (4, 16), (10, 100), 10, 3072
         args.probes, args.churn_reports, args.check, args.traced = 200, 500, True, True
         args.max_pages = min(args.max_pages, 40_000)
-    mix = engine_event_mix(sessions, pool, args.seed)
+    # The engine runs in a process of its own, so that the cells fork one without torch.
+    with multiprocessing.get_context("spawn").Pool(1) as engine_pool:
+        mix = engine_pool.apply(engine_event_mix, (sessions, pool, args.seed))
     print(
         f"engine event mix over {mix.steps} steps ({mix.reports_with_events} with events): "
         f"stored {mix.stored_pages}, removed {mix.removed_pages} "
@@ -470,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in sequences_grid:
             if expected_pages(n, s) > args.max_pages:
                 continue
-            cells.append(run_cell(n, s, mix, args))
+            with multiprocessing.get_context("fork").Pool(1) as pool:  # a fresh heap per cell
+                cells.append(pool.apply(run_cell, (n, s, mix, args)))
             print_cell(cells[-1])
     built = list(cells)
     for n in workers_grid:
