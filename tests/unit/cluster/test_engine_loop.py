@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,6 +39,23 @@ class Collector:
         return out
 
 
+class HeldAtFirstToken(Collector):
+    """A sink that keeps the loop's thread inside its first chunk with tokens until `go` is
+    set: the request stays open, one token in, whatever the test does meanwhile (the loop
+    takes the commands queued by then before its next step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self._held = False
+
+    def __call__(self, chunk: GenerateChunk) -> None:
+        super().__call__(chunk)
+        if chunk.token_ids and not self._held:
+            self._held = True
+            assert self.go.wait(60), "the test never let the loop go on"
+
+
 def test_streams_the_tokens_of_generate_and_reports(engine: Engine) -> None:
     prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -70,14 +88,15 @@ def test_bad_request_fails_its_future_and_abort_ends_the_stream(engine: Engine) 
     try:
         with pytest.raises(RequestError):
             loop.submit("bad", [10_000], SamplingParams(), Collector()).result(10)
-        sink = Collector()
+        sink = HeldAtFirstToken()
         long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
         loop.submit("long", [1, 2, 3], long, sink).result(10)
         first = sink.chunks.get(timeout=30)
         assert first.token_ids
         loop.abort("long")
-        last = sink.until_finished()[-1]
-        assert last.finish_reason == "abort"
+        sink.go.set()
+        chunks = sink.until_finished()
+        assert [c.finish_reason for c in chunks] == ["abort"]  # no step ran before the abort
         assert loop.num_open == 0
     finally:
         loop.stop()
@@ -90,10 +109,12 @@ def test_bad_request_fails_its_future_and_abort_ends_the_stream(engine: Engine) 
 def test_stop_ends_open_requests_and_refuses_new_ones(engine: Engine) -> None:
     loop = EngineLoop(engine, "w0")
     loop.start()
-    sink = Collector()
+    sink = HeldAtFirstToken()
     long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
     loop.submit("long", [4, 5, 6], long, sink).result(10)
+    assert sink.chunks.get(timeout=30).token_ids
     loop.stop()
+    sink.go.set()
     assert loop.wait(10)
     assert sink.until_finished()[-1].finish_reason == "abort"
     with pytest.raises(RuntimeError, match="stopped"):
@@ -143,14 +164,15 @@ def test_reports_list_the_requests_taken_and_a_snapshot_replaces_the_stream(
         loop.submit("r1", [1, 2, 3, 4, 7, 7], params, sink).result(10)
         sink.until_finished()
         long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
-        held = Collector()
+        held = HeldAtFirstToken()
         loop.submit("long", [9, 8, 7, 6, 5], long, held).result(10)
-        assert held.chunks.get(timeout=30).token_ids  # it runs
+        assert held.chunks.get(timeout=30).token_ids  # it runs, and stays open until aborted
         before = reports.until(lambda r: "long" in r.admitted_request_ids)
         # Each request is listed once, in the first report after the engine took it.
         listed = [rid for r in before for rid in r.admitted_request_ids]
         assert listed == ["r0", "r1", "long"]
         loop.request_snapshot()
+        held.go.set()
         stream = before + reports.until(lambda r: r.snapshot)
         snap = stream[-1]
         assert snap.seq == stream[-2].seq + 1 and snap.admitted_request_ids == ("long",)
