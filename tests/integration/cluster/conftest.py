@@ -20,6 +20,13 @@ def ray_session() -> Iterator[str]:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at nice 15: beside one busy process at nice 0 a worker gets a
+    # few percent of a core, a model load takes minutes, and Serve's own start-up checks fail
+    # (it kills a proxy not ready in 5 s). The tests' workers compete on equal terms instead;
+    # what is slow then is the load, not a priority. Processes that join this Ray (the
+    # `swaserve serve` subprocesses) and a local Ray the tests start inherit both settings.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
     ray.init(
         num_cpus=RAY_NUM_CPUS,
         _node_ip_address="127.0.0.1",
