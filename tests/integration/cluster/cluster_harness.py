@@ -4,15 +4,19 @@ talk to them with the stock, synchronous gRPC clients."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import ray
 
 from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
@@ -26,6 +30,10 @@ T = TypeVar("T")
 
 WINDOW = 8  # W of the test model: small, so that SWA freeing and the window rule matter
 MAX_TOTAL_TOKENS = 2048
+# A bound on waits for what takes new Ray worker processes (a cluster, a recreated group, a
+# `swaserve serve` subprocess): their start and model load, minutes on a loaded machine. A
+# bound, not a wait: every such wait ends on the state it waits for.
+STARTUP_TIMEOUT_S = 600.0
 
 
 class LoopThread:
@@ -158,18 +166,68 @@ def reference_tokens(model: Path, prompts: list[list[int]], max_new: list[int]) 
         engine.shutdown()
 
 
-def wait_idle(served: ServedCluster, timeout_s: float = 20.0) -> dict[str, pb.WorkerLoad]:
-    """GetLoad once the router has seen every worker report no running or waiting request and
-    holds no request of its own on any of them (its view is what the next route admits by)."""
+def wait_idle(served: ServedCluster, timeout_s: float = 60.0) -> dict[str, pb.WorkerLoad]:
+    """GetLoad once the router has seen every worker report no running or waiting request,
+    holds no request of its own on any of them, and holds each worker's latest report (its
+    view is what the next route admits by; an idle report from before the last request
+    would look the same but for its counters)."""
     deadline = time.monotonic() + timeout_s
     while True:
         load = served.load()
         idle = all(w.num_running == 0 and w.num_waiting == 0 for w in load.values())
-        if idle and all(s.load == 0 for s in served.loop.run(served.cluster.load())):
+        if idle and _router_holds_latest_idle_reports(served):
             return load
         if time.monotonic() > deadline:
             raise AssertionError(f"workers still busy: {load}")
         time.sleep(0.05)
+
+
+def _router_holds_latest_idle_reports(served: ServedCluster) -> bool:
+    statuses = served.loop.run(served.cluster.load())
+    for status in statuses:
+        latest = ray.get(served.cluster.groups[status.worker_id].engine.report.remote(), timeout=60)
+        if status.load != 0 or latest is None or status.headroom != latest.headroom:
+            return False
+    return True
+
+
+def worker_pids(served: ServedCluster, worker_ids: Iterable[str] = ()) -> list[int]:
+    """The rank-0 processes of the given workers (default: every live one)."""
+    engines = [served.cluster.groups[w].engine for w in worker_ids or served.cluster.live_workers]
+    return [ray.get(engine.pid.remote(), timeout=60) for engine in engines]
+
+
+@contextlib.contextmanager
+def stopped(pids: Iterable[int]) -> Iterator[None]:
+    """Inside the block the processes stand still (SIGSTOP; SIGCONT after): a worker stopped
+    so streams no token and ends no request, so the test acts on requests that are surely
+    still open, however fast or slow the machine. Calls to it wait; its reports pause.
+    Entered once every thread of every process has stopped."""
+    pids = list(pids)
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while not all(_all_threads_stopped(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"processes {pids} did not stop"
+            time.sleep(0.01)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (state T in /proc), or the process is gone."""
+    for path in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            state = path.read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # that thread ended meanwhile
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 def run_concurrent_streams(served: ServedCluster, cluster_model: Path, n: int = 50) -> set[str]:

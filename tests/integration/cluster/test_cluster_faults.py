@@ -17,11 +17,14 @@ import grpc
 import pytest
 import ray
 from cluster_harness import (
+    STARTUP_TIMEOUT_S,
     ServedCluster,
     greedy,
     reference_tokens,
+    stopped,
     stream,
     wait_idle,
+    worker_pids,
 )
 
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
@@ -35,7 +38,8 @@ MakeCluster = Callable[..., ServedCluster]
 
 
 class StreamThread(threading.Thread):
-    """One Generate call in a thread: its items, and the status code it ended with."""
+    """One Generate call in a thread: its items, and the status code it ended with. Its
+    deadline bounds a wait for a recreated group too (`STARTUP_TIMEOUT_S`)."""
 
     def __init__(self, served: ServedCluster, request: pb.GenerateRequest) -> None:
         super().__init__(daemon=True)
@@ -48,7 +52,9 @@ class StreamThread(threading.Thread):
     def run(self) -> None:
         with self.served.channel() as channel:
             try:
-                for item in pb_grpc.InferenceStub(channel).Generate(self.request, timeout=120):
+                for item in pb_grpc.InferenceStub(channel).Generate(
+                    self.request, timeout=STARTUP_TIMEOUT_S
+                ):
                     self.items.append(item)
                     self.first.set()
                 self.code = grpc.StatusCode.OK
@@ -102,7 +108,7 @@ def started(served: ServedCluster, requests: list[pb.GenerateRequest]) -> list[S
     for s in streams:
         s.start()
     for s in streams:
-        assert s.first.wait(60)
+        assert s.first.wait(120)
     return streams
 
 
@@ -113,7 +119,7 @@ def sigkill(actor: object) -> None:
 
 def assert_nothing_lost(streams: list[StreamThread], expected: list[list[int]]) -> None:
     for s, want in zip(streams, expected, strict=True):
-        s.join(180)
+        s.join(STARTUP_TIMEOUT_S + 60)
         assert not s.is_alive()
         assert s.code == grpc.StatusCode.OK, s.request.request_id
         assert [t for item in s.items for t in item.token_ids] == want, s.request.request_id
@@ -145,11 +151,14 @@ def test_killed_worker_process_streams_migrate_and_the_group_comes_back(
     assert on == {"worker-0", "worker-1"}, on
     victim = "worker-1"
     moved = [s for s in streams if s.worker_id == victim]
-    sigkill(served.cluster.groups[victim].engine)
+    (pid,) = worker_pids(served, [victim])
+    with stopped([pid]):  # its streams cannot end before it dies
+        assert all(s.code is None for s in moved)
+        os.kill(pid, signal.SIGKILL)
     assert_nothing_lost(streams, expected)
     assert all({i.worker_id for i in s.items} == {victim, "worker-0"} for s in moved)
     assert served.cluster.migrations >= 1
-    wait_for(lambda: set(served.load()) == {"worker-0", "worker-1-r1"}, timeout_s=120)
+    wait_for(lambda: set(served.load()) == {"worker-0", "worker-1-r1"}, STARTUP_TIMEOUT_S)
     assert victim in served.cluster.lost and not served.cluster.groups[victim].alive
     assert served.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10).num_workers == 2
     again = started(served, [long_request(10 + i, 100) for i in range(4)])
@@ -161,7 +170,8 @@ def test_killed_worker_process_streams_migrate_and_the_group_comes_back(
 def test_request_routed_to_a_dead_worker_before_any_token_is_retried(
     make_cluster: MakeCluster, cluster_model
 ) -> None:
-    served = make_cluster(replicas=2)
+    # The dead worker stays fresh in the router's view however long the follow-up takes.
+    served = make_cluster(replicas=2, router=RouterConfig(report_timeout_s=STARTUP_TIMEOUT_S))
     stub = served.stub()
     prompt = [(11 * j) % 250 for j in range(40)]
     _, _, first = stream(stub, pb.GenerateRequest(token_ids=prompt, sampling_params=greedy(4)))
@@ -188,13 +198,16 @@ def test_killed_tp_rank_takes_its_group_down_and_the_stream_waits_for_its_return
     expected = undisturbed(cluster_model, [request])
     (running,) = started(served, [request])
     group = served.cluster.groups["worker-0"]
-    sigkill(group.rank_actors[0])
+    rank_1 = ray.get(group.rank_actors[0].pid.remote(), timeout=30)
+    with stopped(worker_pids(served)):  # rank 0 takes no step before rank 1 is gone
+        assert running.code is None
+        os.kill(rank_1, signal.SIGKILL)
     # No other worker: the stream waits for the recreated group and continues there.
     assert_nothing_lost([running], expected)
     assert {i.worker_id for i in running.items} == {"worker-0", "worker-0-r1"}
     with pytest.raises(ray.exceptions.RayActorError):  # rank 0 went down with its group
         ray.get(group.engine.num_open.remote(), timeout=30)
-    wait_for(lambda: set(served.load()) == {"worker-0-r1"}, timeout_s=120)
+    wait_for(lambda: set(served.load()) == {"worker-0-r1"}, STARTUP_TIMEOUT_S)
     assert served.cluster.groups["worker-0-r1"].info.model.tp_size == 2
     check_survivors(served)
 
@@ -215,7 +228,7 @@ def test_killed_router_actor_is_restarted_and_rebuilds_its_view(
     sigkill(router)
     assert_nothing_lost(streams, expected)  # streams do not need the router once placed
     # The restarted router knows both workers again from their reports ...
-    wait_for(lambda: set(served.load()) == {"worker-0", "worker-1"}, timeout_s=60)
+    wait_for(lambda: set(served.load()) == {"worker-0", "worker-1"}, STARTUP_TIMEOUT_S)
     assert ray.get(router.pid.remote(), timeout=10) != old_pid  # a new instance
     # ... and their caches, from the snapshots they sent when it asked: the follow-up goes
     # where its prefix is cached.
@@ -232,15 +245,16 @@ def test_full_router_queue_gets_resource_exhausted_with_a_retry_hint(
     served = make_cluster(replicas=1, max_total_tokens=512, router=RouterConfig(max_queue_len=0))
     holder = StreamThread(served, long_request(0, max_new_tokens=450))
     holder.start()
-    assert holder.first.wait(60)
+    assert holder.first.wait(120)
     stub = served.stub()
-    call = stub.Generate(long_request(1, max_new_tokens=450), timeout=30)
-    with pytest.raises(grpc.RpcError) as err:
-        list(call)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert dict(err.value.trailing_metadata())["retry-after-s"] == "1"
-    assert stub.Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
-    holder.join(30)
+    with stopped(worker_pids(served)):  # the holder holds its room throughout
+        call = stub.Generate(long_request(1, max_new_tokens=450), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(err.value.trailing_metadata())["retry-after-s"] == "1"
+        assert stub.Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
+    holder.join(60)
     assert holder.items[-1].finish_reason == "abort"
     wait_idle(served)
     ids, _, _ = stream(stub, long_request(2, max_new_tokens=450))
@@ -250,9 +264,9 @@ def test_full_router_queue_gets_resource_exhausted_with_a_retry_hint(
 def test_queued_request_waits_for_room_and_a_caller_that_leaves_the_queue_frees_its_place(
     make_cluster: MakeCluster,
 ) -> None:
-    # The holder's output nearly fills the model's context: it holds the room until it is
-    # aborted (thousands of decode steps, far past the waits below). The queued request needs
-    # as much: whatever share of the holder's output the worker still reserves, the pool cannot
+    # The holder's output nearly fills the model's context, and its worker stands still until
+    # the holder is aborted, so it holds the room until then. The queued request needs as
+    # much: whatever share of the holder's output the worker still reserves, the pool cannot
     # hold both, so it waits in the router's queue until the abort.
     served = make_cluster(replicas=1, max_total_tokens=4608, router=RouterConfig(max_queue_len=4))
     router = served.cluster.router
@@ -262,16 +276,17 @@ def test_queued_request_waits_for_room_and_a_caller_that_leaves_the_queue_frees_
 
     holder = StreamThread(served, long_request(0, max_new_tokens=4000))
     holder.start()
-    assert holder.first.wait(60)
+    assert holder.first.wait(120)
     queued = StreamThread(served, long_request(1, max_new_tokens=4000))
-    queued.start()
-    wait_for(lambda: queue_len() == 1)
-    with pytest.raises(grpc.RpcError) as err:
-        list(served.stub().Generate(long_request(2, max_new_tokens=4000), timeout=1.0))
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: queue_len() == 1)  # the one that left is out of the queue
-    assert holder.code is None and not queued.items  # still waiting for room
-    assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
+    with stopped(worker_pids(served)):
+        queued.start()
+        wait_for(lambda: queue_len() == 1)
+        with pytest.raises(grpc.RpcError) as err:
+            list(served.stub().Generate(long_request(2, max_new_tokens=4000), timeout=1.0))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: queue_len() == 1)  # the one that left is out of the queue
+        assert holder.code is None and not queued.items  # still waiting for room
+        assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
     assert queued.first.wait(120) and queued.items  # room was made: it runs
     assert queue_len() == 0
     assert served.stub().Abort(pb.AbortRequest(request_id="long-1"), timeout=10).aborted

@@ -21,8 +21,10 @@ from cluster_harness import (
     greedy,
     kv_in_use,
     run_concurrent_streams,
+    stopped,
     stream,
     wait_idle,
+    worker_pids,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -188,9 +190,10 @@ def test_abort_rpc_ends_the_stream_with_abort(two_workers: ServedCluster) -> Non
 
     worker = threading.Thread(target=consume)
     worker.start()
-    assert started.wait(30)
-    assert stub.Abort(pb.AbortRequest(request_id="to-abort"), timeout=10).aborted
-    worker.join(30)
+    assert started.wait(60)
+    with stopped(worker_pids(two_workers)):  # the stream is still open when the abort comes
+        assert stub.Abort(pb.AbortRequest(request_id="to-abort"), timeout=10).aborted
+    worker.join(60)
     assert not worker.is_alive()
     assert items[-1].finish_reason == "abort"
     assert sum(len(i.token_ids) for i in items) < 1500
@@ -215,9 +218,12 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv(two_workers: ServedCluster
                 call.cancel()
                 break
     else:
+        pids = worker_pids(two_workers)
         with pytest.raises(grpc.RpcError) as err:
-            for _ in stub.Generate(request, timeout=1.0):
-                pass
+            call = stub.Generate(request, timeout=1.0)
+            next(call)
+            with stopped(pids):  # from its first token on, the stream waits out its deadline
+                list(call)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     if held:
         assert max(full for full, _ in held.values()) > 0  # the request did hold KV
@@ -325,9 +331,10 @@ def test_a_request_id_in_flight_cannot_be_reused(two_workers: ServedCluster) -> 
         timeout=60,
     )
     next(first)
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(request_id="dup", token_ids=[1]), timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "dup" in (err.value.details() or "")
-    first.cancel()
+    with stopped(worker_pids(two_workers)):  # "dup" is still in flight throughout
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(request_id="dup", token_ids=[1]), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dup" in (err.value.details() or "")
+        first.cancel()
     wait_idle(two_workers)

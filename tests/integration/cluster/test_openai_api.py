@@ -19,10 +19,19 @@ from typing import Any
 import openai
 import pytest
 import requests
-from cluster_harness import WINDOW, ServedCluster, greedy, kv_in_use, stream, wait_idle
+from cluster_harness import (
+    WINDOW,
+    ServedCluster,
+    greedy,
+    kv_in_use,
+    stopped,
+    stream,
+    wait_idle,
+    worker_pids,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from test_cluster_faults import StreamThread, long_request
-from test_serve_command import ServeProcess
+from test_serve_command import ServeProcess, engine_pids_of_other_drivers
 
 from swaserve.cluster.http_server import HttpServer
 from swaserve.cluster.metrics import ServingMetrics
@@ -112,20 +121,21 @@ def test_a_full_router_queue_gets_429_with_retry_after(
         )
         holder = StreamThread(served, long_request(0, max_new_tokens=450))
         holder.start()
-        assert holder.first.wait(60)
+        assert holder.first.wait(120)
         prompt = list(long_request(1).token_ids)
-        for stream_it in (False, True):
-            with pytest.raises(openai.RateLimitError) as err:
-                out = client.completions.create(
-                    model=model_name, prompt=prompt, max_tokens=450, stream=stream_it
-                )
-                if stream_it:
-                    list(out)
-            assert err.value.status_code == 429
-            assert err.value.response.headers["Retry-After"] == "1"
-            assert err.value.code == "rate_limit_exceeded"
-        assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
-        holder.join(30)
+        with stopped(worker_pids(served)):  # the holder holds its room throughout
+            for stream_it in (False, True):
+                with pytest.raises(openai.RateLimitError) as err:
+                    out = client.completions.create(
+                        model=model_name, prompt=prompt, max_tokens=450, stream=stream_it
+                    )
+                    if stream_it:
+                        list(out)
+                assert err.value.status_code == 429
+                assert err.value.response.headers["Retry-After"] == "1"
+                assert err.value.code == "rate_limit_exceeded"
+            assert served.stub().Abort(pb.AbortRequest(request_id="long-0"), timeout=10).aborted
+        holder.join(60)
         wait_idle(served)
         out = client.completions.create(
             model=model_name,
@@ -565,15 +575,10 @@ def test_metrics_list_design_names_and_count_requests(
         temperature=0,
     )
     assert out.usage is not None and out.usage.completion_tokens == 3
-    wait_idle(two_workers)
-    deadline = time.monotonic() + 10
-    while True:
-        after = metric_samples(base_url)
-        queries = "swaserve:prefix_cache_queries"
-        grown = after[queries][f"{queries}_total"] - before[queries][f"{queries}_total"]
-        if grown or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    wait_idle(two_workers)  # the router holds the worker's report of it: its counters too
+    after = metric_samples(base_url)
+    queries = "swaserve:prefix_cache_queries"
+    grown = after[queries][f"{queries}_total"] - before[queries][f"{queries}_total"]
     assert grown == len(prompt)
     ttft = "swaserve:time_to_first_token_seconds"
     assert after[ttft][f"{ttft}_count"] == before[ttft][f"{ttft}_count"] + 1
@@ -607,7 +612,8 @@ def test_a_client_that_leaves_frees_its_kv(
                 break
         assert max(full for full, _ in held.values()) > 0  # the request did hold KV
     else:
-        with pytest.raises(requests.Timeout):
+        # its workers stand still: no answer comes before the client's timeout
+        with stopped(worker_pids(two_workers)), pytest.raises(requests.Timeout):
             requests.post(base_url + "/v1/completions", json=body | {"temperature": 0}, timeout=1.0)
     assert kv_in_use(wait_idle(two_workers)) == before
 
@@ -618,6 +624,7 @@ def test_an_error_after_the_stream_began_is_a_last_event(
     """A request aborted on the server (gRPC Abort of its id) mid-stream: an error event, then
     [DONE]; the engine's "abort" is never an OpenAI finish reason."""
     body = {"prompt": [5] * 20, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    pids = worker_pids(two_workers)
     events: list[Any] = []
     with requests.post(base_url + "/v1/completions", json=body, stream=True, timeout=60) as reply:
         assert reply.status_code == 200
@@ -629,9 +636,10 @@ def test_an_error_after_the_stream_began_is_a_last_event(
             data = line[len(b"data: ") :]
             events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
             if len(events) == 2:
-                aborted = two_workers.stub().Abort(
-                    pb.AbortRequest(request_id=events[0]["id"]), timeout=10
-                )
+                with stopped(pids):  # the stream is still open when the abort comes
+                    aborted = two_workers.stub().Abort(
+                        pb.AbortRequest(request_id=events[0]["id"]), timeout=10
+                    )
                 assert aborted.aborted
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
@@ -660,6 +668,13 @@ class HttpServeProcess(ServeProcess):
             assert time.monotonic() < deadline, "\n".join(self.lines[-20:])
             time.sleep(0.1)
         return model_name, urls[0]
+
+    def wait_for_line(self, text: str, timeout_s: float = 60.0) -> None:
+        """Until a line of the output contains `text`."""
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline, "\n".join(self.lines[-20:])
+            time.sleep(0.05)
 
 
 class LongStream(threading.Thread):
@@ -707,15 +722,16 @@ def test_serve_command_with_http_port_and_sigterm_drain(
         streaming = LongStream(client, model_name, 300)
         streaming.start()
         assert streaming.started.wait(60)
-        process.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while requests.get(base + "/health", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, "health never turned 503"
-            time.sleep(0.02)
-        assert requests.get(base + "/health", timeout=5).json() == {"status": "draining"}
-        with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model=model_name, prompt=[1, 2], max_tokens=2)
-        assert err.value.status_code == 503
+        with stopped(engine_pids_of_other_drivers()):  # the stream stays open through the drain
+            process.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while requests.get(base + "/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "health never turned 503"
+                time.sleep(0.02)
+            assert requests.get(base + "/health", timeout=5).json() == {"status": "draining"}
+            with pytest.raises(openai.InternalServerError) as err:
+                client.completions.create(model=model_name, prompt=[1, 2], max_tokens=2)
+            assert err.value.status_code == 503
         streaming.join(120)
         assert streaming.error is None
         assert streaming.chunks[-1].choices[0].finish_reason == "length"  # it drained
@@ -737,7 +753,9 @@ def test_serve_command_ends_a_stream_that_outlives_the_drain_with_an_error_event
         streaming = LongStream(client, model_name, 3000)
         streaming.start()
         assert streaming.started.wait(60)
-        process.proc.send_signal(signal.SIGTERM)
+        with stopped(engine_pids_of_other_drivers()):  # the stream cannot end within the drain
+            process.proc.send_signal(signal.SIGTERM)
+            process.wait_for_line("drain timed out")
         streaming.join(60)
         assert not streaming.is_alive()
         assert streaming.error is not None  # the stream's last event was an error

@@ -20,7 +20,7 @@ import openai
 import pytest
 import requests
 import yaml
-from cluster_harness import reference_tokens
+from cluster_harness import STARTUP_TIMEOUT_S, reference_tokens, stopped
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import gRPCOptions
@@ -178,7 +178,8 @@ def test_a_request_the_router_cannot_place_gets_429(serve_app: ServeApp) -> None
     holder.start()
     try:
         assert started.wait(60)
-        with pytest.raises(openai.RateLimitError) as err:
+        # the holder holds its room throughout: its worker stands still
+        with stopped(_replica_pids_of("tight")), pytest.raises(openai.RateLimitError) as err:
             client.completions.create(
                 model=model, prompt=[4, 5, 6], max_tokens=450, extra_body={"ignore_eos": True}
             )
@@ -189,12 +190,26 @@ def test_a_request_the_router_cannot_place_gets_429(serve_app: ServeApp) -> None
     assert done == ["length"]
 
 
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
+    )
+
+
 def test_metrics_list_the_names_and_follow_the_requests(serve_app: ServeApp) -> None:
     client = serve_app.client()
     model = serve_app.model.name
     before = serve_app.metrics()
     client.completions.create(model=model, prompt=[9, 8, 7, 6], max_tokens=3, temperature=0)
-    after = serve_app.metrics()
+    # The prefix-cache counters come with the worker's report, which may reach the router
+    # after the answer reached us: wait for it.
+    queries = "swaserve:prefix_cache_queries_total"
+    deadline = time.monotonic() + 60
+    while total(after := serve_app.metrics(), queries) == total(before, queries):
+        assert time.monotonic() < deadline, "the worker's report never came"
+        time.sleep(0.1)
     names = {name for name, _ in after}
     for name in (
         "swaserve:num_requests_running",
@@ -210,14 +225,6 @@ def test_metrics_list_the_names_and_follow_the_requests(serve_app: ServeApp) -> 
         "swaserve:router_decisions_total",
     ):
         assert name in names, name
-
-    def total(samples: dict, name: str, **labels: str) -> float:
-        return sum(
-            v
-            for (n, ls), v in samples.items()
-            if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
-        )
-
     for name in (
         "swaserve:time_to_first_token_seconds_count",
         "swaserve:prefix_cache_queries_total",
@@ -360,6 +367,20 @@ def test_grpc_through_serves_proxy_needs_the_api_key_when_one_is_set(serve_app: 
         serve.delete("keyed")
 
 
+def _replica_pids_of(app: str) -> list[int]:
+    """The processes of the app's worker replicas (rank 0 of each)."""
+    from ray._private import state
+
+    name = f"ServeReplica:{app}:SwaWorker"
+    pids = [
+        a["Pid"]
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] == name
+    ]
+    assert pids, f"{app} has no live worker replica"
+    return pids
+
+
 def _rank_pids_of(app: str) -> list[int]:
     """The processes of the TP ranks 1.. that the app's worker replica started (the actors
     that replica owns). Ray's state API needs a dashboard the session's Ray has not got."""
@@ -401,7 +422,7 @@ def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
             before = items[-1].worker_id
             [pid] = _rank_pids_of(app)
             os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 180  # a bound on the wait, not a wait: state below
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S  # a bound; the wait is for a state
             while True:
                 load = stub.GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=30)
                 workers = [w.worker_id for w in load.workers]
@@ -412,7 +433,13 @@ def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
             items = list(stub.Generate(request, metadata=metadata, timeout=60))
         assert [t for i in items for t in i.token_ids] == expected
         assert items[-1].worker_id == workers[0]
-        status = serve.status().applications[app].deployments["SwaWorker"]
-        assert status.replica_states == {"RUNNING": 1}
+        deadline = time.monotonic() + 60  # the replaced replica may still be stopping
+        while (states := replica_states(app)) != {"RUNNING": 1}:
+            assert time.monotonic() < deadline, states
+            time.sleep(0.2)
     finally:
         serve.delete(app)
+
+
+def replica_states(app: str) -> dict[str, int]:
+    return dict(serve.status().applications[app].deployments["SwaWorker"].replica_states)
