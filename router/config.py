@@ -17,6 +17,12 @@ Defaults and why:
   wedged worker, well before the client's own timeout.
 - `max_queue_len=1024`, `queue_timeout_s=30.0`: bursts of a few seconds wait in the router
   rather than fail; past that the client is better served by `RESOURCE_EXHAUSTED` now.
+- `max_hold_s=0.05`: `ttft` keeps a request in the queue rather than hand it to a worker at
+  most 1/1.25 as fast as one that lacks room now but would serve it sooner (a fast worker's
+  decodes free room within tens of ms under load); past 50 ms it takes the worker that has
+  room. On bench/router_sim.py's agentic fan-out this keeps bursts off the slow worker
+  (TTFT p99 469 → 320 ms at 0 ms reports, seed 0); waiting longer costs the skewed-tenant
+  trace more than it gains (p99 120 / 133 / 128 ms at 0.05 / 0.1 / 0.2 s).
 - `approx_max_tokens=2**20`: the approximate view (workers without KV events) records at most
   ~1 M prompt tokens over all such workers, about the prefix cache of a few workers. It costs
   ~40 bytes per token at P = 16 (40 MB) and ~440 at P = 1 (440 MB), measured.
@@ -42,6 +48,7 @@ class RouterConfig(BaseModel):
     queue_timeout_s: float = Field(30.0, gt=0, description="default deadline of a queued request")
     approx_max_tokens: int = Field(1 << 20, ge=0, description="approximate view cap, all workers")
     seed: int = Field(0, description="seed of randomized policies (power_of_two)")
+    max_hold_s: float = Field(0.05, ge=0, description="ttft: longest wait for a faster worker")
 
     @field_validator("policy")
     @classmethod

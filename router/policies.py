@@ -26,13 +26,15 @@ class Candidate:
     its match less the tokens the repair recomputes); `queued_prefill_tokens`: prompt tokens
     it has still to prefill before this request, as far as the router knows: the waiting
     prompts of its last report plus the uncached tokens of the requests routed to it since
-    (not listed by a report yet)."""
+    (not listed by a report yet); `speed`: its observed seconds per generated token over the
+    fastest worker's, inverted (1.0: as fast as the fastest, or not observed yet)."""
 
     worker_id: str
     order: int
     load: int
     hit_tokens: int
     queued_prefill_tokens: int = 0
+    speed: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,12 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
         """Pick one of `candidates` (non-empty). May update the policy's own state only."""
+
+    def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:
+        """Keep the request in the router's queue rather than send it to `chosen`, because
+        one of `waiting` (fresh workers that do not fit it now but would when idle) is
+        expected to serve it sooner once it has room. A query; default: never."""
+        return False
 
 
 class PrefixPolicy(Policy):
@@ -78,11 +86,17 @@ class PrefixPolicy(Policy):
         return max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
 
 
-class TTFTPolicy(Policy):
-    """Least predicted time to first token: a worker prefills its queue in order, so this
-    request's first token waits for the tokens queued before it plus its own uncached ones,
+HOLD_SPEEDUP = 1.25
+"""How much faster than the chosen worker one without room must be for `ttft` to wait for it
+(observed speeds of alike workers differ by a few percent)."""
 
-        cost = queued_prefill_tokens + (len(prompt) − hit_tokens)
+
+class TTFTPolicy(Policy):
+    """Least predicted time to first token: a worker prefills its queue in order at its own
+    speed, so this request's first token waits for the tokens queued before it plus its own
+    uncached ones,
+
+        cost = (queued_prefill_tokens + len(prompt) − hit_tokens) / speed
 
     and the cheapest worker wins (ties: longer hit, lower load, add order). Reuse counts only
     as the prefill it saves, so a long hit on a busy worker loses to a cold idle one once the
@@ -92,16 +106,21 @@ class TTFTPolicy(Policy):
     name = "ttft"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        n = len(request.token_ids)
-        return min(
-            candidates,
-            key=lambda c: (
-                c.queued_prefill_tokens + n - c.hit_tokens,
-                -c.hit_tokens,
-                c.load,
-                c.order,
-            ),
-        )
+        return min(candidates, key=lambda c: (_ttft(request, c), -c.hit_tokens, c.load, c.order))
+
+    def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:
+        """Wait while a faster worker that lacks room now is cheaper than `chosen` even
+        before its wait for room: its decodes free KV as they finish, and the next report
+        that shows room places the request there (or `chosen` has become the cheapest by
+        then). Only for a faster one: a slower worker frees its room slower, and a burst
+        that only the slow worker has room for would queue up behind itself there."""
+        cost, speed = _ttft(request, chosen), chosen.speed * HOLD_SPEEDUP
+        return any(c.speed >= speed and _ttft(request, c) < cost for c in waiting)
+
+
+def _ttft(request: RouteRequest, c: Candidate) -> float:
+    """The `ttft` policy's cost: tokens to prefill before the first token, over the speed."""
+    return (c.queued_prefill_tokens + len(request.token_ids) - c.hit_tokens) / c.speed
 
 
 class RoundRobinPolicy(Policy):

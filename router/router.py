@@ -1,12 +1,14 @@
 """Router: prefix-, SWA- and headroom-aware routing of requests to workers (architecture §5 router).
 
     route(request)  →  fresh workers → predicted hits (cache views) → those that fit (budgets)
-                    →  policy picks one  |  none fits: queue (FIFO, deadline)  |  queue full: raise
+                    →  policy picks one  |  none fits, or the policy holds it: queue (FIFO,
+                       deadline)  |  queue full: raise
 
 The cluster layer drives it: `add_worker` / `remove_worker`; `update(report)` for every
 worker report (True back: the worker is out of sync and should send a snapshot report);
-`route(...)` per request; `finish(request_id)` when a request ends on its worker (or is
-cancelled while queued); `poll()` after each update and finish and on a timer, to send queued
+`route(...)` per request; `finish(request_id[, generated_tokens])` when a request ends on its
+worker (or is cancelled while queued; the count, for one that ran to its end, samples the
+worker's speed); `poll()` after each update and finish and on a timer, to send queued
 requests that fit now and fail expired ones. Time comes from `clock` only (report ages count
 from their receipt; a report's own `timestamp_s`, the worker's clock, is never compared with
 it), so tests and simulations are deterministic. Not thread-safe: one caller at a time (the
@@ -160,7 +162,8 @@ class Router:
 
     def poll(self) -> list[RouteDecision]:
         """Decisions for queued requests: EXPIRED for those past their deadline, then ROUTED
-        for those that fit now, in queue order, stopping at the first that does not."""
+        for those that fit now, in queue order, stopping at the first that does not (or that
+        the policy holds, `Policy.hold`)."""
         now = self.clock()
         out = []
         for q in self._queue.pop_expired(now):
@@ -182,16 +185,21 @@ class Router:
         self.stats.queue_len = len(self._queue)
         return out
 
-    def finish(self, request_id: str) -> bool:
+    def finish(self, request_id: str, generated_tokens: int | None = None) -> bool:
         """The request ended on its worker (or is cancelled while queued): release what it
-        held in the router. Returns False for an unknown id."""
+        held in the router. `generated_tokens`, for a request that ran to its end: the time
+        since its routing over them samples the worker's speed (`WorkerState.observe`; the
+        `ttft` policy scales its costs by it). Returns False for an unknown id."""
         if self._queue.remove(request_id) is not None:
             self.stats.queue_len = len(self._queue)
             return True
         worker_id = self._owner.pop(request_id, None)
         if worker_id is None:
             return False
-        self._workers[worker_id].remove(request_id)
+        state = self._workers[worker_id]
+        r = state.remove(request_id)
+        if generated_tokens:
+            state.observe(self.clock() - r.routed_at_s, generated_tokens)
         return True
 
     @property
@@ -230,21 +238,19 @@ class Router:
             pending = [r for r in w.inflight.values() if r.pending]
             totals = (
                 sum(r.need.full_tokens for r in pending),
-                sum(r.need.swa_tokens for r in pending),
                 sum(r.prefill_tokens for r in pending),
+                len(pending),
             )
-            if totals != (
-                w.pending.full_tokens,
-                w.pending.swa_tokens,
-                w.pending_prefill_tokens,
-            ) or w.num_pending != len(pending):
+            if totals != (w.pending_full_tokens, w.pending_prefill_tokens, w.num_pending):
                 raise AssertionError(f"worker {w.worker_id!r}: pending totals are off")
 
     # ---- internals -----------------------------------------------------------------------
     def _place(
         self, request: RouteRequest, now: float, enqueued_at_s: float
     ) -> RouteDecision | None:
-        """Route to the policy's choice among the fresh workers that fit; None if none fits."""
+        """Route to the policy's choice among the fresh workers that fit; None if none fits,
+        or if the policy holds the request (for at most `max_hold_s` since it was queued) for
+        a worker that lacks room now but would fit it idle."""
         fresh = []
         for w in self._workers.values():
             if w.is_fresh(now, self.config.report_timeout_s):
@@ -254,18 +260,30 @@ class Router:
         # The engine keeps the last prompt token to compute, so it matches the prompt minus it.
         hits = self._hits(request.token_ids[:-1], fresh)
         candidates: list[Candidate] = []
+        waiting: list[Candidate] = []  # do not fit now, would when idle
         needs: dict[str, RequestNeed] = {}
+        speeds = _relative_speeds(fresh)
         for w in fresh:
             assert w.headroom is not None  # fresh workers have reported
             hit = hits.get(w.bit, 0)
             need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
+            queued = w.queued_prefill_tokens
+            candidate = Candidate(w.worker_id, w.order, w.load, hit, queued, speeds[w.bit])
             if w.fits(need):
-                queued = w.queued_prefill_tokens
-                candidates.append(Candidate(w.worker_id, w.order, w.load, hit, queued))
+                candidates.append(candidate)
                 needs[w.worker_id] = need
+            elif w.fits_when_idle(need):
+                waiting.append(candidate)
         if not candidates:
             return None
         chosen = self.policy.choose(request, candidates)
+        held_s = now - enqueued_at_s
+        if (
+            waiting
+            and held_s < self.config.max_hold_s
+            and self.policy.hold(request, chosen, waiting)
+        ):
+            return None
         state = self._workers[chosen.worker_id]
         uncached = len(request.token_ids) - chosen.hit_tokens
         state.add(request.request_id, needs[chosen.worker_id], now, uncached)
@@ -335,3 +353,11 @@ class Router:
         if state is None:
             raise KeyError(f"unknown worker {worker_id!r}; add_worker() it first")
         return state
+
+
+def _relative_speeds(workers: list[WorkerState]) -> dict[int, float]:
+    """Per worker bit, the fastest observed seconds per token over the worker's own (1.0: as
+    fast as the fastest, or not observed yet)."""
+    observed = {w.bit: w.s_per_token for w in workers if w.s_per_token}
+    fastest = min(observed.values(), default=1.0)
+    return {w.bit: fastest / observed[w.bit] if w.bit in observed else 1.0 for w in workers}

@@ -10,8 +10,13 @@ measured from its receipt, on the router's clock.
 
     full budget = full free + full evictable - full reserved (running decodes)
                   - queued prefill tokens - Σ pending full need
-    SWA budget  = SWA free + SWA evictable - SWA reserved - waiting × (W + P)
-                  - min(queued prefill, waiting × chunk) - Σ pending SWA need
+    SWA budget  = SWA free + SWA evictable - SWA reserved
+                  - (waiting + pending) × (W + P) - min(queued + pending prefill, chunk)
+
+Full KV stays, so every queued request's full need counts. SWA does not: a queued request
+holds a window once it runs, but the prefill chunks before it come one step budget
+(`chunk`) at a time, and a chunk's out-of-window SWA is freed as the prefill moves on, so
+the queue holds one chunk of SWA at most, not one per request.
 """
 
 from __future__ import annotations
@@ -59,12 +64,18 @@ class InFlight:
     prefill_tokens: int = 0  # its uncached prompt tokens (the prefill it will cost the worker)
 
 
+DECAY = 0.9
+"""Weight of the past in a worker's observed speed (per finished request) and prefix reuse
+(per report that admitted prompts): the last ~10 samples count."""
+
+
 class WorkerState:
     """One worker: identity (`bit`: its position in the cache views; `order`: add order),
     report tracking (`instance_id`, `seq`, `headroom`, `reported_at_s`: when the router got
     the latest report, on its own clock; `needs_snapshot`: reports went missing and the
-    router waits for a snapshot report) and in-flight requests with running totals of the
-    pending ones (`add`, `remove`, `take_report` keep them)."""
+    router waits for a snapshot report), in-flight requests with running totals of the
+    pending ones (`add`, `remove`, `take_report` keep them) and its observed speed
+    (`s_per_token`, kept by `observe`)."""
 
     def __init__(self, worker_id: str, bit: int, order: int, kv_events: bool) -> None:
         self.worker_id = worker_id
@@ -77,9 +88,13 @@ class WorkerState:
         self.headroom: Headroom | None = None
         self.reported_at_s = float("-inf")
         self.inflight: dict[str, InFlight] = {}
-        self.pending = RequestNeed(0, 0)  # Σ needs of the pending requests
+        self.pending_full_tokens = 0  # Σ full needs of the pending requests
         self.pending_prefill_tokens = 0  # Σ prefill tokens of the pending requests
         self.num_pending = 0
+        self._busy_s = 0.0  # decayed Σ seconds from routing to finish of observed requests
+        self._prompt_tokens = 0.0  # decayed Σ prompt tokens the worker admitted ...
+        self._cached_tokens = 0.0  # ... and Σ of them its prefix cache held
+        self._generated_tokens = 0.0  # decayed Σ their generated tokens
 
     def is_fresh(self, now_s: float, timeout_s: float) -> bool:
         """Reported within `timeout_s` of `now_s` (never: not fresh)."""
@@ -104,26 +119,42 @@ class WorkerState:
             h.full_available_tokens
             - h.full_reserved_tokens
             - h.queued_prefill_tokens
-            - self.pending.full_tokens
+            - self.pending_full_tokens
         )
         if not h.hybrid:
             return full, full
-        chunk = h.chunked_prefill_size or h.queued_prefill_tokens
+        queued = h.queued_prefill_tokens + self.pending_prefill_tokens
+        prefill = min(queued, h.chunked_prefill_size or queued)  # one chunk in flight at most
         window = swa_tokens_for_extend(0, h.sliding_window_size, h.page_size)  # W + P
-        waiting_swa = h.num_waiting * window + min(h.queued_prefill_tokens, h.num_waiting * chunk)
-        swa = h.swa_available_tokens - h.swa_reserved_tokens - waiting_swa - self.pending.swa_tokens
+        queued_swa = (h.num_waiting + self.num_pending) * window + prefill
+        swa = h.swa_available_tokens - h.swa_reserved_tokens - queued_swa
         return full, swa
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens the worker has to prefill before a request sent now: the waiting
-        prompts of its last report plus the uncached tokens of the pending requests."""
+        """Prompt tokens the worker has to compute before a request sent now: the waiting
+        prompts of its last report less the share its prefix cache has been saving (a report
+        counts them whole: they are not matched until admitted) plus the uncached tokens of
+        the pending requests."""
         reported = 0 if self.headroom is None else self.headroom.queued_prefill_tokens
-        return reported + self.pending_prefill_tokens
+        return round(reported * (1.0 - self.reuse)) + self.pending_prefill_tokens
+
+    @property
+    def reuse(self) -> float:
+        """Share of the recently admitted prompt tokens that the worker's cache held, from the
+        reports' counters (`prompt_tokens_total`, `cached_tokens_total`); 0.0 before any."""
+        return self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
 
     def fits(self, need: RequestNeed) -> bool:
         full, swa = self.budgets()
         return need.full_tokens <= full and need.swa_tokens <= swa
+
+    def fits_when_idle(self, need: RequestNeed) -> bool:
+        """The need fits the worker's pools with nothing else on them."""
+        h = self.headroom
+        if h is None:
+            return False
+        return need.full_tokens <= h.full_total_tokens and need.swa_tokens <= h.swa_total_tokens
 
     def add(
         self, request_id: str, need: RequestNeed, now_s: float, prefill_tokens: int = 0
@@ -133,17 +164,41 @@ class WorkerState:
         r = self.inflight[request_id] = InFlight(need, now_s, prefill_tokens=prefill_tokens)
         self._count(r, +1)
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, request_id: str) -> InFlight:
+        """The request left the worker; returns its record."""
         r = self.inflight.pop(request_id)
         if r.pending:
             self._count(r, -1)
+        return r
+
+    def observe(self, elapsed_s: float, generated_tokens: int) -> None:
+        """A request generated `generated_tokens` (> 0) in the `elapsed_s` from its routing
+        to its finish: a sample of the worker's speed (decode dominates it; its queue and
+        prefill add to it as they would to the next request's)."""
+        self._busy_s = DECAY * self._busy_s + elapsed_s
+        self._generated_tokens = DECAY * self._generated_tokens + generated_tokens
+
+    @property
+    def s_per_token(self) -> float | None:
+        """Seconds per generated token over the recent observed requests; None before any."""
+        if not self._generated_tokens:
+            return None
+        return self._busy_s / self._generated_tokens
 
     def take_report(
         self, headroom: Headroom, received_at_s: float, admitted_request_ids: Iterable[str]
     ) -> None:
         """A newer report, received at `received_at_s` (router clock): the requests it lists
         are in it and stop being pending; ids the router does not know here are skipped
-        (finished already, or routed by an earlier router)."""
+        (finished already, or routed by an earlier router). The counters' growth since the
+        previous report samples the worker's reuse (a restart resets them: no sample)."""
+        previous = self.headroom
+        if previous is not None:
+            prompt = headroom.prompt_tokens_total - previous.prompt_tokens_total
+            cached = headroom.cached_tokens_total - previous.cached_tokens_total
+            if prompt > 0 and 0 <= cached <= prompt:
+                self._prompt_tokens = DECAY * self._prompt_tokens + prompt
+                self._cached_tokens = DECAY * self._cached_tokens + cached
         self.headroom = headroom
         self.reported_at_s = received_at_s
         for request_id in admitted_request_ids:
@@ -153,10 +208,6 @@ class WorkerState:
                 self._count(r, -1)
 
     def _count(self, r: InFlight, sign: int) -> None:
-        need = r.need
+        self.pending_full_tokens += sign * r.need.full_tokens
         self.pending_prefill_tokens += sign * r.prefill_tokens
-        self.pending = RequestNeed(
-            self.pending.full_tokens + sign * need.full_tokens,
-            self.pending.swa_tokens + sign * need.swa_tokens,
-        )
         self.num_pending += sign

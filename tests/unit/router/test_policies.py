@@ -6,7 +6,7 @@ from collections import Counter
 
 from router_scenario import Cluster, stored
 
-from swaserve.router import POLICIES, Candidate, RouterConfig, RouteRequest
+from swaserve.router import POLICIES, Candidate, Outcome, RouterConfig, RouteRequest
 from swaserve.router.policies import PowerOfTwoPolicy, SessionPolicy
 
 PROMPT = list(range(1, 18))
@@ -105,3 +105,85 @@ def test_ttft_ties_go_to_the_longer_hit_then_the_lower_load() -> None:
     c.report("a", queued_prefill_tokens=0, num_running=2)
     c.report("b", queued_prefill_tokens=0, num_running=1)
     assert c.router.route("s", list(range(100, 117)), 1).worker_id == "b"  # both 17: load
+
+
+def test_ttft_divides_the_cost_by_the_worker_s_observed_speed() -> None:
+    c = Cluster("a", "b", policy="ttft")
+    c.report("a", queued_prefill_tokens=10)  # 10 + 17 = 27
+    c.report("b", queued_prefill_tokens=20)  # 20 + 17 = 37
+    assert c.router.route("r1", PROMPT, 100).worker_id == "a"
+    c.router.finish("r1")  # no generated count: no speed sample
+    assert c.router.worker("a").s_per_token is None
+    assert c.router.route("r2", PROMPT, 100).worker_id == "a"
+    c.clock.now += 4.0
+    c.router.finish("r2", generated_tokens=100)  # 0.04 s per token
+    c.report("a", queued_prefill_tokens=30)  # 47 > 37
+    assert c.router.route("r3", PROMPT, 100).worker_id == "b"
+    c.clock.now += 1.0
+    c.router.finish("r3", generated_tokens=100)  # 0.01 s per token
+    assert (c.router.worker("a").s_per_token, c.router.worker("b").s_per_token) == (0.04, 0.01)
+    # a runs at a quarter of b's speed: 27 / 0.25 = 108 > 37.
+    c.report("a", queued_prefill_tokens=10)
+    assert c.router.route("r4", PROMPT, 100).worker_id == "b"
+    c.router.check()
+
+
+def test_ttft_counts_the_reported_queue_less_the_worker_s_recent_reuse() -> None:
+    c = Cluster("a", "b", policy="ttft")
+    c.report("a", prompt_tokens_total=0, cached_tokens_total=0)
+    # a admitted 400 prompt tokens since, 300 of them from its cache: reuse 0.75, so of the
+    # 80 waiting tokens it reports about 20 are still to compute: 20 + 17 < b's 30 + 17.
+    c.report("a", queued_prefill_tokens=80, prompt_tokens_total=400, cached_tokens_total=300)
+    c.report("b", queued_prefill_tokens=30)
+    assert c.router.worker("a").reuse == 0.75
+    assert c.router.worker("a").queued_prefill_tokens == 20
+    assert c.router.route("r", PROMPT, 1).worker_id == "a"
+    # A restart resets the counters: no sample, the reuse seen so far stays.
+    c.report("a", instance="i1", queued_prefill_tokens=80)
+    assert c.router.worker("a").reuse == 0.75
+
+
+def _observe(c: Cluster, rid: str, worker: str, s_per_token: float) -> None:
+    """Route `rid` to `worker` (the others report a long queue) and finish its 100 tokens
+    after 100 × `s_per_token` seconds: a speed sample of `worker`."""
+    for w in c.router.worker_ids:
+        c.report(w, queued_prefill_tokens=0 if w == worker else 10_000)
+    assert c.router.route(rid, PROMPT, 100).worker_id == worker
+    c.clock.now += 100 * s_per_token
+    c.router.finish(rid, generated_tokens=100)
+
+
+def test_ttft_holds_a_request_for_a_faster_worker_that_lacks_room_for_max_hold_s() -> None:
+    c = Cluster("a", "b", policy="ttft", max_hold_s=0.05)
+    _observe(c, "r1", "a", 0.04)
+    _observe(c, "r2", "b", 0.01)  # b is 4x as fast
+    # b has no SWA room now (it needs 17 + W + P); a has: a costs 17 / 0.25 = 68, b 17.
+    c.report("a")
+    c.report("b", swa_free_tokens=10)
+    assert c.router.route("r3", PROMPT, 100).outcome == Outcome.QUEUED
+    c.clock.now += 0.04
+    assert c.router.poll() == []  # still within max_hold_s
+    c.report("b", swa_free_tokens=100)  # b has room: r3 goes there
+    assert [(d.request_id, d.worker_id) for d in c.router.poll()] == [("r3", "b")]
+    c.report("b", swa_free_tokens=10)
+    assert c.router.route("r4", PROMPT, 100).outcome == Outcome.QUEUED
+    c.clock.now += 0.06  # held past max_hold_s: the worker with room takes it
+    assert [(d.request_id, d.worker_id) for d in c.router.poll()] == [("r4", "a")]
+    c.router.check()
+
+
+def test_ttft_holds_only_for_a_worker_much_faster_that_could_fit_the_request() -> None:
+    c = Cluster("a", "b", policy="ttft")
+    _observe(c, "r1", "a", 0.04)
+    _observe(c, "r2", "b", 0.01)
+    c.report("a")
+    c.report("b", swa_free_tokens=10, swa_total_tokens=10)  # 17 + W + P never fits b
+    assert c.router.route("r3", PROMPT, 100).worker_id == "a"
+    # b less than 1.25x as fast as a: a takes it although b would be cheaper once it has room.
+    c = Cluster("a", "b", policy="ttft")
+    _observe(c, "r1", "a", 0.012)
+    _observe(c, "r2", "b", 0.01)
+    c.report("a", queued_prefill_tokens=3)  # (3 + 17) / (0.01 / 0.012) = 24 > b's 17
+    c.report("b", swa_free_tokens=10)
+    assert c.router.route("r3", PROMPT, 100).worker_id == "a"
+    c.router.check()

@@ -45,7 +45,9 @@ def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
     assert c.router.predict_hits(PROMPT[:16]) == {"a": 12, "b": 10}
     assert routed(c.router.route("r2", PROMPT, 8)) == ("a", 12)
     # Its need counts the 4 recomputed tokens as uncached: 17 - 12 + 8 new; SWA 5 + W + P.
-    assert c.router._workers["a"].pending == RequestNeed(13, 5 + W + P)
+    state = c.router._workers["a"]
+    assert state.inflight["r2"].need == RequestNeed(13, 5 + W + P)
+    assert state.pending_full_tokens == 13
     assert c.router.stats.predicted_hit_tokens == 22
     c.report("a", window_repair_tokens=12)  # 16 - 12 = 4 <= 10: b again, and a saves 4
     assert routed(c.router.route("r3", PROMPT, 8)) == ("b", 10)
@@ -104,7 +106,7 @@ def test_admission_refuses_when_one_pool_lacks_room_while_the_other_has_plenty()
 def test_admission_charges_reservations_waiting_work_and_requests_routed_since() -> None:
     c = Cluster("a")
     # full: 200 - 60 reserved - 40 queued = 100; SWA: 200 - 30 reserved - 1 waiting × (W + P)
-    # - min(40 queued, 1 × chunk 8) = 156.
+    # - min(40 queued, chunk 8) = 156 (the queue's prefill holds one chunk at a time).
     c.report(
         "a",
         full_free_tokens=200,
@@ -118,16 +120,39 @@ def test_admission_charges_reservations_waiting_work_and_requests_routed_since()
     state = c.router._workers["a"]
     assert state.budgets() == (100, 156)
     assert c.router.route("r1", PROMPT, 83).outcome == Outcome.ROUTED  # full need 100
-    assert state.budgets() == (0, 156 - (8 + W + P))  # pending until a report covers it
+    # Pending until a report covers it: its full need, and a window once it runs (the
+    # chunk in flight is already counted).
+    assert state.budgets() == (0, 156 - (W + P))
     assert c.router.route("r2", [1, 2], 150).outcome == Outcome.QUEUED  # full need 152
     c.clock.now = 1.0
     # A later report that does not list r1 was made before the worker took it: still pending,
     # whatever the worker's clock says.
     c.report("a", full_free_tokens=200, timestamp_s=1e9)
-    assert state.budgets() == (100, 10_000 - (8 + W + P)) and c.router.poll() == []
+    # Unchunked now: its whole 17-token prompt is the prefill in flight.
+    assert state.budgets() == (100, 10_000 - (W + P) - 17) and c.router.poll() == []
     c.report("a", full_free_tokens=200, admitted=["r1", "unknown"])  # r1 is in this one
     assert state.budgets() == (200, 10_000) and state.num_pending == 0
     assert routed(c.router.poll()[0]) == ("a", 0)
+    c.router.check()
+
+
+def test_queued_requests_charge_a_window_each_and_one_prefill_chunk() -> None:
+    c = Cluster("a")
+    c.report("a", swa_free_tokens=100, chunked_prefill_size=8)
+    state = c.router._workers["a"]
+    for rid in ("r1", "r2", "r3"):  # 17 uncached tokens each: a chunk of 8 + W + P = 14
+        assert c.router.route(rid, PROMPT, 1).outcome == Outcome.ROUTED
+    # Three windows (they will all run) and one chunk (their prefills come one at a time).
+    assert state.budgets()[1] == 100 - 3 * (W + P) - 8
+    c.report(
+        "a",
+        swa_free_tokens=100,
+        chunked_prefill_size=8,
+        num_waiting=3,
+        admitted=["r1", "r2", "r3"],
+        queued_prefill_tokens=51,
+    )
+    assert state.budgets()[1] == 100 - 3 * (W + P) - 8
     c.router.check()
 
 
