@@ -43,8 +43,11 @@ round_robin, least_load and the anchors' rules (`anchor_policies.py`). A worker 
 admitted requests one after another at its rate (it admits the next when the previous
 prefill ends) and decodes each at its per-token time; TTFT = first token − arrival at the
 router (router queue + worker queue + prefill), throughput = generated tokens / the run's
-span, all in simulated time. Goals: TTFT p99 >= 1.2x the best anchor's; ours' predicted ==
-real >= 0.95 with 100 ms reports.
+span, all in simulated time. The TTFT floor is a p99 no router can beat on that run
+(`ttft_floors_s`: each request's prompt less what requests sent before it hold, at the
+fastest prefill rate); the best anchor's p99 over it bounds the ratio any policy can reach.
+Goals: TTFT p99 >= 1.2x the best anchor's; ours' predicted == real >= 0.95 with 100 ms
+reports.
 
     python bench/router_sim.py [--seed N] [--workers K] [--swa-layers L] [--json] [--quick]
 """
@@ -222,6 +225,7 @@ class SimWorker:
         self.prefill_free_s = 0.0  # the prefill engine is busy until then
         self.last_change_s = 0.0
         self.retracted = 0
+        self.prompt_tokens_total = self.cached_tokens_total = 0  # admitted; from the cache
 
     def report(self, now: float) -> WorkerReport:
         events = self.cache.take_events()
@@ -244,6 +248,8 @@ class SimWorker:
             window_repair_tokens=self.cache.window_repair_tokens,
             page_size=s.page_size,
             chunked_prefill_size=s.chunk_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
         )
         admitted, self.admitted = tuple(self.admitted), []
         return WorkerReport(
@@ -337,6 +343,8 @@ class SimWorker:
             req.repair_end = 0
             return False
         req.real_hit, req.repaired = m, match.repair_len > 0
+        self.prompt_tokens_total += len(req.prompt)
+        self.cached_tokens_total += m
         self.running[req.request_id] = req
         return True
 
@@ -553,7 +561,10 @@ class Simulation:
 
     def _finish(self, worker: SimWorker, req: SimRequest) -> None:
         worker.finish(req, self.now)
-        self.router.finish(req.request_id)
+        if self.anchor is None:
+            self.router.finish(req.request_id, len(req.reply))
+        else:
+            self.router.finish(req.request_id)
         self.done.append(req)
         self.last_finish_s = self.now
         self._started(worker, worker.admit(self.now))
@@ -592,6 +603,9 @@ class Simulation:
         decision_ms = sorted(1e3 * t for t in self.decision_s) or [0.0]
         ttft_ms = sorted(1e3 * (r.first_token_s - r.arrival_s) for r in self.done) or [0.0]
         span_s = max(self.last_finish_s - self.first_arrival_s, 1e-9)
+        fastest = max(w.spec.prefill_tokens_per_s * w.spec.speed for w in self.workers.values())
+        page_size = next(iter(self.workers.values())).spec.page_size
+        floor_ms = sorted(1e3 * t for t in ttft_floors_s(self.done, page_size, fastest)) or [0.0]
         return {
             "requests": len(self.done),
             "prompt_tokens": prompt_tokens,
@@ -611,9 +625,38 @@ class Simulation:
             "decision_p99_ms": percentile(decision_ms, 0.99),
             "ttft_p50_ms": percentile(ttft_ms, 0.50),
             "ttft_p99_ms": percentile(ttft_ms, 0.99),
+            "ttft_floor_p99_ms": percentile(floor_ms, 0.99),
             "throughput_tok_s": sum(len(r.reply) for r in self.done) / span_s,
             "simulated_s": self.now,
         }
+
+
+def ttft_floors_s(requests: list[SimRequest], page_size: int, tokens_per_s: float) -> list[float]:
+    """Per request, a TTFT no router can beat: (prompt − A) / the fastest prefill rate, where
+    A bounds the tokens any worker can have cached for it: the longest prefix of `prompt[:-1]`,
+    in whole pages (caches match pages), that a request sent strictly earlier holds in its
+    prompt + reply. The other tokens must be computed after it arrives, on its worker, one
+    prefill after another, so a burst that shares a new prefix is bounded by it as a whole,
+    whichever of its requests computes it first."""
+    seen: set[int] = set()
+    floors: list[float] = []
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    for _, group in itertools.groupby(ordered, key=lambda r: r.arrival_s):
+        batch = list(group)
+        for r in batch:
+            key, h, pages = r.prompt[:-1], 0, 0
+            while (pages + 1) * page_size <= len(key):
+                h = hash((h, tuple(key[pages * page_size : (pages + 1) * page_size])))
+                if h not in seen:
+                    break
+                pages += 1
+            floors.append((len(r.prompt) - pages * page_size) / tokens_per_s)
+        for r in batch:
+            text, h = r.prompt + r.reply, 0
+            for start in range(0, len(text) - page_size + 1, page_size):
+                h = hash((h, tuple(text[start : start + page_size])))
+                seen.add(h)
+    return floors
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -869,7 +912,7 @@ def summarize_comparison(comparison: dict) -> dict[str, object]:
     print(
         f"\nsame traces, one worker at half speed, reports delayed; TTFT and throughput in "
         f"simulated time\n{'workload':<9} {'delay':>6} {'policy':<20} {'reuse':>6} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'tok/s':>7} {'pred=real':>9} {'queued':>6}"
+        f"{'TTFT p99':>9} {'floor':>6} {'tok/s':>7} {'pred=real':>9} {'queued':>6}"
     )
     ratios: dict[str, dict[str, dict[str, float]]] = {}
     for workload, by_delay in comparison.items():
@@ -878,7 +921,7 @@ def summarize_comparison(comparison: dict) -> dict[str, object]:
             for policy, m in by_policy.items():
                 print(
                     f"{workload:<9} {delay + ' ms':>6} {policy:<20} {m['reuse']:>6.3f} "
-                    f"{m['ttft_p50_ms']:>9.0f} {m['ttft_p99_ms']:>9.0f} "
+                    f"{m['ttft_p50_ms']:>9.0f} {m['ttft_p99_ms']:>9.0f} {m['ttft_floor_p99_ms']:>6.0f} "
                     f"{m['throughput_tok_s']:>7.0f} {m['predicted_equals_real']:>9.4f} {m['queued']:>6}"
                 )
             ours = min(OURS, key=lambda p: by_policy[p]["ttft_p99_ms"])

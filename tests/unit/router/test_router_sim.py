@@ -19,13 +19,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
+def _load(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     monkeypatch.syspath_prepend(str(ROOT / "bench"))  # its sibling modules
     spec = importlib.util.spec_from_file_location("router_sim", ROOT / "bench" / "router_sim.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "router_sim", bench)  # dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_ttft_floor_counts_only_pages_sent_strictly_earlier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench = _load(monkeypatch)
+    req = bench.SimRequest
+    requests = [
+        req("r1", list(range(1, 9)), [9, 10], None, arrival_s=0.0),  # cold: 8 tokens
+        req("r2", [1, 2, 3, 4, 5, 6, 20, 21], [0], None, arrival_s=0.0),  # same time: cold
+        req("r3", [*range(1, 11), 30], [0], None, arrival_s=1.0),  # r1's 5 pages: 1 to go
+        req("r4", [1, 2, 3, 99, 5, 6], [0], None, arrival_s=2.0),  # page [1, 2] only: 4
+    ]
+    floors = bench.ttft_floors_s(requests, page_size=2, tokens_per_s=10.0)
+    assert floors == pytest.approx([0.8, 0.8, 0.1, 0.4])
+
+
+def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _load(monkeypatch)
     out = io.StringIO()
     with redirect_stdout(out):
         bench.main(["--quick", "--json", "--workers", "2", "--seed", "3"])
@@ -58,6 +78,7 @@ def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
             for m in by_policy.values():
                 assert (m["requests"], m["refused"], m["stuck"]) == (sizes[workload], 0, 0)
                 assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and m["throughput_tok_s"] > 0
+                assert 0 < m["ttft_floor_p99_ms"] <= m["ttft_p99_ms"]
     for workload in ("chat", "agentic"):  # SWA pressure: cached prefixes lost their windows
         instant = comparison[workload]["0"]
         assert instant["prefix"]["predicted_equals_real"] == 1.0
