@@ -202,6 +202,7 @@ class RoutedCluster:
             attempt = params if not sent else params.model_copy(update={"max_new_tokens": left})
             worker: str | None = None
             finished = False
+            generated: int | None = None  # tokens of an attempt that ran to its end
             try:
                 worker = await self._route(request_id, prompt, attempt, session_id, deadline)
                 self._open[request_id] = worker
@@ -232,6 +233,7 @@ class RoutedCluster:
                         sent.extend(item.token_ids)
                         yield item
                     if finished:
+                        generated = left - (params.max_new_tokens - len(sent))
                         return
                 raise WorkerLost("the stream ended early")
             except (WorkerLost, _Misrouted) as exc:
@@ -254,8 +256,9 @@ class RoutedCluster:
                     len(sent),
                 )
             finally:
-                # Also when the caller left while the request was queued in the router.
-                self.router.finish.remote(request_id)
+                # Also when the caller left while the request was queued in the router. A run
+                # to its end tells the router how many tokens it took (the worker's speed).
+                self.router.finish.remote(request_id, generated)
                 if worker is not None and not finished and self._worker_alive(worker):
                     self._abort_on(worker, request_id)
 

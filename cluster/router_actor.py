@@ -133,11 +133,13 @@ class RouterActor:
             "routed", decision.worker_id, decision.predicted_hit_tokens, decision.queued_s
         )
 
-    async def finish(self, request_id: str) -> None:
+    async def finish(self, request_id: str, generated_tokens: int | None = None) -> None:
+        """The request ended (`generated_tokens`: it ran to its end, after that many tokens)
+        or its caller left; see `Router.finish`."""
         future = self._waiting.pop(request_id, None)
         if future is not None and not future.done():
             future.cancel()
-        self.router.finish(request_id)
+        self.router.finish(request_id, generated_tokens)
         self._poll()
 
     # ---- queries -------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class FakeRouter:
         self.removed: list[str] = []
         self.route_timeouts: list[float | None] = []
         self.routed: list[str] = []
+        self.finished: list[tuple[str, int | None]] = []
 
     def route(
         self,
@@ -99,8 +100,8 @@ class FakeRouter:
         self.routed.append(live[0])
         return RouteAnswer("routed", live[0])
 
-    def finish(self, request_id: str) -> None:
-        pass
+    def finish(self, request_id: str, generated_tokens: int | None = None) -> None:
+        self.finished.append((request_id, generated_tokens))
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)

@@ -249,6 +249,8 @@ def test_a_dead_worker_is_removed_and_its_request_migrates(model_dir: Path) -> N
     assert router.removed == ["w0"] and list(cluster.lost) == ["w0"]
     assert router.routed == ["w0", "w1"]
     assert cluster.migrations == 1
+    # The lost attempt tells the router nothing of speed; the one that ran to its end, its tokens.
+    assert router.finished == [("r1", None), ("r1", len(EVERY_TOKEN) - 2)]
 
 
 def test_a_misrouted_call_loses_nobody(model_dir: Path) -> None:
