@@ -172,17 +172,21 @@ class AnchorRouter:
         """The request's first token came back."""
 
 
-class SGLangCacheAware(AnchorRouter):
-    name = "sglang_cache_aware"
-    cache_threshold = 0.3
-    balance_abs_threshold = 64
-    balance_rel_threshold = 1.5
+class TextTreeRouter(AnchorRouter):
+    """An anchor that knows only what it sent: its own approximate tree of routed prompts."""
 
     def __init__(
         self, worker_ids: Sequence[str], clock: Callable[[], float], seed: int = 0
     ) -> None:
         super().__init__(worker_ids, clock, seed)
         self.tree = TextTree(self.worker_ids)
+
+
+class SGLangCacheAware(TextTreeRouter):
+    name = "sglang_cache_aware"
+    cache_threshold = 0.3
+    balance_abs_threshold = 64
+    balance_rel_threshold = 1.5
 
     def choose(self, request_id: str, token_ids: Sequence[int]) -> tuple[str, int]:
         loads = [self.inflight[w] for w in self.worker_ids]
@@ -200,16 +204,10 @@ class SGLangCacheAware(AnchorRouter):
         return worker, believed
 
 
-class RayPrefixAffinity(AnchorRouter):
+class RayPrefixAffinity(TextTreeRouter):
     name = "ray_prefix_affinity"
     imbalanced_threshold = 10
     match_rate_threshold = 0.1
-
-    def __init__(
-        self, worker_ids: Sequence[str], clock: Callable[[], float], seed: int = 0
-    ) -> None:
-        super().__init__(worker_ids, clock, seed)
-        self.tree = TextTree(self.worker_ids)
 
     def choose(self, request_id: str, token_ids: Sequence[int]) -> tuple[str, int]:
         queue = self.inflight
