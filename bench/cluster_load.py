@@ -1,5 +1,7 @@
-"""Multi-turn chat over gRPC against a local cluster (2 replicas × TP 1): `prefix` routing
-against `round_robin` routing, in the same process.
+"""Multi-turn chat over gRPC against a local cluster (2 replicas × TP 1): routing policies
+against a baseline, in the same process (`--policies`, the first is the baseline; default
+`round_robin,prefix`; e.g. `power_of_two,prefix,ttft` sets Ray Serve's default router, power
+of two choices, against ours).
 
 Workload (drawn once per seed, replayed for every run): S sessions share a system prompt;
 turn 1 of a session is the system prompt + a user message, turn k the prompt of turn k-1 +
@@ -10,8 +12,8 @@ at most N sessions, hence N requests, are in flight.
 
 Each run starts its own cluster (cold prefix caches) and gRPC server on the one local Ray,
 sends one warm-up request per worker (tokens no workload prompt starts with), then the
-workload, and stops the cluster. Runs alternate round_robin / prefix for `--repeats` rounds,
-so that a busy machine slows both alike; the median of each figure over the rounds counts.
+workload, and stops the cluster. Runs alternate the policies for `--repeats` rounds, so that
+a busy machine slows them alike; the median of each figure over the rounds counts.
 
 Per run: generated tokens / s over the run, TTFT p50 / p99 (send → first streamed item with
 tokens), cached-token share (Σ usage.cached_tokens / Σ usage.prompt_tokens), wall time;
@@ -26,8 +28,9 @@ default: about half, as random routing would; see "same wkr"); prefix's balance 
 worker stays eligible up to 4 requests above the least loaded) cannot trip with 5 requests
 in flight, so sticky sessions may pile up on one worker (see "requests per worker").
 
-    python bench/cluster_load.py [--json] [--sessions 10] [--turns 6] [--concurrency 5]
-        [--max-new-tokens 16] [--repeats 3] [--hidden 256] [--layers 4] [--window 32] ...
+    python bench/cluster_load.py [--json] [--policies round_robin,prefix] [--sessions 10]
+        [--turns 6] [--concurrency 5] [--max-new-tokens 16] [--repeats 3] [--hidden 256]
+        [--layers 4] [--window 32] ...
 """
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
-from swaserve.router import RouterConfig
+from swaserve.router import POLICIES, RouterConfig
 from swaserve.worker import EngineConfig
 
-BASELINE, CANDIDATE = "round_robin", "prefix"
+DEFAULT_POLICIES = ("round_robin", "prefix")  # the first: the baseline
 REPLICAS = 2
 WORKLOAD_TOKENS = range(1, 256)  # byte tokens of the tiny tokenizer; warm-ups use 0 only
 RPC_TIMEOUT_S = 600.0
@@ -261,7 +264,7 @@ async def run_all(model_dir: str, work: Workload, args: argparse.Namespace) -> l
     reference: dict | None = None
     print(HEADER, flush=True)
     for round_ in range(args.repeats):
-        for policy in (BASELINE, CANDIDATE):
+        for policy in args.policies:
             results, wall_s, router = await run_policy(policy, model_dir, work, args)
             m = metrics(results, wall_s, router, reference)
             if reference is None:
@@ -288,14 +291,41 @@ def print_row(run: dict) -> None:
     )
 
 
-def summarize(runs: list[dict]) -> dict[str, dict]:
+def summarize(runs: list[dict], policies: tuple[str, ...]) -> dict[str, dict]:
     """Per policy, the median over its rounds of each figure."""
     keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "cached_share", "wall_s", "same_worker_share")
-    return medians(runs, "policy", (BASELINE, CANDIDATE), keys)
+    return medians(runs, "policy", policies, keys)
+
+
+def ratios_to(base: dict, cand: dict) -> dict[str, float]:
+    return {
+        "tok_s": cand["tok_s"] / base["tok_s"],
+        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
+        "wall": cand["wall_s"] / base["wall_s"],
+    }
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    policies = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {unknown[0]!r}; choose from {sorted(POLICIES)}"
+        )
+    if len(policies) < 2 or len(set(policies)) != len(policies):
+        raise argparse.ArgumentTypeError("name at least two different policies")
+    return policies
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = workload_parser(__doc__, tokens_flag="--max-new-tokens", tokens_help="per turn")
+    parser.add_argument(
+        "--policies",
+        type=parse_policies,
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated routing policies, the first the baseline (default: %(default)s)",
+    )
     return parse_workload_args(parser, argv, tokens_dest="max_new_tokens", min_system=0)
 
 
@@ -318,26 +348,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = run_on_ray(work, args)
     load_after = os.getloadavg()[0]
-    median = summarize(runs)
-    base, cand = median[BASELINE], median[CANDIDATE]
-    ratios = {
-        "tok_s": cand["tok_s"] / base["tok_s"],
-        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
-        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
-        "wall": cand["wall_s"] / base["wall_s"],
-    }
+    median = summarize(runs, args.policies)
+    baseline = args.policies[0]
+    ratios = {p: ratios_to(median[baseline], median[p]) for p in args.policies[1:]}
     agree = min(r["answers_equal_first_run"] for r in runs)
+    for policy, ratio in ratios.items():
+        print(
+            f"median of {args.repeats}: {policy} / {baseline}: throughput {ratio['tok_s']:.2f}x, "
+            f"TTFT p50 {ratio['ttft_p50']:.2f}x, p99 {ratio['ttft_p99']:.2f}x, wall "
+            f"{ratio['wall']:.2f}x; cached share {median[policy]['cached_share']:.3f} vs "
+            f"{median[baseline]['cached_share']:.3f}"
+        )
     print(
-        f"median of {args.repeats}: {CANDIDATE} / {BASELINE}: throughput {ratios['tok_s']:.2f}x, "
-        f"TTFT p50 {ratios['ttft_p50']:.2f}x, p99 {ratios['ttft_p99']:.2f}x, wall "
-        f"{ratios['wall']:.2f}x; cached share {cand['cached_share']:.3f} vs "
-        f"{base['cached_share']:.3f}; answers equal to the first run's: {agree:.0%} of "
-        f"requests in the worst run (load average {load_before:.2f} before, "
-        f"{load_after:.2f} after)"
+        f"answers equal to the first run's: {agree:.0%} of requests in the worst run (load "
+        f"average {load_before:.2f} before, {load_after:.2f} after)"
     )
     if args.json:
         report = {
             "replicas": REPLICAS,
+            "policies": list(args.policies),
             "sessions": args.sessions,
             "turns": args.turns,
             "concurrency": args.concurrency,

@@ -1,12 +1,15 @@
 """bench/cluster_load.py end to end at tiny sizes, in a subprocess (its own local Ray, shut
-down by the bench): both policies serve every turn of every session, the usage the server
-reports adds up to the workload, and prefix routing reuses more prompt tokens than round
+down by the bench): every policy named serves every turn of every session, the usage the
+server reports adds up to the workload, and prefix routing reuses more prompt tokens than round
 robin on a multi-turn workload over 2 workers. No timing asserts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from bench_subprocess import run_bench_script
+from bench_subprocess import ROOT, run_bench_script
 
 SESSIONS, TURNS, MAX_NEW_TOKENS = 4, 3, 8
 
@@ -25,14 +28,17 @@ def test_cluster_load_bench() -> None:
         "--window=8",
         "--max-total-tokens=4096",
         "--repeats=1",
+        "--policies=round_robin,prefix,ttft",
     ]
     data = run_bench_script("cluster_load", argv)
 
     requests = SESSIONS * TURNS
     assert data["workload_requests"] == requests
     runs = {run["policy"]: run for run in data["runs"]}
-    assert sorted(runs) == ["prefix", "round_robin"]
-    assert len(data["runs"]) == 2
+    assert sorted(runs) == ["prefix", "round_robin", "ttft"]
+    assert len(data["runs"]) == 3
+    assert data["policies"] == ["round_robin", "prefix", "ttft"]
+    assert sorted(data["ratios"]) == ["prefix", "ttft"]  # each against the first, the baseline
     for run in runs.values():
         assert run["requests"] == requests
         assert run["finished"] == requests  # every turn ended with "length" (ignore_eos)
@@ -42,6 +48,7 @@ def test_cluster_load_bench() -> None:
         assert sum(run["requests_per_worker"].values()) == requests
     # Greedy decoding: where the prefix cache hits must not change a single token.
     assert runs["prefix"]["answers_equal_first_run"] == 1.0
+    assert runs["ttft"]["answers_equal_first_run"] == 1.0
     # Round robin moves a session's turns between the 2 workers; prefix keeps them together.
     # User turns longer than the system prompt make the history, not the shared prompt (which
     # window checkpoints and repair keep on both workers), what a misrouted turn loses.
@@ -50,3 +57,24 @@ def test_cluster_load_bench() -> None:
         "worker-0": requests // 2,
         "worker-1": requests // 2,
     }
+
+
+@pytest.mark.parametrize(
+    ("policies", "message"),
+    [
+        ("prefix,bogus", "unknown policy 'bogus'"),
+        ("prefix", "name at least two different policies"),
+        ("prefix,prefix", "name at least two different policies"),
+    ],
+)
+def test_cluster_load_refuses_bad_policies(policies: str, message: str) -> None:
+    """A bad --policies is refused before any cluster starts (argparse's exit status 2)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cluster_load.py"), f"--policies={policies}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
