@@ -27,7 +27,10 @@ class Candidate:
     it has still to prefill before this request, as far as the router knows: the waiting
     prompts of its last report plus the uncached tokens of the requests routed to it since
     (not listed by a report yet); `speed`: its observed seconds per generated token over the
-    fastest worker's, inverted (1.0: as fast as the fastest, or not observed yet)."""
+    fastest worker's, inverted (1.0: as fast as the fastest, or not observed yet);
+    `free_tokens`: the unallocated full-pool KV slots of its last report: room it can fill
+    without evicting cached prefixes (not less what was routed since: that is in
+    `queued_prefill_tokens`, and subtracting it too lowered the chat trace's reuse)."""
 
     worker_id: str
     order: int
@@ -35,6 +38,7 @@ class Candidate:
     hit_tokens: int
     queued_prefill_tokens: int = 0
     speed: float = 1.0
+    free_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +102,29 @@ class TTFTPolicy(Policy):
 
         cost = (queued_prefill_tokens + len(prompt) − hit_tokens) / speed
 
-    and the cheapest worker wins (ties: longer hit, lower load, add order). Reuse counts only
-    as the prefill it saves, so a long hit on a busy worker loses to a cold idle one once the
-    queue there is longer than the hit. No balance gate: the queue is the load signal.
+    Reuse counts only as the prefill it saves, so a long hit on a busy worker loses to a cold
+    idle one once the queue there is longer than the hit. No balance gate: the queue is the
+    load signal.
+
+    Memory is the other thing a placement spends: KV written where the full pool is full
+    evicts cached prefixes that later turns would have hit. So the workers whose cost is
+    within `ttft_balance_tokens` of the cheapest are taken as equal for this request, and of
+    those the one with the most free KV wins (ties: lower cost, longer hit, lower load, add
+    order). New sessions and short histories then fill the emptiest pools, as SGLang's
+    gateway sends low-match requests to its smallest tree, and long histories stay where
+    they are cached (moving one costs more than the slack).
     """
 
     name = "ttft"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        return min(candidates, key=lambda c: (_ttft(request, c), -c.hit_tokens, c.load, c.order))
+        cheapest = min(_ttft(request, c) for c in candidates)
+        limit = cheapest + self.config.ttft_balance_tokens
+        near = [c for c in candidates if _ttft(request, c) <= limit]
+        return min(
+            near,
+            key=lambda c: (-c.free_tokens, _ttft(request, c), -c.hit_tokens, c.load, c.order),
+        )
 
     def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:
         """Wait while a faster worker that lacks room now is cheaper than `chosen` even

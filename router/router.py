@@ -268,7 +268,8 @@ class Router:
             hit = hits.get(w.bit, 0)
             need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
             queued = w.queued_prefill_tokens
-            candidate = Candidate(w.worker_id, w.order, w.load, hit, queued, speeds[w.bit])
+            free = w.headroom.full_free_tokens
+            candidate = Candidate(w.worker_id, w.order, w.load, hit, queued, speeds[w.bit], free)
             if w.fits(need):
                 candidates.append(candidate)
                 needs[w.worker_id] = need

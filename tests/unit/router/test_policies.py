@@ -107,6 +107,32 @@ def test_ttft_ties_go_to_the_longer_hit_then_the_lower_load() -> None:
     assert c.router.route("s", list(range(100, 117)), 1).worker_id == "b"  # both 17: load
 
 
+def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> None:
+    """Costs within `ttft_balance_tokens` of the cheapest count as equal: the worker with the
+    most free KV wins, so a short request fills an empty pool rather than evict there."""
+    system = list(range(1, 513))  # 512 tokens, cached on a, whose pool is nearly full
+    prompt = [*system, *range(1000, 1089)]  # 601 tokens
+    c = Cluster("a", "b", policy="ttft")
+    c.report("a", [stored(system)], full_free_tokens=800, full_evictable_tokens=8000)
+    c.report("b", full_free_tokens=9000)
+    # a: 0 + 601 - 512 = 89; b: 601, within 1024 of 89; b has the more free KV.
+    assert c.router.route("r1", prompt, 16).worker_id == "b"
+    tight = Cluster("a", "b", policy="ttft", ttft_balance_tokens=256)
+    tight.report("a", [stored(system)], full_free_tokens=800, full_evictable_tokens=8000)
+    tight.report("b", full_free_tokens=9000)
+    assert tight.router.route("r1", prompt, 16).worker_id == "a"  # 601 - 89 > 256
+    # A long history cached on a costs more to move than the slack: it stays.
+    history = list(range(1, 2001))
+    c.report("a", [stored(history)], full_free_tokens=800, full_evictable_tokens=8000)
+    c.report("b", full_free_tokens=9000, queued_prefill_tokens=0)
+    assert c.router.route("r2", [*history, 5], 16).worker_id == "a"  # 1 vs 2001 and more
+    # Equal free KV: the cheaper one, as without the slack.
+    c.report("a", full_free_tokens=9000)
+    assert c.router.route("r3", prompt, 16).worker_id == "a"
+    c.router.check()
+    tight.router.check()
+
+
 def test_ttft_divides_the_cost_by_the_worker_s_observed_speed() -> None:
     c = Cluster("a", "b", policy="ttft")
     c.report("a", queued_prefill_tokens=10)  # 10 + 17 = 27
