@@ -30,7 +30,8 @@ class Candidate:
     fastest worker's, inverted (1.0: as fast as the fastest, or not observed yet);
     `free_tokens`: the unallocated full-pool KV slots of its last report: room it can fill
     without evicting cached prefixes (not less what was routed since: that is in
-    `queued_prefill_tokens`, and subtracting it too lowered the chat trace's reuse)."""
+    `queued_prefill_tokens`, and subtracting it too lowered the chat trace's reuse), of
+    `total_tokens` in its full pool."""
 
     worker_id: str
     order: int
@@ -39,6 +40,7 @@ class Candidate:
     queued_prefill_tokens: int = 0
     speed: float = 1.0
     free_tokens: int = 0
+    total_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,14 @@ class PrefixPolicy(Policy):
         return max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
 
 
+BALANCE_FREE_SHARE = 0.5
+"""`ttft` weighs memory only when the cheapest worker's full pool is less than this share free:
+below it, new KV soon evicts cached histories there; above it, moving a request to a freer
+worker only scatters sessions (on bench/cluster_load.py's small cluster, where no pool fills,
+weighing memory always moved 62-80 % of the turns and cut reuse from 0.84 to 0.70-0.73). On
+bench/router_sim.py's chat trace 0.5 keeps reuse at 0.84-0.88 (0.25: 0.79-0.87, 0.75:
+0.83-0.84)."""
+
 HOLD_SPEEDUP = 1.25
 """How much faster than the chosen worker one without room must be for `ttft` to wait for it
 (observed speeds of alike workers differ by a few percent)."""
@@ -107,9 +117,10 @@ class TTFTPolicy(Policy):
     load signal.
 
     Memory is the other thing a placement spends: KV written where the full pool is full
-    evicts cached prefixes that later turns would have hit. So the workers whose cost is
-    within `ttft_balance_tokens` of the cheapest are taken as equal for this request, and of
-    those the one with the most free KV wins (ties: lower cost, longer hit, lower load, add
+    evicts cached prefixes that later turns would have hit. So when the cheapest worker's pool
+    is less than `BALANCE_FREE_SHARE` free, the workers whose cost is within
+    `ttft_balance_tokens` of the cheapest are taken as equal for this request, and of those
+    the one with the most free KV wins (ties: lower cost, longer hit, lower load, add
     order). New sessions and short histories then fill the emptiest pools, as SGLang's
     gateway sends low-match requests to its smallest tree, and long histories stay where
     they are cached (moving one costs more than the slack).
@@ -118,12 +129,20 @@ class TTFTPolicy(Policy):
     name = "ttft"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        cheapest = min(_ttft(request, c) for c in candidates)
-        limit = cheapest + self.config.ttft_balance_tokens
+        best = min(candidates, key=lambda c: (_ttft(request, c), -c.hit_tokens, c.load, c.order))
+        if best.free_tokens >= BALANCE_FREE_SHARE * best.total_tokens:
+            return best  # no memory pressure there: no reason to move
+        limit = _ttft(request, best) + self.config.ttft_balance_tokens
         near = [c for c in candidates if _ttft(request, c) <= limit]
         return min(
             near,
-            key=lambda c: (-c.free_tokens, _ttft(request, c), -c.hit_tokens, c.load, c.order),
+            key=lambda c: (
+                -c.free_tokens,
+                _ttft(request, c),
+                -c.hit_tokens,
+                c.load,
+                c.order,
+            ),
         )
 
     def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:

@@ -269,7 +269,10 @@ class Router:
             need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
             queued = w.queued_prefill_tokens
             free = w.headroom.full_free_tokens
-            candidate = Candidate(w.worker_id, w.order, w.load, hit, queued, speeds[w.bit], free)
+            total = w.headroom.full_total_tokens
+            candidate = Candidate(
+                w.worker_id, w.order, w.load, hit, queued, speeds[w.bit], free, total
+            )
             if w.fits(need):
                 candidates.append(candidate)
                 needs[w.worker_id] = need

@@ -108,8 +108,9 @@ def test_ttft_ties_go_to_the_longer_hit_then_the_lower_load() -> None:
 
 
 def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> None:
-    """Costs within `ttft_balance_tokens` of the cheapest count as equal: the worker with the
-    most free KV wins, so a short request fills an empty pool rather than evict there."""
+    """When the cheapest worker's pool is less than half free, costs within
+    `ttft_balance_tokens` of the cheapest count as equal: the worker with the most free KV
+    wins, so a short request fills an empty pool rather than evict there."""
     system = list(range(1, 513))  # 512 tokens, cached on a, whose pool is nearly full
     prompt = [*system, *range(1000, 1089)]  # 601 tokens
     c = Cluster("a", "b", policy="ttft")
@@ -126,9 +127,10 @@ def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> 
     c.report("a", [stored(history)], full_free_tokens=800, full_evictable_tokens=8000)
     c.report("b", full_free_tokens=9000, queued_prefill_tokens=0)
     assert c.router.route("r2", [*history, 5], 16).worker_id == "a"  # 1 vs 2001 and more
-    # Equal free KV: the cheaper one, as without the slack.
-    c.report("a", full_free_tokens=9000)
-    assert c.router.route("r3", prompt, 16).worker_id == "a"
+    # The cheapest pool at least half free: no memory pressure, the cheapest stays.
+    c.report("a", full_free_tokens=5000, full_evictable_tokens=4000)
+    c.report("b", admitted=["r1"], full_free_tokens=9000, queued_prefill_tokens=0)
+    assert c.router.route("r3", prompt, 16).worker_id == "a"  # about 90 vs 601
     c.router.check()
     tight.router.check()
 
