@@ -23,12 +23,13 @@ Defaults and why:
   room. On bench/router_sim.py's agentic fan-out this keeps bursts off the slow worker
   (TTFT p99 469 → 320 ms at 0 ms reports, seed 0); waiting longer costs the skewed-tenant
   trace more than it gains (p99 120 / 133 / 128 ms at 0.05 / 0.1 / 0.2 s).
-- `ttft_balance_tokens=1024`: `ttft` takes the workers whose predicted prefill is within
+- `ttft_balance_tokens=1024`: when the cheapest worker's full pool is less than half free
+  (`policies.BALANCE_FREE_SHARE`), `ttft` takes the workers whose predicted prefill is within
   1024 tokens of the cheapest as equal and sends the request to the one with the most free
   full KV, so that new sessions fill the emptiest pools instead of evicting other sessions'
   histories. On bench/router_sim.py's chat trace (reports 100 ms late, one slow worker, seeds
-  0-2) it lifts reuse from 0.75-0.80 to 0.82-0.84 and cuts TTFT p99 from 168-195 ms to
-  137-170; 0 (the cheapest alone) and 256 change little, 512 / 768 gain less or less evenly,
+  0-2) it lifts reuse from 0.75-0.80 to 0.84-0.88 and cuts TTFT p99 from 168-195 ms to
+  134-183. Without the pressure gate (tuned first): 0 (the cheapest alone) and 256 change little, 512 / 768 gain less or less evenly,
   and 1536 / 2048 / 4096 give up too much of the hits (reuse 0.74 / 0.68 / 0.43). A slack
   relative to the cost (×1.2-1.5) does not help: it is the short requests, whose cost is
   small, that must be free to move.
