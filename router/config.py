@@ -29,8 +29,9 @@ Defaults and why:
   full KV, so that new sessions fill the emptiest pools instead of evicting other sessions'
   histories. On bench/router_sim.py's chat trace (reports 100 ms late, one slow worker, seeds
   0-2) it lifts reuse from 0.75-0.80 to 0.84-0.88 and cuts TTFT p99 from 168-195 ms to
-  134-183. Without the pressure gate (tuned first): 0 (the cheapest alone) and 256 change little, 512 / 768 gain less or less evenly,
-  and 1536 / 2048 / 4096 give up too much of the hits (reuse 0.74 / 0.68 / 0.43). A slack
+  134-183. Without the pressure gate (tuned first): 0 (the cheapest alone) and 256 change
+  little, 512 / 768 gain less or less evenly, and 1536 / 2048 / 4096 give up too much of the
+  hits (reuse 0.74 / 0.68 / 0.43). A slack
   relative to the cost (×1.2-1.5) does not help: it is the short requests, whose cost is
   small, that must be free to move.
 - `approx_max_tokens=2**20`: the approximate view (workers without KV events) records at most

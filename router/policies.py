@@ -129,21 +129,13 @@ class TTFTPolicy(Policy):
     name = "ttft"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        best = min(candidates, key=lambda c: (_ttft(request, c), -c.hit_tokens, c.load, c.order))
+        costs = [(_ttft(request, c), -c.hit_tokens, c.load, c.order, c) for c in candidates]
+        cost, *_, best = min(costs, key=lambda x: x[:4])
         if best.free_tokens >= BALANCE_FREE_SHARE * best.total_tokens:
             return best  # no memory pressure there: no reason to move
-        limit = _ttft(request, best) + self.config.ttft_balance_tokens
-        near = [c for c in candidates if _ttft(request, c) <= limit]
-        return min(
-            near,
-            key=lambda c: (
-                -c.free_tokens,
-                _ttft(request, c),
-                -c.hit_tokens,
-                c.load,
-                c.order,
-            ),
-        )
+        limit = cost + self.config.ttft_balance_tokens
+        near = [x for x in costs if x[0] <= limit]
+        return min(near, key=lambda x: (-x[-1].free_tokens, *x[:4]))[-1]
 
     def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:
         """Wait while a faster worker that lacks room now is cheaper than `chosen` even
