@@ -19,16 +19,16 @@ Per cell (workers N × sequences S):
   with room for everything), into one router; the view's page count must equal the pages sent
   (no event mismatch);
 - memory: RSS growth over the build, in a process forked for the cell (the router is the
-  only thing that grows there),
-  and that ÷ pages held: bytes per cached page (`--traced` adds tracemalloc's exact figure, at
-  a cost in time and memory);
+  only thing that grows there), and that ÷ pages held: bytes per cached page, beside the
+  view's own count of its state (`ExactCacheView.memory_bytes`; `--traced` adds
+  tracemalloc's exact figure, at a cost in time and memory);
 - decision: `Router.route` on probes — 80 % a cached sequence cut after a random turn plus a
   new 128-token message, 10 % a system prompt plus a fresh message, 10 % random tokens — each
   timed thrice (route, finish, route again) keeping the fastest, and the single-shot p99;
   in-flight requests are capped at 4 per worker (finished FIFO);
 - GC: the time of one full `gc.collect()` after the build less one before it: the router's
-  share of the pause a collection of the oldest generation costs (every trie node is a
-  tracked object);
+  share of the pause a collection of the oldest generation costs (the exact view's pages
+  are numpy columns, which the collector does not track);
 - ingest: steady churn in reports sized like the engine's: a new sequence stored, its earlier
   turns tombstoned, the oldest sequences' leaf pages removed at the engine's removed / stored
   rate; pages applied per second of `Router.update` alone.
@@ -40,7 +40,9 @@ the built cells show it). Goals (issue #23): decision p99 < 1 ms at 256 workers;
 at 256 × 10^4; ingest >= 10^5 pages/s. The sharding figure: the pages one router holds in 8 GB,
 and so the workers × sequences past which the fleet is split over router actors.
 
-    python bench/router_scale.py [--quick] [--json] [--max-pages N] [--traced]
+    python bench/router_scale.py [--quick] [--json] [--max-pages N] [--cells NxS,...] [--traced]
+
+`--cells 256x10000` builds just those cells (whatever their size); the rest are predicted.
 """
 
 from __future__ import annotations
@@ -400,7 +402,8 @@ def run_cell(workers: int, sequences: int, mix: EventMix, args: argparse.Namespa
         "built": True,
         "pages_held": held,
         "expected_pages": expected_pages(workers, sequences),
-        "trie_pages": len(view.by_hash),
+        "trie_pages": view.num_nodes,
+        "view_bytes": view.memory_bytes(),
         "build_s": build_s,
         "build_pages_per_s": held / update_s,
         "gc_full_ms": gc_full_ms,
@@ -453,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probes", type=int, default=2000)
     parser.add_argument("--churn-reports", type=int, default=20_000)
     parser.add_argument("--traced", action="store_true", help="tracemalloc bytes per page too")
+    parser.add_argument("--cells", default="", help="build only these cells, e.g. 16x100,256x10000")
     parser.add_argument("--check", action="store_true", help="Router.check() after each cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -472,10 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         f"({mix.tombstoned_per_stored:.2f}), revived {mix.revived_pages}; "
         f"{mix.pages_per_report:.1f} pages per report"
     )
+    only = {tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",") if cell}
     cells = []
     for n in workers_grid:
         for s in sequences_grid:
-            if expected_pages(n, s) > args.max_pages:
+            if (n, s) not in only if only else expected_pages(n, s) > args.max_pages:
                 continue
             with multiprocessing.get_context("fork").Pool(1) as pool:  # a fresh heap per cell
                 cells.append(pool.apply(run_cell, (n, s, mix, args)))
@@ -535,7 +540,9 @@ def print_cell(c: dict) -> None:
     d = c["decision"]
     print(
         f"{c['workers']:>4} workers x {c['sequences']:>6} seqs ({tag:>9}): {c['pages_held']:>11,} pages, "
-        f"{c['bytes_per_page']:6.0f} B/page, {c['memory_bytes'] / 1e9:7.2f} GB; decision p50 "
+        f"{c['bytes_per_page']:6.0f} B/page"
+        + (f" (view {c['view_bytes'] / c['pages_held']:.0f})" if "view_bytes" in c else "")
+        + f", {c['memory_bytes'] / 1e9:7.2f} GB; decision p50 "
         f"{d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} ms; ingest {c['ingest']['pages_per_s']:,.0f} pages/s"
         + (f"; full GC {c['gc_full_ms']:.0f} ms" if "gc_full_ms" in c else ""),
         flush=True,

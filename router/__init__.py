@@ -1,8 +1,9 @@
-"""Prefix-, SWA- and headroom-aware routing (architecture §5 router). Pure Python: no torch, no Ray."""
+"""Prefix-, SWA- and headroom-aware routing (architecture §5 router). Python and numpy: no torch, no Ray."""
 
-from swaserve.router.cache_view import ApproxCacheView, CacheViewCorrupted, ExactCacheView
+from swaserve.router.cache_view import ApproxCacheView, CacheViewCorrupted
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
+from swaserve.router.exact_view import ExactCacheView
 from swaserve.router.policies import POLICIES, Candidate, Policy, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.router import Router

@@ -1,16 +1,16 @@
-"""What each worker's prefix cache holds, as the router sees it: one page trie shared by all
-workers, each node marked with the workers that hold the page (a bit per worker).
+"""What each worker's prefix cache holds, as the router sees it: pages marked with the
+workers that hold them (a bit per worker).
 
-- `ExactCacheView`: rebuilt from KV events (`swaserve.proto.kv_events`), so a worker's pages
-  and tombstones equal its radix tree's, page for page. Events name pages by chained hash;
-  they also carry the tokens, so pages are filed by their tokens (a route walks the prompt
-  without hashing it) and found again by hash through `by_hash`.
-- `ApproxCacheView`: for workers that send no events: the prompts routed to each worker,
-  with one LRU over all (page, worker) entries under one global token cap.
+- `ExactCacheView` (`swaserve.router.exact_view`): rebuilt from KV events
+  (`swaserve.proto.kv_events`), so a worker's pages and tombstones equal its radix tree's,
+  page for page; columnar arrays, for a fleet's worth of pages.
+- `ApproxCacheView` (here): for workers that send no events: the prompts routed to each
+  worker, in a trie of page objects with one LRU over all (page, worker) entries under one
+  global token cap.
 
-Both answer `match(token_ids, windows, repair_tokens)`: per worker, the tokens its cache
-would let the request skip under the engine's rule (`prefix_reuse`). Along one worker's pages
-of a prompt (P = 2, W = 4; L live, T tombstone), an end is valid with no tombstone before it
+Both answer `match(token_ids, windows, repair_tokens)` with one walk (`match_runs`): per
+worker, the tokens its cache would let the request skip under the engine's rule
+(`prefix_reuse`). Along one worker's pages of a prompt (P = 2, W = 4; L live, T tombstone), an end is valid with no tombstone before it
 or with at least W live tokens right before it, and the plain match is the last valid end
 before the first page the worker lacks:
 
@@ -30,15 +30,6 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-
-from swaserve.proto.kv_events import (
-    KVCleared,
-    KVEvent,
-    KVRemoved,
-    KVRevived,
-    KVStored,
-    KVTombstoned,
-)
 
 PageKey = int | bytes
 """A page's tokens: the token itself when P = 1, else its P tokens as little-endian uint32
@@ -75,15 +66,14 @@ class _Node:
     (two or more; the root's is always a dict): a 1-entry dict costs more than the page's
     other state. Read them through `_PageTrie._find` / `_kids`."""
 
-    __slots__ = ("children", "held", "key", "page_hash", "parent", "tomb")
+    __slots__ = ("children", "held", "key", "parent", "tomb")
 
-    def __init__(self, key: PageKey, parent: _Node | None, page_hash: int | None = None) -> None:
+    def __init__(self, key: PageKey, parent: _Node | None) -> None:
         self.key = key
         self.parent = parent
         self.children: _Node | dict[PageKey, _Node] | None = None
         self.held = 0
         self.tomb = 0
-        self.page_hash = page_hash
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -116,77 +106,26 @@ class _PageTrie:
         windows: Mapping[int, int],
         repair_tokens: Mapping[int, int] | None = None,
     ) -> dict[int, int]:
-        """Tokens of `token_ids` (whole pages) that each worker of `windows` (worker -> its W)
-        would skip: `prefix_reuse(runs, W, R).saved_tokens` over the pages it holds in a row
-        from the root, R = `repair_tokens[worker]` (absent or 0: the worker does not repair).
-        A query: changes nothing.
+        """Tokens of `token_ids` that each worker of `windows` would skip (`match_runs`)."""
+        return match_runs(self._path(token_ids), self.page_size, windows, repair_tokens)
 
-        One walk for all workers, with bit masks: `alive` hold every page so far; `ok` are at
-        a valid end (no tombstone yet, or >= W live tokens since the last one); `in_tomb` saw
-        a tombstone as their previous page. A worker that leaves a run of tombstones at end
-        `e` is `ready` again at end `e + W`. A worker's valid match is the last end at which
-        it was in `ok`, written when it leaves `ok` or `alive`, or when the walk stops; where
-        it leaves `alive` (or the walk stops) is its full run F, and a repairing worker that
-        is not in `ok` there answers max(valid, F - R). The work per page is a few mask
-        operations, plus one step per worker that changes state.
-        """
-        p = self.page_size
-        best = dict.fromkeys(windows, 0)
-        alive = tombs_matter = 0
-        for w, window in windows.items():
-            alive |= 1 << w
-            tombs_matter |= (window > 0) << w  # with W = 0 every end is valid
-        repairs = {w: r for w, r in (repair_tokens or {}).items() if r > 0 and w in windows}
-        repairing = sum(1 << w for w in repairs)
-        ok, in_tomb = alive, 0
-        ready: dict[int, int] = {}  # worker -> end at which its live run reaches W
-        node, end = self.root, 0
-        for key in page_keys(token_ids, p):
-            if not alive:
-                break
+    def _path(self, token_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+        """(held, tomb, 1) of each page of `token_ids` in the trie, from the root, while there."""
+        node = self.root
+        for key in page_keys(token_ids, self.page_size):
             kids = node.children
             if kids is None:
-                break
+                return
             if isinstance(kids, dict):
                 child = kids.get(key)
                 if child is None:
-                    break
+                    return
             elif kids.key == key:
                 child = kids
             else:
-                break
-            if alive & ~child.held:
-                gone = alive & ~child.held
-                if gone & ok:
-                    _settle(best, gone & ok, end)
-                if gone & repairing & ~ok:
-                    _repair(best, gone & repairing & ~ok, end, repairs)
-                alive &= child.held
-                ok &= alive
-                in_tomb &= alive
-            tomb = child.tomb & tombs_matter & alive
-            if tomb & ok:
-                _settle(best, tomb & ok, end)
-                ok &= ~tomb
-            if tomb != in_tomb:
-                for w in _bits(tomb & ~in_tomb):
-                    ready.pop(w, None)
-                for w in _bits(in_tomb & ~tomb):
-                    ready[w] = end + windows[w]  # its live run starts at this page
-                in_tomb = tomb
-            end += p
-            if ready:
-                for w, ready_end in list(ready.items()):
-                    if not alive >> w & 1:
-                        del ready[w]
-                    elif end >= ready_end:
-                        ok |= 1 << w
-                        del ready[w]
+                return
+            yield child.held, child.tomb, 1
             node = child
-        _settle(best, alive & ok, end)
-        if alive & repairing & ~ok:
-            _repair(best, alive & repairing & ~ok, end, repairs)
-        return best
 
     def _bit(self, worker: int) -> int:
         """`1 << worker`, one object per worker."""
@@ -212,12 +151,12 @@ class _PageTrie:
             return ()
         return kids.values() if isinstance(kids, dict) else (kids,)
 
-    def _child(self, parent: _Node, key: PageKey, page_hash: int | None = None) -> _Node:
+    def _child(self, parent: _Node, key: PageKey) -> _Node:
         """`parent`'s child of `key`, created (held by nobody) if it is missing."""
         node = self._find(parent, key)
         if node is not None:
             return node
-        node = _Node(key, parent, page_hash)
+        node = _Node(key, parent)
         kids = parent.children
         if kids is None:
             parent.children = node
@@ -261,11 +200,7 @@ class _PageTrie:
         while node.parent is not None and not node.held and node.children is None:
             parent, node.parent = node.parent, None
             self._unlink(parent, node)
-            self._forget(node)
             node = parent
-
-    def _forget(self, node: _Node) -> None:
-        """Hook: a node left the trie."""
 
     def _subtree(self, node: _Node) -> list[_Node]:
         """`node` and its descendants, children before parents."""
@@ -302,6 +237,73 @@ class _PageTrie:
         return nodes
 
 
+def match_runs(
+    runs: Iterable[tuple[int, int, int]],
+    page_size: int,
+    windows: Mapping[int, int],
+    repair_tokens: Mapping[int, int] | None = None,
+) -> dict[int, int]:
+    """Tokens that each worker of `windows` (worker -> its W) would skip, given `runs`: the
+    (held, tomb, pages) of a prompt's whole pages from the root, as far as any worker holds
+    them, pages in a row with equal masks as one run. `prefix_reuse(runs, W, R).saved_tokens` over the pages each worker holds in a row,
+    R = `repair_tokens[worker]` (absent or 0: the worker does not repair).
+
+    One walk for all workers, with bit masks: `alive` hold every page so far; `ok` are at
+    a valid end (no tombstone yet, or >= W live tokens since the last one); `in_tomb` saw
+    a tombstone as their previous page. A worker that leaves a run of tombstones at end
+    `e` is `ready` again at end `e + W`. A worker's valid match is the last end at which
+    it was in `ok`, written when it leaves `ok` or `alive`, or when the walk stops; where
+    it leaves `alive` (or the walk stops) is its full run F, and a repairing worker that
+    is not in `ok` there answers max(valid, F - R). The work is a few mask operations per
+    run, plus one step per worker that changes state.
+    """
+    p = page_size
+    best = dict.fromkeys(windows, 0)
+    alive = tombs_matter = 0
+    for w, window in windows.items():
+        alive |= 1 << w
+        tombs_matter |= (window > 0) << w  # with W = 0 every end is valid
+    repairs = {w: r for w, r in (repair_tokens or {}).items() if r > 0 and w in windows}
+    repairing = sum(1 << w for w in repairs)
+    ok, in_tomb = alive, 0
+    ready: dict[int, int] = {}  # worker -> end at which its live run reaches W
+    end = 0
+    for held, page_tomb, pages in runs:
+        if not alive:
+            break
+        if alive & ~held:
+            gone = alive & ~held
+            if gone & ok:
+                _settle(best, gone & ok, end)
+            if gone & repairing & ~ok:
+                _repair(best, gone & repairing & ~ok, end, repairs)
+            alive &= held
+            ok &= alive
+            in_tomb &= alive
+        tomb = page_tomb & tombs_matter & alive
+        if tomb & ok:
+            _settle(best, tomb & ok, end)
+            ok &= ~tomb
+        if tomb != in_tomb:
+            for w in _bits(tomb & ~in_tomb):
+                ready.pop(w, None)
+            for w in _bits(in_tomb & ~tomb):
+                ready[w] = end + windows[w]  # its live run starts at this page
+            in_tomb = tomb
+        end += p * pages  # past the run's first page nothing changes but `ready`
+        if ready:
+            for w, ready_end in list(ready.items()):
+                if not alive >> w & 1:
+                    del ready[w]
+                elif end >= ready_end:
+                    ok |= 1 << w
+                    del ready[w]
+    _settle(best, alive & ok, end)
+    if alive & repairing & ~ok:
+        _repair(best, alive & repairing & ~ok, end, repairs)
+    return best
+
+
 def _settle(best: dict[int, int], mask: int, end: int) -> None:
     for w in _bits(mask):
         best[w] = end
@@ -313,116 +315,6 @@ def _repair(best: dict[int, int], mask: int, full_end: int, repairs: Mapping[int
     (`prefix_reuse`)."""
     for w in _bits(mask):
         best[w] = max(best[w], full_end - repairs[w])
-
-
-class ExactCacheView(_PageTrie):
-    """Every event-reporting worker's cached pages and tombstones, from its KV events.
-
-    `apply` never raises on an event that contradicts the view (a lost or reordered event):
-    it makes the view agree with the event where it can, skips it where it cannot (pages under
-    an unknown parent, removal of an unknown page), and counts it. After lost events a view
-    may lack pages the worker holds or keep pages it removed; the router then asks the worker
-    for a snapshot (`KVCleared` and the whole tree as `KVStored`, parents first), and applying
-    it makes the worker's pages equal its tree again.
-    """
-
-    def __init__(self, page_size: int) -> None:
-        super().__init__(page_size)
-        self.by_hash: dict[int, _Node] = {}
-
-    def apply(self, worker: int, events: Iterable[KVEvent]) -> int:
-        """Apply `worker`'s events in order; returns how many did not fit the view."""
-        mismatches = 0
-        for event in events:
-            if isinstance(event, KVStored):
-                mismatches += self._store(worker, event)
-            elif isinstance(event, KVRemoved):
-                mismatches += self._remove(worker, event.page_hashes)
-            elif isinstance(event, KVTombstoned | KVRevived):
-                mismatches += self._mark(worker, event.page_hashes, isinstance(event, KVTombstoned))
-            elif isinstance(event, KVCleared):
-                self.drop(worker)
-            else:
-                raise TypeError(f"not a KV event: {event!r}")
-        return mismatches
-
-    def drop(self, worker: int) -> None:
-        """Forget everything `worker` holds (restart, cache clear, lost events)."""
-        bit = 1 << worker
-        for node in self._subtree(self.root):
-            if node.held & bit:
-                self._release(node, worker)
-            if node is not self.root:
-                self._prune(node)
-        self._num_pages.pop(worker, None)
-
-    def pages(self, worker: int) -> dict[int, bool]:
-        """Page hash -> tombstone, for every page `worker` holds."""
-        bit = 1 << worker
-        return {h: bool(node.tomb & bit) for h, node in self.by_hash.items() if node.held & bit}
-
-    def check(self) -> None:
-        """Raise `CacheViewCorrupted` on a broken invariant: trie structure, `tomb` ⊆ `held`,
-        a page held only where its parent is, page counts, and `by_hash` naming every node."""
-        nodes = self._check_trie()
-        if len(self.by_hash) != len(nodes) or any(
-            x.page_hash is None or self.by_hash.get(x.page_hash) is not x for x in nodes
-        ):
-            raise CacheViewCorrupted("by_hash does not name each node exactly once")
-
-    def _store(self, worker: int, event: KVStored) -> int:
-        p = self.page_size
-        if event.page_size != p or len(event.token_ids) < len(event.page_hashes) * p:
-            return 1
-        keys = page_keys(event.token_ids, p)
-        if len(keys) < len(event.page_hashes):  # a token outside [0, 2^32)
-            return 1
-        parent = self.root if event.parent_hash is None else self.by_hash.get(event.parent_hash)
-        bit = 1 << worker
-        if parent is None or (parent is not self.root and not parent.held & bit):
-            return 1
-        mismatch = 0
-        for key, h in zip(keys, event.page_hashes, strict=False):
-            node = self._child(parent, key, h)
-            if node.page_hash != h:  # a different hash for the same tokens: not our chain
-                self._prune(node)
-                return 1
-            self.by_hash[h] = node
-            if not self._hold(node, worker, event.swa_tombstone):
-                mismatch = 1
-            parent = node
-        return mismatch
-
-    def _remove(self, worker: int, hashes: Sequence[int]) -> int:
-        """Release pages (children first). A page that still has pages of `worker` below it
-        takes them along, so a page is never held without its parent."""
-        bit, mismatch = 1 << worker, 0
-        for h in reversed(hashes):
-            node = self.by_hash.get(h)
-            if node is None or not node.held & bit:
-                mismatch = 1
-                continue
-            for x in self._subtree(node):
-                if x.held & bit:
-                    mismatch |= x is not node
-                    self._release(x, worker)
-                    self._prune(x)
-        return mismatch
-
-    def _mark(self, worker: int, hashes: Sequence[int], tombstone: bool) -> int:
-        bit, mismatch = 1 << worker, 0
-        for h in hashes:
-            node = self.by_hash.get(h)
-            if node is None or not node.held & bit or bool(node.tomb & bit) == tombstone:
-                mismatch = 1
-                continue
-            tomb = node.tomb ^ bit
-            node.tomb = self._bit(worker) if tomb == bit else tomb
-        return mismatch
-
-    def _forget(self, node: _Node) -> None:
-        if node.page_hash is not None and self.by_hash.get(node.page_hash) is node:
-            del self.by_hash[node.page_hash]
 
 
 class ApproxCacheView(_PageTrie):

@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from swaserve.proto.messages import WorkerReport
-from swaserve.router.cache_view import ApproxCacheView, ExactCacheView
+from swaserve.router.cache_view import ApproxCacheView
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
+from swaserve.router.exact_view import ExactCacheView
 from swaserve.router.policies import POLICIES, Candidate, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.stats import RouterStats

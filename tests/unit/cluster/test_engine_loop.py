@@ -12,7 +12,7 @@ import pytest
 from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
 from swaserve.proto.kv_events import KVCleared
 from swaserve.proto.messages import WorkerReport
-from swaserve.router.cache_view import ExactCacheView
+from swaserve.router.exact_view import ExactCacheView
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.engine import RequestError
 

@@ -99,7 +99,7 @@ def test_router_bitmask_match_follows_the_rule(seed: int) -> None:
     """The router's one-walk match over KV events equals the rule on each worker's pages:
     `prefix_reuse` with the worker's own W and R (R = 0: the plain window rule)."""
     from swaserve.proto.kv_events import KVStored, KVTombstoned, page_hashes
-    from swaserve.router.cache_view import ExactCacheView
+    from swaserve.router.exact_view import ExactCacheView
 
     rng = random.Random(seed)
     page = 2

@@ -20,7 +20,6 @@ from swaserve.proto.kv_events import (
     page_hashes,
 )
 from swaserve.router import ApproxCacheView, CacheViewCorrupted, ExactCacheView
-from swaserve.router.cache_view import page_keys
 from swaserve.worker.kv import SWATokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 
@@ -92,14 +91,14 @@ def test_workers_share_pages_and_removal_prunes_only_unheld_pages() -> None:
     view = ExactCacheView(P)
     view.apply(0, [stored(TOKENS)])
     view.apply(1, [stored(TOKENS[:4])])
-    assert (view.num_pages(0), view.num_pages(1), len(view.by_hash)) == (6, 2, 6)
+    assert (view.num_pages(0), view.num_pages(1), view.num_nodes) == (6, 2, 6)
     view.apply(0, [KVRemoved(pages_of(TOKENS, 1, 6))])  # a leaf node of 5 pages leaves
     assert view.match(TOKENS, {0: W, 1: W}) == {0: 2, 1: 4}
-    assert len(view.by_hash) == 2  # [3,4] stays: worker 1 holds it
+    assert view.num_nodes == 2  # [3,4] stays: worker 1 holds it
     view.apply(1, [KVCleared()])
-    assert (view.num_pages(0), view.num_pages(1), len(view.by_hash)) == (1, 0, 1)
+    assert (view.num_pages(0), view.num_pages(1), view.num_nodes) == (1, 0, 1)
     view.drop(0)
-    assert view.by_hash == {} and view.root.children == {}
+    assert view.num_nodes == 0 and view.match(TOKENS, {0: 0, 1: 0}) == {0: 0, 1: 0}
     view.check()
 
 
@@ -127,7 +126,8 @@ def test_events_that_do_not_fit_are_counted_and_never_leave_an_orphan(
 def test_exact_view_check_catches_an_orphan_page() -> None:
     view = ExactCacheView(P)
     view.apply(0, [stored(TOKENS[:4])])
-    view.root.children[page_keys([1, 2], P)[0]].held = 0  # the parent page forgets worker 0
+    first = view._find_hash(pages_of(TOKENS, 0, 1)[0])
+    view._holder[first] = 5  # the parent page forgets worker 0
     with pytest.raises(CacheViewCorrupted, match="held where its parent is not"):
         view.check()
 

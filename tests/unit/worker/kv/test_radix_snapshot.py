@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swaserve.proto.kv_events import KVCleared, KVEventMirror, KVStored, page_hashes
-from swaserve.router.cache_view import ExactCacheView
+from swaserve.router.exact_view import ExactCacheView
 from swaserve.worker.kv import SWATokenAllocator
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
