@@ -104,6 +104,8 @@ def _prime_at_least(n: int) -> int:
 
 _GOLDEN, _M1, _M2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
 _S30, _S27, _S31, _ONE = _U(30), _U(27), _U(31), _U(1)
+_MASK = (1 << 64) - 1
+_NUMPY_PAGES = 16  # fingerprints of more pages than this are mixed in numpy
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -133,20 +135,31 @@ def page_tokens(token_ids: Sequence[int], page_size: int) -> np.ndarray:
 _weights = np.zeros(0, np.uint64)  # one odd 64-bit weight per token position
 
 
-def fingerprints(tokens: np.ndarray, page_size: int, start: int = 0, base: int = 0) -> np.ndarray:
+def fingerprints(tokens: np.ndarray, page_size: int, start: int = 0, base: int = 0) -> list[int]:
     """The prefix fingerprint of each whole page of `tokens` (`page_tokens`), the first
     token at position `start` under a parent of fingerprint `base`: `base` plus, per page so
-    far, mix(sum of token x weight[position]) (uint64, wrapping)."""
+    far, mix(sum of token x weight[position]) (uint64, wrapping). Past the per-page sums,
+    a few pages (an event's) are mixed in Python: cheaper than numpy's per-call cost."""
     global _weights
     end = start + tokens.size
     if end > _weights.size:
         _weights = _mix(np.arange(max(end, 2 * _weights.size, 4096), dtype=np.uint64)) | _ONE
     x = tokens.astype(np.uint64)
     x *= _weights[start:end]
-    pages = _mix(x.reshape(-1, page_size).sum(axis=1, dtype=np.uint64)).cumsum()
-    if base:
-        pages += _U(base)
-    return pages
+    sums = x.reshape(-1, page_size).sum(axis=1, dtype=np.uint64)
+    if sums.size > _NUMPY_PAGES:
+        fps = _mix(sums).cumsum()
+        if base:
+            fps += _U(base)
+        return fps.tolist()
+    out, acc = [], base
+    for v in sums.tolist():
+        v = (v + 0x9E3779B97F4A7C15) & _MASK
+        v = ((v ^ v >> 30) * 0xBF58476D1CE4E5B9) & _MASK
+        v = ((v ^ v >> 27) * 0x94D049BB133111EB) & _MASK
+        acc = (acc + (v ^ v >> 31)) & _MASK
+        out.append(acc)
+    return out
 
 
 class ExactCacheView:
@@ -251,15 +264,14 @@ class ExactCacheView:
         path = self._path(fingerprints(tokens, self.page_size))
         return match_runs(path, self.page_size, windows, repair_tokens)
 
-    def _path(self, fps: np.ndarray) -> list[tuple[int, int, int]]:
-        """(held, tomb, pages) runs of the pages of fingerprints `fps` from the root, as far as
+    def _path(self, keys: list[int]) -> list[tuple[int, int, int]]:
+        """(held, tomb, pages) runs of the pages of fingerprints `keys` from the root, as far as
         the view has them in a chain (`_runs`).
 
         A page is in the view only under its parent page, so the pages present are a prefix:
         a binary search finds its length k in log2(len) lookups, and the parent links from
         the k-th page's row up give every row of it. Should those rows not be the chain of
-        `fps` (a fingerprint collision), the pages are looked up one by one instead."""
-        keys = fps.tolist()
+        `keys` (a fingerprint collision), the pages are looked up one by one instead."""
         tab, column = self._tab_fp, self._fp
         lo, hi = 0, len(keys)  # pages before lo are present, pages from hi on are not
         while lo < hi:
@@ -276,7 +288,7 @@ class ExactCacheView:
             rows[i] = row
             row = parents[row]
         at = np.array(rows)
-        if row != 0 or (self._cols["fp"][at] != fps[:lo]).any():
+        if row != 0 or self._cols["fp"][at].tolist() != keys[:lo]:
             at = self._chain(keys)
         codes = (2 * self._cols["holder"][at] + self._cols["tomb"][at]).tolist()
         return self._runs(codes, at.tolist())
@@ -361,7 +373,7 @@ class ExactCacheView:
             return 1
         if set(map(type, hashes)) != {int} or min(hashes) < 0 or max(hashes) >= _HASH_LIMIT:
             return 1
-        fps = fingerprints(tokens, p, self._depth[parent] * p, self._fp[parent]).tolist()
+        fps = fingerprints(tokens, p, self._depth[parent] * p, self._fp[parent])
         mismatch, tomb = 0, event.swa_tombstone
         for i, fp in enumerate(fps):
             row = self._find(self._tab_fp, self._fp, fp)

@@ -35,26 +35,26 @@ def test_page_tokens_stop_at_the_page_of_the_first_token_out_of_range() -> None:
 
 @settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(
-    tokens=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=40),
+    tokens=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=160),
     page=st.sampled_from([1, 2, 4]),
-    cut=st.integers(0, 10),
+    cut=st.integers(0, 40),
 )
 def test_a_prefix_fingerprint_continues_from_its_parent_and_names_the_whole_prefix(
     tokens: list[int], page: int, cut: int
 ) -> None:
-    whole = fingerprints(page_tokens(tokens, page), page)
-    head = page_tokens(tokens, page)[: cut * page]
-    tail = page_tokens(tokens, page)[cut * page :]
-    base = int(whole[cut - 1]) if 0 < cut <= whole.size else 0
-    if cut <= whole.size:
-        rest = fingerprints(tail, page, head.size, base)
-        assert rest.tolist() == whole[cut:].tolist()
-    assert len(set(whole.tolist())) == whole.size  # each prefix length its own fingerprint
-    if not whole.size:
+    """Fingerprints from a parent's equal those of the whole prefix, whichever of the two
+    mixing paths (numpy past 16 pages, Python below) each side takes."""
+    arr = page_tokens(tokens, page)
+    whole = fingerprints(arr, page)
+    if cut <= len(whole):
+        base = whole[cut - 1] if cut else 0
+        assert fingerprints(arr[cut * page :], page, cut * page, base) == whole[cut:]
+    assert len(set(whole)) == len(whole)  # each prefix length its own fingerprint
+    if not whole:
         return
     changed = [*tokens]
     changed[0] ^= 1
-    assert fingerprints(page_tokens(changed, page), page)[: whole.size].tolist() != whole.tolist()
+    assert fingerprints(page_tokens(changed, page), page) != whole
 
 
 def test_a_token_out_of_range_is_never_stored_and_ends_a_match() -> None:
