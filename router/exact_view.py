@@ -33,7 +33,6 @@ rebuild are whole-column numpy operations.
 
 from __future__ import annotations
 
-import struct
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -47,13 +46,12 @@ from swaserve.proto.kv_events import (
     KVStored,
     KVTombstoned,
 )
-from swaserve.router.cache_view import CacheViewCorrupted, match_runs
+from swaserve.router.cache_view import CacheViewCorrupted, match_runs, page_tokens
 
 _EMPTY, _DELETED = -1, -2  # table slots
 _FREE, _MULTI, _ROOT = -1, -2, -3  # holder
 _MAX_LOAD, _REBUILD_LOAD = 0.8, 0.5
 _MIN_SLOTS, _MIN_ROWS = 1031, 1024
-_TOKEN_LIMIT = 1 << 32
 _HASH_LIMIT = 1 << 64
 _U = np.uint64
 _COLUMNS = (
@@ -119,19 +117,6 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def page_tokens(token_ids: Sequence[int], page_size: int) -> np.ndarray:
-    """The whole pages of `token_ids` as uint32, up to the page of the first token that is not
-    an int in [0, 2^32) (no page can hold one)."""
-    n = len(token_ids) // page_size * page_size
-    try:
-        return np.frombuffer(struct.pack(f"<{n}I", *token_ids[:n]), np.uint32)
-    except struct.error:
-        bad = next(
-            i for i, t in enumerate(token_ids) if type(t) is not int or not 0 <= t < _TOKEN_LIMIT
-        )
-        return page_tokens(token_ids[: bad // page_size * page_size], page_size)
-
-
 _weights = np.zeros(0, np.uint64)  # one odd 64-bit weight per token position
 
 
@@ -191,7 +176,7 @@ class ExactCacheView:
         self._tables = {"hash": np.full(_MIN_SLOTS, _EMPTY, np.int32)}
         self._tables["fp"] = self._tables["hash"].copy()
         self._views()
-        root = self._new_row()
+        root, self._rows = 0, 1
         self._hash[root] = self._fp[root] = 0
         self._parent[root] = self._child[root] = self._next[root] = self._prev[root] = -1
         self._depth[root], self._holder[root], self._tomb[root] = 0, _ROOT, 0
@@ -229,9 +214,6 @@ class ExactCacheView:
             + len(self._multi) * 100  # the dict's slot, key and tuple
         )
 
-    def __contains__(self, page_hash: int) -> bool:
-        return isinstance(page_hash, int) and self._find_hash(page_hash) > 0
-
     def pages(self, worker: int) -> dict[int, bool]:
         """Page hash -> tombstone, for every page `worker` holds."""
         holder = self._cols["holder"][: self._rows]
@@ -258,8 +240,10 @@ class ExactCacheView:
         would skip: `prefix_reuse(runs, W, R).saved_tokens` over the pages it holds in a row
         from the root, R = `repair_tokens[worker]` (see `cache_view.match_runs`). A query:
         changes nothing."""
-        tokens = page_tokens(token_ids, self.page_size) if self._live else None
-        if tokens is None or not tokens.size:
+        if not self._live:
+            return dict.fromkeys(windows, 0)
+        tokens = page_tokens(token_ids, self.page_size)
+        if not tokens.size:
             return dict.fromkeys(windows, 0)
         path = self._path(fingerprints(tokens, self.page_size))
         return match_runs(path, self.page_size, windows, repair_tokens)
@@ -533,16 +517,6 @@ class ExactCacheView:
         return out
 
     # ---- rows ---------------------------------------------------------------------------
-    def _new_row(self) -> int:
-        """A row for a new page: a free one, else the next unused one (columns grown first)."""
-        if self._free:
-            return self._free.pop()
-        row = self._rows
-        if row == self._cols["hash"].size:
-            self._grow(row + 1)
-        self._rows = row + 1
-        return row
-
     def _grow(self, need: int) -> None:
         size = max(need, 2 * self._cols["hash"].size)
         for name, column in self._cols.items():
