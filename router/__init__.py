@@ -4,17 +4,19 @@ from swaserve.router.cache_view import ApproxCacheView, CacheViewCorrupted
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
 from swaserve.router.exact_view import ExactCacheView
-from swaserve.router.policies import POLICIES, Candidate, Policy, RouteRequest
+from swaserve.router.policies import POLICIES, Candidate, Candidates, Policy, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.router import Router
 from swaserve.router.stats import RouterStats
 from swaserve.router.worker_state import RequestNeed, WorkerState, request_need
+from swaserve.router.worker_table import WorkerTable
 
 __all__ = [
     "POLICIES",
     "ApproxCacheView",
     "CacheViewCorrupted",
     "Candidate",
+    "Candidates",
     "ExactCacheView",
     "Outcome",
     "Overloaded",
@@ -28,5 +30,6 @@ __all__ = [
     "RouterConfig",
     "RouterStats",
     "WorkerState",
+    "WorkerTable",
     "request_need",
 ]

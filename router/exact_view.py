@@ -46,7 +46,7 @@ from swaserve.proto.kv_events import (
     KVStored,
     KVTombstoned,
 )
-from swaserve.router.cache_view import CacheViewCorrupted, match_runs, page_tokens
+from swaserve.router.cache_view import CacheViewCorrupted, match_runs, page_tokens, walk_runs
 
 _EMPTY, _DELETED = -1, -2  # table slots
 _FREE, _MULTI, _ROOT = -1, -2, -3  # holder
@@ -240,13 +240,23 @@ class ExactCacheView:
         would skip: `prefix_reuse(runs, W, R).saved_tokens` over the pages it holds in a row
         from the root, R = `repair_tokens[worker]` (see `cache_view.match_runs`). A query:
         changes nothing."""
+        return match_runs(self._prompt_runs(token_ids), self.page_size, windows, repair_tokens)
+
+    def match_columns(
+        self, token_ids: Sequence[int], members: int, windows: np.ndarray, repairs: np.ndarray
+    ) -> np.ndarray:
+        """`match` for the workers of the bit mask `members`, by worker (`walk_runs`)."""
+        runs = self._prompt_runs(token_ids)
+        return walk_runs(runs, self.page_size, members, windows, repairs)
+
+    def _prompt_runs(self, token_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(held, tomb, pages) runs of the whole pages of `token_ids` the view holds (`_path`)."""
         if not self._live:
-            return dict.fromkeys(windows, 0)
+            return []
         tokens = page_tokens(token_ids, self.page_size)
         if not tokens.size:
-            return dict.fromkeys(windows, 0)
-        path = self._path(fingerprints(tokens, self.page_size))
-        return match_runs(path, self.page_size, windows, repair_tokens)
+            return []
+        return self._path(fingerprints(tokens, self.page_size))
 
     def _path(self, keys: list[int]) -> list[tuple[int, int, int]]:
         """(held, tomb, pages) runs of the pages of fingerprints `keys` from the root, as far as

@@ -1,8 +1,10 @@
 """Routing policies: which of the workers that fit a request gets it. A registry (`POLICIES`,
 name → class) so that the config names one.
 
-The router hands a policy only the workers that are fresh and have room for the request
-(`Candidate`s, in the order the workers were added, never empty); the policy only chooses.
+The router hands a policy only the workers that are fresh and have room for the request, in
+the order the workers were added, never empty, as columns (`Candidates`: one array per field,
+so that a policy over hundreds of workers is a few array operations); the policy only
+chooses. `Policy.choose` takes them as a list of `Candidate`s instead.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import hashlib
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 if TYPE_CHECKING:
     from swaserve.router.config import RouterConfig
@@ -44,6 +48,55 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class Candidates:
+    """`Candidate`s as columns: each field an array with an entry per candidate (`worker_id`
+    an object array of str; `speed` float; the others int)."""
+
+    worker_id: np.ndarray
+    order: np.ndarray
+    load: np.ndarray
+    hit_tokens: np.ndarray
+    queued_prefill_tokens: np.ndarray
+    speed: np.ndarray
+    free_tokens: np.ndarray
+    total_tokens: np.ndarray
+
+    @classmethod
+    def of(cls, candidates: Sequence[Candidate]) -> Candidates:
+        columns = {f.name: [getattr(c, f.name) for c in candidates] for f in fields(Candidate)}
+        ids = np.empty(len(candidates), object)
+        ids[:] = columns.pop("worker_id")
+        speed = np.array(columns.pop("speed"), np.float64)
+        ints = {name: np.array(v, np.int64) for name, v in columns.items()}
+        return cls(worker_id=ids, speed=speed, **ints)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> Candidate:
+        return Candidate(
+            str(self.worker_id[i]),
+            int(self.order[i]),
+            int(self.load[i]),
+            int(self.hit_tokens[i]),
+            int(self.queued_prefill_tokens[i]),
+            float(self.speed[i]),
+            int(self.free_tokens[i]),
+            int(self.total_tokens[i]),
+        )
+
+
+def first_min(keys: Sequence[np.ndarray], among: np.ndarray | None = None) -> int:
+    """The index of the least entry by `keys` (the first key first, then the next on ties;
+    last ties: the lower index, as `lexsort` is stable), among the indices where `among` is
+    True (None: all)."""
+    if among is None:
+        return int(np.lexsort(keys[::-1])[0])
+    at = np.flatnonzero(among)
+    return int(at[np.lexsort([k[at] for k in keys[::-1]])[0]])
+
+
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What a policy may look at besides the candidates."""
 
@@ -60,10 +113,15 @@ class Policy(ABC):
         self.config = config
 
     @abstractmethod
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        """Pick one of `candidates` (non-empty). May update the policy's own state only."""
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
+        """The index of the chosen one of `candidates` (non-empty). May update the policy's
+        own state only."""
 
-    def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        """`pick` over a list."""
+        return candidates[self.pick(request, Candidates.of(candidates))]
+
+    def hold(self, request: RouteRequest, chosen: Candidate, waiting: Candidates) -> bool:
         """Keep the request in the router's queue rather than send it to `chosen`, because
         one of `waiting` (fresh workers that do not fit it now but would when idle) is
         expected to serve it sooner once it has room. A query; default: never."""
@@ -83,13 +141,13 @@ class PrefixPolicy(Policy):
 
     name = "prefix"
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        least = min(c.load for c in candidates)
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
+        c = candidates
+        least = int(c.load.min())
         limit = max(
             least + self.config.balance_abs_threshold, least * self.config.balance_rel_threshold
         )
-        eligible = [c for c in candidates if c.load <= limit]
-        return max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
+        return first_min((-c.hit_tokens, c.load, c.order), c.load <= limit)
 
 
 BALANCE_FREE_SHARE = 0.5
@@ -128,27 +186,29 @@ class TTFTPolicy(Policy):
 
     name = "ttft"
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        costs = [(_ttft(request, c), -c.hit_tokens, c.load, c.order, c) for c in candidates]
-        cost, *_, best = min(costs, key=lambda x: x[:4])
-        if best.free_tokens >= BALANCE_FREE_SHARE * best.total_tokens:
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
+        c = candidates
+        cost = _ttft(request, c)
+        keys = (cost, -c.hit_tokens, c.load, c.order)
+        best = first_min(keys)
+        if c.free_tokens[best] >= BALANCE_FREE_SHARE * c.total_tokens[best]:
             return best  # no memory pressure there: no reason to move
-        limit = cost + self.config.ttft_balance_tokens
-        near = [x for x in costs if x[0] <= limit]
-        return min(near, key=lambda x: (-x[-1].free_tokens, *x[:4]))[-1]
+        near = cost <= cost[best] + self.config.ttft_balance_tokens
+        return first_min((-c.free_tokens, *keys), near)
 
-    def hold(self, request: RouteRequest, chosen: Candidate, waiting: Sequence[Candidate]) -> bool:
+    def hold(self, request: RouteRequest, chosen: Candidate, waiting: Candidates) -> bool:
         """Wait while a faster worker that lacks room now is cheaper than `chosen` even
         before its wait for room: its decodes free KV as they finish, and the next report
         that shows room places the request there (or `chosen` has become the cheapest by
         then). Only for a faster one: a slower worker frees its room slower, and a burst
         that only the slow worker has room for would queue up behind itself there."""
         cost, speed = _ttft(request, chosen), chosen.speed * HOLD_SPEEDUP
-        return any(c.speed >= speed and _ttft(request, c) < cost for c in waiting)
+        return bool(np.any((waiting.speed >= speed) & (_ttft(request, waiting) < cost)))
 
 
-def _ttft(request: RouteRequest, c: Candidate) -> float:
-    """The `ttft` policy's cost: tokens to prefill before the first token, over the speed."""
+def _ttft(request: RouteRequest, c: Candidate | Candidates) -> Any:
+    """The `ttft` policy's cost: tokens to prefill before the first token, over the speed
+    (one figure for a `Candidate`, an array for `Candidates`)."""
     return (c.queued_prefill_tokens + len(request.token_ids) - c.hit_tokens) / c.speed
 
 
@@ -161,9 +221,10 @@ class RoundRobinPolicy(Policy):
         super().__init__(config)
         self._next_order = 0
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        chosen = next((c for c in candidates if c.order >= self._next_order), candidates[0])
-        self._next_order = chosen.order + 1
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
+        later = np.flatnonzero(candidates.order >= self._next_order)
+        chosen = int(later[0]) if later.size else 0
+        self._next_order = int(candidates.order[chosen]) + 1
         return chosen
 
 
@@ -172,8 +233,8 @@ class LeastLoadPolicy(Policy):
 
     name = "least_load"
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        return min(candidates, key=lambda c: (c.load, -c.hit_tokens, c.order))
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
+        return _least_loaded(candidates)
 
 
 class PowerOfTwoPolicy(Policy):
@@ -185,11 +246,12 @@ class PowerOfTwoPolicy(Policy):
         super().__init__(config)
         self._rng = random.Random(config.seed)
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         if len(candidates) == 1:
-            return candidates[0]
-        pair = self._rng.sample(list(candidates), 2)
-        return min(pair, key=lambda c: (c.load, -c.hit_tokens, c.order))
+            return 0
+        pair = np.array(self._rng.sample(range(len(candidates)), 2))
+        c = candidates
+        return int(pair[first_min((c.load[pair], -c.hit_tokens[pair], c.order[pair]))])
 
 
 class SessionPolicy(Policy):
@@ -199,11 +261,17 @@ class SessionPolicy(Policy):
 
     name = "session"
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+    def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         key = request.session_key
         if key is None:
-            return min(candidates, key=lambda c: (c.load, -c.hit_tokens, c.order))
-        return max(candidates, key=lambda c: _weight(key, c.worker_id))
+            return _least_loaded(candidates)
+        ids = candidates.worker_id
+        return max(range(len(ids)), key=lambda i: _weight(key, str(ids[i])))
+
+
+def _least_loaded(c: Candidates) -> int:
+    """Lowest load (ties: longer hit, then add order)."""
+    return first_min((c.load, -c.hit_tokens, c.order))
 
 
 def _weight(session_key: str, worker_id: str) -> int:

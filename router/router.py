@@ -20,15 +20,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from swaserve.proto.messages import WorkerReport
-from swaserve.router.cache_view import ApproxCacheView
+from swaserve.router.cache_view import ApproxCacheView, bits_mask
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
 from swaserve.router.exact_view import ExactCacheView
-from swaserve.router.policies import POLICIES, Candidate, RouteRequest
+from swaserve.router.policies import POLICIES, Candidate, Candidates, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.stats import RouterStats
-from swaserve.router.worker_state import RequestNeed, WorkerState, request_need
+from swaserve.router.worker_state import RequestNeed, WorkerState
+from swaserve.router.worker_table import WorkerTable
 
 
 class Router:
@@ -53,6 +56,7 @@ class Router:
         self.page_size: int | None = None  # fixed by the first report
         self._exact: ExactCacheView | None = None
         self._approx: ApproxCacheView | None = None
+        self._table = WorkerTable()  # the workers' columns, by bit
 
     # ---- workers -------------------------------------------------------------------------
     def add_worker(self, worker_id: str, *, kv_events: bool = True) -> None:
@@ -62,7 +66,9 @@ class Router:
             raise ValueError(f"worker {worker_id!r} is already registered")
         used = {w.bit for w in self._workers.values()}
         bit = next(b for b in range(len(used) + 1) if b not in used)
-        self._workers[worker_id] = WorkerState(worker_id, bit, self._next_order, kv_events)
+        self._workers[worker_id] = WorkerState(
+            worker_id, bit, self._next_order, kv_events, self._table
+        )
         self._next_order += 1
 
     def remove_worker(self, worker_id: str) -> None:
@@ -73,6 +79,7 @@ class Router:
         for request_id in state.inflight:
             del self._owner[request_id]
         del self._workers[worker_id]
+        self._table.remove(state.bit)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -212,14 +219,15 @@ class Router:
         skip: the `saved_tokens` of the worker's `match_prefix(token_ids, allow_repair=True)`
         (exact view; a repaired hit counts its match less the R tokens it recomputes) or the
         longest prompt prefix routed there (approximate view). A query: changes nothing."""
-        workers = [w for w in self._workers.values() if w.headroom is not None]
-        hits = self._hits(token_ids, workers)
-        return {w.worker_id: hits.get(w.bit, 0) for w in workers}
+        hits = self._hits(token_ids, self._table.reported)
+        return {w.worker_id: int(hits[w.bit]) for w in self._workers.values() if w.headroom}
 
     def check(self) -> None:
         """Raise AssertionError (`CacheViewCorrupted` for the views) on a broken invariant:
-        the views, in-flight ownership, queue/in-flight overlap, the queue length stat,
-        pending totals, and a snapshot awaited only from workers that send KV events."""
+        the views, the workers' table, in-flight ownership, queue/in-flight overlap, the queue
+        length stat, pending totals, and a snapshot awaited only from workers that send KV
+        events."""
+        self._table.check(self._workers.values())
         if self._exact is not None:
             self._exact.check()
         if self._approx is not None:
@@ -251,47 +259,41 @@ class Router:
     ) -> RouteDecision | None:
         """Route to the policy's choice among the fresh workers that fit; None if none fits,
         or if the policy holds the request (for at most `max_hold_s` since it was queued) for
-        a worker that lacks room now but would fit it idle."""
-        fresh = []
-        for w in self._workers.values():
-            if w.is_fresh(now, self.config.report_timeout_s):
-                fresh.append(w)
-            else:
-                self.stats.stale_skips += 1
+        a worker that lacks room now but would fit it idle. Over the workers as columns
+        (`WorkerTable`), by bit."""
+        t = self._table
+        fresh = t.fresh(now, self.config.report_timeout_s)
+        self.stats.stale_skips += len(self._workers) - int(np.count_nonzero(fresh))
         # The engine keeps the last prompt token to compute, so it matches the prompt minus it.
         hits = self._hits(request.token_ids[:-1], fresh)
-        candidates: list[Candidate] = []
-        waiting: list[Candidate] = []  # do not fit now, would when idle
-        needs: dict[str, RequestNeed] = {}
-        speeds = _relative_speeds(fresh)
-        for w in fresh:
-            assert w.headroom is not None  # fresh workers have reported
-            hit = hits.get(w.bit, 0)
-            need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
-            queued = w.queued_prefill_tokens
-            free = w.headroom.full_free_tokens
-            total = w.headroom.full_total_tokens
-            candidate = Candidate(
-                w.worker_id, w.order, w.load, hit, queued, speeds[w.bit], free, total
-            )
-            if w.fits(need):
-                candidates.append(candidate)
-                needs[w.worker_id] = need
-            elif w.fits_when_idle(need):
-                waiting.append(candidate)
-        if not candidates:
+        full, swa = t.needs(len(request.token_ids), hits, request.max_new_tokens)
+        fits = fresh & (full <= t.full_budget) & (swa <= t.swa_budget)
+        rows = t.by_order[fits[t.by_order]]
+        if not rows.size:
             return None
-        chosen = self.policy.choose(request, candidates)
-        held_s = now - enqueued_at_s
-        if (
-            waiting
-            and held_s < self.config.max_hold_s
-            and self.policy.hold(request, chosen, waiting)
-        ):
-            return None
+        speeds = t.speeds(fresh)
+        i = self.policy.pick(request, self._candidates(rows, hits, speeds))
+        bit = int(rows[i])
+        chosen = Candidate(
+            str(t.ids[bit]),
+            int(t.order[bit]),
+            int(t.load[bit]),
+            int(hits[bit]),
+            int(t.queued[bit]),
+            float(speeds[bit]),
+            int(t.full_free[bit]),
+            int(t.full_total[bit]),
+        )
+        if now - enqueued_at_s < self.config.max_hold_s:
+            idle = (full <= t.full_total) & (swa <= t.swa_total)
+            waiting = t.by_order[(fresh & ~fits & idle)[t.by_order]]
+            if waiting.size and self.policy.hold(
+                request, chosen, self._candidates(waiting, hits, speeds)
+            ):
+                return None
         state = self._workers[chosen.worker_id]
         uncached = len(request.token_ids) - chosen.hit_tokens
-        state.add(request.request_id, needs[chosen.worker_id], now, uncached)
+        state.add(request.request_id, RequestNeed(int(full[bit]), int(swa[bit])), now, uncached)
         self._owner[request.request_id] = chosen.worker_id
         if not state.kv_events and self._approx is not None:
             self._approx.record(state.bit, request.token_ids)
@@ -307,21 +309,31 @@ class Router:
         )
         return self._decide(decision)
 
-    def _hits(self, token_ids: Sequence[int], workers: list[WorkerState]) -> dict[int, int]:
-        """Per worker bit, the prompt tokens a hit saves (`predict_hits`)."""
-        exact: dict[int, int] = {}  # bit -> W
-        repairs: dict[int, int] = {}  # bit -> R, for the workers that repair windows
-        for w in workers:
-            if w.kv_events and w.headroom is not None:
-                exact[w.bit] = w.headroom.sliding_window_size
-                if w.headroom.window_repair_tokens > 0:
-                    repairs[w.bit] = w.headroom.window_repair_tokens
-        approx = {w.bit: 0 for w in workers if not w.kv_events}
-        hits = {}
+    def _candidates(self, rows: np.ndarray, hits: np.ndarray, speeds: np.ndarray) -> Candidates:
+        """The workers at bits `rows` as the policy sees them."""
+        t = self._table
+        return Candidates(
+            t.ids[rows],
+            t.order[rows],
+            t.load[rows],
+            hits[rows],
+            t.queued[rows],
+            speeds[rows],
+            t.full_free[rows],
+            t.full_total[rows],
+        )
+
+    def _hits(self, token_ids: Sequence[int], among: np.ndarray) -> np.ndarray:
+        """By bit, the prompt tokens a hit saves the workers of `among` (`predict_hits`)."""
+        t = self._table
+        hits = np.zeros(t.capacity, np.int64)
+        exact = bits_mask(among & t.kv_events)
         if exact and self._exact is not None:
-            hits.update(self._exact.match(token_ids, exact, repairs))
+            hits = self._exact.match_columns(token_ids, exact, t.window, t.repair)
+        approx = bits_mask(among & ~t.kv_events)
         if approx and self._approx is not None:
-            hits.update(self._approx.match(token_ids, approx))
+            zeros = np.zeros(t.capacity, np.int64)
+            hits = hits + self._approx.match_columns(token_ids, approx, zeros, zeros)
         return hits
 
     def _decide(self, decision: RouteDecision) -> RouteDecision:
@@ -358,11 +370,3 @@ class Router:
         if state is None:
             raise KeyError(f"unknown worker {worker_id!r}; add_worker() it first")
         return state
-
-
-def _relative_speeds(workers: list[WorkerState]) -> dict[int, float]:
-    """Per worker bit, the fastest observed seconds per token over the worker's own (1.0: as
-    fast as the fastest, or not observed yet)."""
-    observed = {w.bit: w.s_per_token for w in workers if w.s_per_token}
-    fastest = min(observed.values(), default=1.0)
-    return {w.bit: fastest / observed[w.bit] if w.bit in observed else 1.0 for w in workers}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from swaserve.proto.kv_rules import swa_tokens_for_extend
 from swaserve.proto.messages import Headroom
+from swaserve.router.worker_table import NO_CHUNK, WorkerTable, need_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +45,15 @@ def request_need(
     single-pool worker, whose SWA fields mirror the full ones). `hit_tokens` are the tokens
     the hit saves: a repaired hit's R recomputed tokens take new slots of both pools while
     they are computed, so they count as uncached here."""
-    uncached = num_prompt_tokens - hit_tokens
-    if not headroom.hybrid:
-        return RequestNeed(uncached + max_new_tokens, 0)
-    chunk = min(uncached, headroom.chunked_prefill_size or uncached)
-    swa = swa_tokens_for_extend(chunk, headroom.sliding_window_size, headroom.page_size)
-    return RequestNeed(uncached + max_new_tokens, swa)
+    full, swa = need_tokens(
+        num_prompt_tokens - hit_tokens,
+        max_new_tokens,
+        headroom.hybrid,
+        headroom.chunked_prefill_size or NO_CHUNK,
+        headroom.sliding_window_size,
+        headroom.page_size,
+    )
+    return RequestNeed(int(full), int(swa))
 
 
 @dataclass(slots=True)
@@ -75,9 +79,17 @@ class WorkerState:
     the latest report, on its own clock; `needs_snapshot`: reports went missing and the
     router waits for a snapshot report), in-flight requests with running totals of the
     pending ones (`add`, `remove`, `take_report` keep them) and its observed speed
-    (`s_per_token`, kept by `observe`)."""
+    (`s_per_token`, kept by `observe`). With a `table`, it is added there, and each of those
+    methods writes its row (`WorkerTable.write`)."""
 
-    def __init__(self, worker_id: str, bit: int, order: int, kv_events: bool) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        bit: int,
+        order: int,
+        kv_events: bool,
+        table: WorkerTable | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.bit = bit
         self.order = order
@@ -95,6 +107,9 @@ class WorkerState:
         self._prompt_tokens = 0.0  # decayed Σ prompt tokens the worker admitted ...
         self._cached_tokens = 0.0  # ... and Σ of them its prefix cache held
         self._generated_tokens = 0.0  # decayed Σ their generated tokens
+        self._table = table
+        if table is not None:
+            table.add(self)
 
     def is_fresh(self, now_s: float, timeout_s: float) -> bool:
         """Reported within `timeout_s` of `now_s` (never: not fresh)."""
@@ -163,12 +178,14 @@ class WorkerState:
         pending until a report covers it."""
         r = self.inflight[request_id] = InFlight(need, now_s, prefill_tokens=prefill_tokens)
         self._count(r, +1)
+        self._write(report=False)
 
     def remove(self, request_id: str) -> InFlight:
         """The request left the worker; returns its record."""
         r = self.inflight.pop(request_id)
         if r.pending:
             self._count(r, -1)
+        self._write(report=False)
         return r
 
     def observe(self, elapsed_s: float, generated_tokens: int) -> None:
@@ -177,6 +194,7 @@ class WorkerState:
         prefill add to it as they would to the next request's)."""
         self._busy_s = DECAY * self._busy_s + elapsed_s
         self._generated_tokens = DECAY * self._generated_tokens + generated_tokens
+        self._write(report=False)
 
     @property
     def s_per_token(self) -> float | None:
@@ -206,6 +224,11 @@ class WorkerState:
             if r is not None and r.pending:
                 r.pending = False
                 self._count(r, -1)
+        self._write()
+
+    def _write(self, *, report: bool = True) -> None:
+        if self._table is not None:
+            self._table.write(self, report=report)
 
     def _count(self, r: InFlight, sign: int) -> None:
         self.pending_full_tokens += sign * r.need.full_tokens

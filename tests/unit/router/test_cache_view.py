@@ -163,6 +163,7 @@ def test_approximate_view_with_a_cap_below_one_page_holds_nothing() -> None:
 # ---- the shared walk equals one mirror per worker ---------------------------------------------------
 
 
+@pytest.mark.parametrize("bits", [(0, 1, 2), (9, 70, 200)])
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(
     paths=st.lists(
@@ -178,6 +179,7 @@ def test_approximate_view_with_a_cap_below_one_page_holds_nothing() -> None:
     probe=st.lists(st.integers(0, 2), max_size=9),
 )
 def test_shared_walk_equals_each_workers_mirror(
+    bits: tuple[int, ...],
     paths: list[tuple[int, list[int], list[bool]]],
     windows: tuple[int, ...],
     repairs: tuple[int, ...],
@@ -185,7 +187,8 @@ def test_shared_walk_equals_each_workers_mirror(
 ) -> None:
     """Each worker caches prefixes of a few paths over a 3-page alphabet, some pages
     tombstoned; one walk answers for all workers what each worker's own mirror answers, with
-    and without each worker's window repair R."""
+    and without each worker's window repair R. The workers sit at `bits` in the view: low
+    ones, and ones past a machine word (masks of several bytes)."""
     view, mirrors = ExactCacheView(P), [KVEventMirror() for _ in windows]
     for worker, symbols, tombstones in paths:
         tokens = [10 * s + j for s in symbols for j in range(P)]
@@ -199,10 +202,20 @@ def test_shared_walk_equals_each_workers_mirror(
         flip = [h for h in marked if not mirrors[worker].pages.get(h, False)]
         events += [KVTombstoned(tuple(flip))] if flip else []
         mirrors[worker].apply(events)
-        assert view.apply(worker, events) == 0
+        assert view.apply(bits[worker], events) == 0
     view.check()
     tokens = [10 * s + j for s in probe for j in range(P)]
-    expected = {w: m.match_length(tokens, P, windows[w]) for w, m in enumerate(mirrors)}
-    assert view.match(tokens, dict(enumerate(windows))) == expected
-    expected = {w: m.match_length(tokens, P, windows[w], repairs[w]) for w, m in enumerate(mirrors)}
-    assert view.match(tokens, dict(enumerate(windows)), dict(enumerate(repairs))) == expected
+    at = dict(enumerate(bits))
+    expected = {at[w]: m.match_length(tokens, P, windows[w]) for w, m in enumerate(mirrors)}
+    assert view.match(tokens, {at[w]: x for w, x in enumerate(windows)}) == expected
+    expected = {
+        at[w]: m.match_length(tokens, P, windows[w], repairs[w]) for w, m in enumerate(mirrors)
+    }
+    assert (
+        view.match(
+            tokens,
+            {at[w]: x for w, x in enumerate(windows)},
+            {at[w]: x for w, x in enumerate(repairs)},
+        )
+        == expected
+    )
