@@ -219,6 +219,7 @@ class Router:
         skip: the `saved_tokens` of the worker's `match_prefix(token_ids, allow_repair=True)`
         (exact view; a repaired hit counts its match less the R tokens it recomputes) or the
         longest prompt prefix routed there (approximate view). A query: changes nothing."""
+        self._table.flush()
         hits = self._hits(token_ids, self._table.reported)
         return {w.worker_id: int(hits[w.bit]) for w in self._workers.values() if w.headroom}
 
@@ -262,6 +263,7 @@ class Router:
         a worker that lacks room now but would fit it idle. Over the workers as columns
         (`WorkerTable`), by bit."""
         t = self._table
+        t.flush()
         fresh = t.fresh(now, self.config.report_timeout_s)
         self.stats.stale_skips += len(self._workers) - int(np.count_nonzero(fresh))
         # The engine keeps the last prompt token to compute, so it matches the prompt minus it.
@@ -324,7 +326,8 @@ class Router:
         )
 
     def _hits(self, token_ids: Sequence[int], among: np.ndarray) -> np.ndarray:
-        """By bit, the prompt tokens a hit saves the workers of `among` (`predict_hits`)."""
+        """By bit, the prompt tokens a hit saves the workers of `among` (`predict_hits`);
+        the table is flushed."""
         t = self._table
         hits = np.zeros(t.capacity, np.int64)
         exact = bits_mask(among & t.kv_events)

@@ -80,7 +80,7 @@ class WorkerState:
     router waits for a snapshot report), in-flight requests with running totals of the
     pending ones (`add`, `remove`, `take_report` keep them) and its observed speed
     (`s_per_token`, kept by `observe`). With a `table`, it is added there, and each of those
-    methods writes its row (`WorkerTable.write`)."""
+    methods marks its row stale there (`WorkerTable.changed`)."""
 
     def __init__(
         self,
@@ -228,7 +228,7 @@ class WorkerState:
 
     def _write(self, *, report: bool = True) -> None:
         if self._table is not None:
-            self._table.write(self, report=report)
+            self._table.changed(self, report=report)
 
     def _count(self, r: InFlight, sign: int) -> None:
         self.pending_full_tokens += sign * r.need.full_tokens

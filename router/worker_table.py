@@ -2,12 +2,14 @@
 field, indexed by the worker's cache-view bit, so that a decision over a fleet is a few array
 operations instead of a Python loop over the workers.
 
-Each `WorkerState` writes its row (`write`) whenever it changes: its report's fields that a
-request's need depends on (W, R, P, chunk, pool sizes), and what its own methods derive from
-its state (`budgets`, `load`, `queued_prefill_tokens`, `s_per_token`), computed there, so the
-admission rules have one implementation. Only what depends on the request (its need, the fit)
-or on the clock (freshness) is computed per decision, over the columns. `check` recomputes
-every row from its state.
+A row holds a worker's report fields that a request's need depends on (W, R, P, chunk, pool
+sizes), and what its own methods derive from its state (`budgets`, `load`,
+`queued_prefill_tokens`, `s_per_token`), computed there, so the admission rules have one
+implementation. Each `WorkerState` marks its row stale when it changes (`changed`), and the
+router writes the stale rows (`flush`) before it reads the columns: a worker that reports
+many times between two decisions costs one row write, not one per report. Only what depends
+on the request (its need, the fit) or on the clock (freshness) is computed per decision, over
+the columns. `check` recomputes every row from its state.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class WorkerTable:
             setattr(self, name, np.full(capacity, default, dtype))
         self.ids = np.full(capacity, None, object)
         self.by_order = np.zeros(0, np.intp)
+        self._stale: dict[int, WorkerState] = {}  # bit -> its state, since the last flush
+        self._stale_reports: set[int] = set()  # ... of those, the bits with a new report
 
     @property
     def capacity(self) -> int:
@@ -96,6 +100,22 @@ class WorkerTable:
             getattr(self, name)[bit] = default
         self.ids[bit] = None
         self.by_order = self.by_order[self.by_order != bit]
+        self._stale.pop(bit, None)
+        self._stale_reports.discard(bit)
+
+    def changed(self, state: WorkerState, *, report: bool = True) -> None:
+        """`state` changed (`report=False`: only its requests, not its report): its row is
+        written at the next `flush`."""
+        self._stale[state.bit] = state
+        if report:
+            self._stale_reports.add(state.bit)
+
+    def flush(self) -> None:
+        """Write the stale rows: call before reading the columns."""
+        for bit, state in self._stale.items():
+            self.write(state, report=bit in self._stale_reports)
+        self._stale.clear()
+        self._stale_reports.clear()
 
     def write(self, state: WorkerState, *, report: bool = True) -> None:
         """Row `state.bit` from `state` (see the module docstring); `report=False`: only
@@ -131,8 +151,9 @@ class WorkerTable:
         return np.where(observed, s[observed].min() / np.where(observed, s, 1.0), 1.0)
 
     def check(self, states: Iterable[WorkerState]) -> None:
-        """Raise AssertionError where a row differs from its state's, a row is present
-        without a state, or `by_order` is not the present bits in add order."""
+        """Raise AssertionError where a row differs from its state's (after a `flush`), a row
+        is present without a state, or `by_order` is not the present bits in add order."""
+        self.flush()
         states = list(states)
         bits = sorted(states, key=lambda s: s.order)
         if [s.bit for s in bits] != self.by_order.tolist():

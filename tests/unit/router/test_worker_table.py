@@ -213,3 +213,23 @@ def test_a_removed_worker_leaves_no_row_and_its_bit_is_reused() -> None:
     assert c.router.worker("d").bit == b and table.by_order[-1] == b  # last in add order
     assert c.router.predict_hits(SYSTEMS[0] + [1]) == {"a": 12, "c": 12}  # d: no report yet
     c.router.check()
+
+
+def test_a_burst_of_reports_is_one_row_write_at_the_next_decision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = Cluster("a", "b")
+    table = c.router._table
+    written: list[str] = []
+    write = table.write
+    monkeypatch.setattr(
+        table, "write", lambda s, **kw: (written.append(s.worker_id), write(s, **kw))
+    )
+    for free in (10, 20, 5000):
+        c.report("a", full_free_tokens=free)
+    c.report("b")
+    assert written == []  # nothing read yet
+    assert c.router.route("r", [1, 2, 3], 4).worker_id == "a"  # a's last report counts
+    assert sorted(written) == ["a", "b"]
+    assert table.full_free[c.router.worker("a").bit] == 5000
+    c.router.check()
