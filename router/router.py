@@ -27,7 +27,7 @@ from swaserve.router.cache_view import ApproxCacheView, bits_mask
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
 from swaserve.router.exact_view import ExactCacheView
-from swaserve.router.policies import POLICIES, Candidate, Candidates, RouteRequest
+from swaserve.router.policies import POLICIES, Candidates, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.stats import RouterStats
 from swaserve.router.worker_state import RequestNeed, WorkerState
@@ -274,18 +274,9 @@ class Router:
         if not rows.size:
             return None
         speeds = t.speeds(fresh)
-        i = self.policy.pick(request, self._candidates(rows, hits, speeds))
-        bit = int(rows[i])
-        chosen = Candidate(
-            str(t.ids[bit]),
-            int(t.order[bit]),
-            int(t.load[bit]),
-            int(hits[bit]),
-            int(t.queued[bit]),
-            float(speeds[bit]),
-            int(t.full_free[bit]),
-            int(t.full_total[bit]),
-        )
+        candidates = self._candidates(rows, hits, speeds)
+        i = self.policy.pick(request, candidates)
+        bit, chosen = int(rows[i]), candidates[i]
         if now - enqueued_at_s < self.config.max_hold_s:
             idle = (full <= t.full_total) & (swa <= t.swa_total)
             waiting = t.by_order[(fresh & ~fits & idle)[t.by_order]]
