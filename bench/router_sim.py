@@ -41,7 +41,10 @@ Then the comparison (`compare`): the chat trace and the SWA-pressure traces of
 delivered 0 / 100 / 500 ms after they are sent, for our policies (`prefix`, `ttft`),
 round_robin, least_load and the anchors' rules (`anchor_policies.py`). A worker prefills its
 admitted requests one after another at its rate (it admits the next when the previous
-prefill ends) and decodes each at its per-token time; TTFT = first token − arrival at the
+prefill ends) and decodes each at its per-token time; its reports carry, as the engine's do,
+the rest of the prefills it has started (`prefilling_tokens`) and its prefill counters
+(`prefill_tokens_total` / `prefill_s_total`: the prefills that ended, from the one the engine
+times at start); TTFT = first token − arrival at the
 router (router queue + worker queue + prefill), throughput = generated tokens / the run's
 span, all in simulated time. The TTFT floor is a p99 no router can beat on that run
 (`ttft_floors_s`: each request's prompt less what requests sent before it hold, at the
@@ -78,6 +81,7 @@ from swaserve.proto.kv_events import KVEventMirror
 from swaserve.proto.kv_rules import cdiv, page_floor, swa_tokens_for_extend, window_repair_tokens
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Overloaded, RouteDecision, Router, RouterConfig
+from swaserve.worker.engine import CALIBRATION_TOKENS
 from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
 from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
@@ -226,8 +230,15 @@ class SimWorker:
         self.last_change_s = 0.0
         self.retracted = 0
         self.prompt_tokens_total = self.cached_tokens_total = 0  # admitted; from the cache
+        self.prefills: deque[tuple[float, int]] = deque()  # (end s, tokens) of started prefills
+        # Of the prefills that ended, from the one the engine times at start.
+        self.prefill_tokens_total = CALIBRATION_TOKENS
+        self.prefill_s_total = CALIBRATION_TOKENS * spec.prefill_s_per_token
 
     def report(self, now: float) -> WorkerReport:
+        while self.prefills and self.prefills[0][0] <= now:  # the engine counts a step once run
+            self.prefill_tokens_total += self.prefills.popleft()[1]
+            self.prefill_s_total = self.prefill_tokens_total * self.spec.prefill_s_per_token
         events = self.cache.take_events()
         self.mirror.apply(events)
         self.seq += 1
@@ -242,6 +253,7 @@ class SimWorker:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             queued_prefill_tokens=sum(len(r.prompt) for r in self.waiting),
+            prefilling_tokens=self.prefilling_tokens(now),
             full_reserved_tokens=sum(len(r.reply) for r in running),
             swa_reserved_tokens=sum(self._swa_reserve(r) for r in running),
             sliding_window_size=s.window,
@@ -250,11 +262,22 @@ class SimWorker:
             chunked_prefill_size=s.chunk_tokens,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
+            prefill_tokens_total=self.prefill_tokens_total,
+            prefill_s_total=self.prefill_s_total,
         )
         admitted, self.admitted = tuple(self.admitted), []
         return WorkerReport(
             self.worker_id, "i0", self.seq, now, headroom, events, admitted_request_ids=admitted
         )
+
+    def prefilling_tokens(self, now: float) -> int:
+        """Prompt tokens admitted and not computed yet at `now`: the rest of the prefills the
+        prefill engine has started, and the rest of the stalled ones."""
+        started = sum(n for end, n in self.prefills if end > now)
+        if self.prefills and (end_s := self.prefills[0][0]) > now:  # the one computing now
+            n = self.prefills[0][1]
+            started -= n - min(n, round((end_s - now) / self.spec.prefill_s_per_token))
+        return started + sum(len(r.prompt) - r.computed for r in self.prefilling)
 
     def submit(self, req: SimRequest, now: float) -> list[SimRequest]:
         """Take `req` (as the engine's `add_request`; the next report lists it)."""
@@ -287,10 +310,10 @@ class SimWorker:
     def _queue_prefill(self, req: SimRequest, now: float) -> None:
         """The prefill engine computes the uncached prompt after what it has started."""
         start = max(now, self.prefill_free_s)
-        self.prefill_free_s = (
-            start + (len(req.prompt) - req.real_hit) * self.spec.prefill_s_per_token
-        )
+        computed = len(req.prompt) - req.real_hit
+        self.prefill_free_s = start + computed * self.spec.prefill_s_per_token
         req.first_token_s = self.prefill_free_s
+        self.prefills.append((self.prefill_free_s, computed))
 
     def finish(self, req: SimRequest, now: float) -> None:
         """Decode the reply (in interval blocks, freeing out-of-window SWA), cache it."""

@@ -30,11 +30,14 @@ class Headroom:
     full_protected_tokens: int = 0
     swa_protected_tokens: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens of waiting requests not yet prefilled
+    prefilling_tokens: int = 0  # prompt tokens admitted requests have still to compute
     full_reserved_tokens: int = 0  # full tokens promised to running requests' decode still to come
     swa_reserved_tokens: int = 0  # SWA tokens promised to running requests (about min(new, I + P))
     prompt_tokens_total: int = 0  # counters since start: prompt tokens admitted ...
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
     window_repair_tokens_total: int = 0  # ... tokens recomputed to repair cached windows
+    prefill_tokens_total: int = 0  # ... prompt tokens the model computed (prefill chunks) ...
+    prefill_s_total: float = 0.0  # ... and the seconds of the steps that computed them
     sliding_window_size: int = 0
     window_repair_tokens: int = 0  # R of a window repair (architecture §6); 0: it does not repair
     page_size: int = 1

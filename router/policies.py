@@ -28,10 +28,12 @@ class Candidate:
     `add_worker` order (stable tie-break); `load`: its requests (running, waiting, in flight);
     `hit_tokens`: prompt tokens its prefix cache saves it from computing (a repaired hit:
     its match less the tokens the repair recomputes); `queued_prefill_tokens`: prompt tokens
-    it has still to prefill before this request, as far as the router knows: the waiting
-    prompts of its last report plus the uncached tokens of the requests routed to it since
-    (not listed by a report yet); `speed`: its observed seconds per generated token over the
-    fastest worker's, inverted (1.0: as fast as the fastest, or not observed yet);
+    it has still to prefill before this request, as far as the router knows: the rest of the
+    prefills under way and the waiting prompts of its last report plus the uncached tokens of
+    the requests routed to it since (not listed by a report yet); `speed`: the fastest
+    worker's seconds per token over its own (`WorkerTable.speeds`: the prefill speed its
+    reports measure, else the speed observed per finished request; 1.0: as fast as the
+    fastest, or not known yet);
     `free_tokens`: the unallocated full-pool KV slots of its last report: room it can fill
     without evicting cached prefixes (not less what was routed since: that is in
     `queued_prefill_tokens`, and subtracting it too lowered the chat trace's reuse), of

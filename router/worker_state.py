@@ -78,8 +78,9 @@ class WorkerState:
     report tracking (`instance_id`, `seq`, `headroom`, `reported_at_s`: when the router got
     the latest report, on its own clock; `needs_snapshot`: reports went missing and the
     router waits for a snapshot report), in-flight requests with running totals of the
-    pending ones (`add`, `remove`, `take_report` keep them) and its observed speed
-    (`s_per_token`, kept by `observe`). With a `table`, it is added there, and each of those
+    pending ones (`add`, `remove`, `take_report` keep them) and its speed: observed per
+    finished request (`s_per_token`, kept by `observe`) and measured by its reports
+    (`s_per_prefill_token`, kept by `take_report`). With a `table`, it is added there, and each of those
     methods marks its row stale there (`WorkerTable.changed`)."""
 
     def __init__(
@@ -107,6 +108,9 @@ class WorkerState:
         self._prompt_tokens = 0.0  # decayed Σ prompt tokens the worker admitted ...
         self._cached_tokens = 0.0  # ... and Σ of them its prefix cache held
         self._generated_tokens = 0.0  # decayed Σ their generated tokens
+        self._prefill_s = 0.0  # decayed Σ seconds of the worker's prefill steps (its reports) ...
+        self._prefill_tokens = 0.0  # ... and Σ the prompt tokens they computed
+        self._counted_instance: str | None = None  # the instance the last report came from
         self._table = table
         if table is not None:
             table.add(self)
@@ -147,12 +151,15 @@ class WorkerState:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens the worker has to compute before a request sent now: the waiting
-        prompts of its last report less the share its prefix cache has been saving (a report
-        counts them whole: they are not matched until admitted) plus the uncached tokens of
-        the pending requests."""
-        reported = 0 if self.headroom is None else self.headroom.queued_prefill_tokens
-        return round(reported * (1.0 - self.reuse)) + self.pending_prefill_tokens
+        """Prompt tokens the worker has to compute before a request sent now: the rest of
+        the prefills under way in its last report, its waiting prompts less the share its
+        prefix cache has been saving (a report counts them whole: they are not matched until
+        admitted), and the uncached tokens of the pending requests."""
+        h = self.headroom
+        if h is None:
+            return self.pending_prefill_tokens
+        waiting = round(h.queued_prefill_tokens * (1.0 - self.reuse))
+        return h.prefilling_tokens + waiting + self.pending_prefill_tokens
 
     @property
     def reuse(self) -> float:
@@ -203,13 +210,23 @@ class WorkerState:
             return None
         return self._busy_s / self._generated_tokens
 
+    @property
+    def s_per_prefill_token(self) -> float | None:
+        """Seconds per prompt token of the worker's recent prefill steps, as its reports'
+        counters measure them (`prefill_s_total`, `prefill_tokens_total`); None before any."""
+        if not self._prefill_tokens:
+            return None
+        return self._prefill_s / self._prefill_tokens
+
     def take_report(
         self, headroom: Headroom, received_at_s: float, admitted_request_ids: Iterable[str]
     ) -> None:
         """A newer report, received at `received_at_s` (router clock): the requests it lists
         are in it and stop being pending; ids the router does not know here are skipped
         (finished already, or routed by an earlier router). The counters' growth since the
-        previous report samples the worker's reuse (a restart resets them: no sample)."""
+        previous report samples the worker's reuse (a restart resets them: no sample) and its
+        prefill speed (an instance's first report: its counters since its start, which
+        include the prefill the engine times at start)."""
         previous = self.headroom
         if previous is not None:
             prompt = headroom.prompt_tokens_total - previous.prompt_tokens_total
@@ -217,6 +234,14 @@ class WorkerState:
             if prompt > 0 and 0 <= cached <= prompt:
                 self._prompt_tokens = DECAY * self._prompt_tokens + prompt
                 self._cached_tokens = DECAY * self._cached_tokens + cached
+        computed, spent = headroom.prefill_tokens_total, headroom.prefill_s_total
+        if previous is not None and self._counted_instance == self.instance_id:
+            computed -= previous.prefill_tokens_total  # else: an instance's first report,
+            spent -= previous.prefill_s_total  # whose counters count from its start
+        if computed > 0 and spent > 0:
+            self._prefill_tokens = DECAY * self._prefill_tokens + computed
+            self._prefill_s = DECAY * self._prefill_s + spent
+        self._counted_instance = self.instance_id
         self.headroom = headroom
         self.reported_at_s = received_at_s
         for request_id in admitted_request_ids:

@@ -46,6 +46,7 @@ _COLUMNS: tuple[tuple[str, type, object], ...] = (
     ("load", np.int64, 0),
     ("queued", np.int64, 0),  # `WorkerState.queued_prefill_tokens`
     ("s_per_token", np.float64, 0.0),  # 0.0: not observed
+    ("s_per_prefill", np.float64, 0.0),  # `WorkerState.s_per_prefill_token`; 0.0: not measured
 )
 
 
@@ -71,6 +72,7 @@ class WorkerTable:
     load: np.ndarray
     queued: np.ndarray
     s_per_token: np.ndarray
+    s_per_prefill: np.ndarray
 
     def __init__(self, capacity: int = 64) -> None:
         for name, dtype, default in _COLUMNS:
@@ -142,13 +144,18 @@ class WorkerTable:
         )
 
     def speeds(self, among: np.ndarray) -> np.ndarray:
-        """By bit: the fastest observed seconds per token of the workers of `among` over each
-        one's own (1.0: as fast as the fastest, or not observed yet)."""
-        observed = among & (self.s_per_token != 0)
-        if not observed.any():
-            return np.ones(self.capacity)
-        s = self.s_per_token
-        return np.where(observed, s[observed].min() / np.where(observed, s, 1.0), 1.0)
+        """By bit: the fastest seconds per token of the workers of `among` over each one's
+        own (1.0: as fast as the fastest, or not known yet). The prefill speed the workers'
+        reports measure when any of `among` has one (TTFT is prefill), else the speed observed
+        from routing to finish."""
+        s = self.s_per_prefill
+        known = among & (s != 0)
+        if not known.any():
+            s = self.s_per_token
+            known = among & (s != 0)
+            if not known.any():
+                return np.ones(self.capacity)
+        return np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0)
 
     def check(self, states: Iterable[WorkerState]) -> None:
         """Raise AssertionError where a row differs from its state's (after a `flush`), a row
@@ -200,6 +207,7 @@ def _derived(state: WorkerState) -> dict[str, object]:
         "load": state.load,
         "queued": state.queued_prefill_tokens,
         "s_per_token": state.s_per_token or 0.0,
+        "s_per_prefill": state.s_per_prefill_token or 0.0,
     }
 
 

@@ -26,7 +26,12 @@ from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.kv.slot_table import RequestSlotTable
 from swaserve.worker.kv_manager import KVCacheManager, is_hybrid
-from swaserve.worker.model_input import ModelInput, build_model_input, padding_decode_input
+from swaserve.worker.model_input import (
+    ModelInput,
+    build_model_input,
+    padding_decode_input,
+    padding_prefill_input,
+)
 from swaserve.worker.model_runner import (
     ModelRunner,
     default_kv_cache_bytes,
@@ -44,6 +49,9 @@ from swaserve.worker.tokenizer import load_tokenizer
 from swaserve.worker.tp_worker import RankHandles, RankSpec, TPLauncher, rank_device
 
 logger = logging.getLogger(__name__)
+
+CALIBRATION_TOKENS = 256
+"""Padding tokens of the prefill an engine times at start (`Engine._measure_prefill`)."""
 
 
 class RequestError(ValueError):
@@ -164,6 +172,7 @@ class Engine:
             raise
         self._broken: str | None = None  # why the TP group can no longer run
         self._warm_up_decode_step()
+        self._measure_prefill(min(CALIBRATION_TOKENS, slot_table.max_len), mc.vocab_size)
         self.sampler = Sampler(device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
@@ -193,6 +202,30 @@ class Engine:
             len(shapes),
             time.perf_counter() - start,
         )
+
+    def _measure_prefill(self, num_tokens: int, vocab_size: int) -> None:
+        """Time a prefill of `num_tokens` padding tokens (after one untimed run: first calls
+        pay one-time costs) and count it in the prefill counters, so that the first report
+        already carries this worker's prefill speed (`Headroom.prefill_s_total`) and a router
+        need not wait for its first requests to tell a slow worker."""
+        num_tokens = page_floor(num_tokens, self.page_size)
+        slots = self.allocator.alloc(num_tokens) if num_tokens else None  # [T] int64
+        if slots is None:
+            return  # pools smaller than the measurement: the first requests measure it
+        try:
+            model_input = padding_prefill_input(
+                torch.arange(num_tokens) % vocab_size,
+                slots,
+                self.kv.translate if self.hybrid else None,
+                sliding_window_size=self.window,
+            )
+            self._forward(model_input)
+            start = time.perf_counter()
+            self._forward(model_input)
+            self.stats.prefill_s += time.perf_counter() - start
+            self.stats.prefill_tokens += num_tokens
+        finally:
+            self.allocator.free(slots)
 
     @property
     def weight_bytes(self) -> int:
@@ -322,6 +355,7 @@ class Engine:
             return failed
         model_input = self._model_input(batch)
         timer.lap("input")
+        started = time.perf_counter()
         try:
             logits = self._forward(model_input)
             timer.lap("model")
@@ -333,6 +367,9 @@ class Engine:
             raise
         except Exception as exc:  # a failed step must not take the engine down
             return failed + self._fail(batch, exc)
+        if prefill := sum(batch.extend_lens[batch.num_decodes :]):
+            self.stats.prefill_tokens += prefill
+            self.stats.prefill_s += time.perf_counter() - started
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
         outputs = self._outputs(batch, next_tokens, finished)
@@ -545,9 +582,12 @@ class Engine:
             full_protected_tokens=full_protected,
             swa_protected_tokens=swa_protected,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            prefilling_tokens=self.scheduler.prefilling_tokens(),
             prompt_tokens_total=self.stats.prompt_tokens,
             cached_tokens_total=self.stats.cached_tokens,
             window_repair_tokens_total=self.stats.window_repair_tokens,
+            prefill_tokens_total=self.stats.prefill_tokens,
+            prefill_s_total=self.stats.prefill_s,
             sliding_window_size=self.window or 0,
             page_size=self.page_size,
             chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,

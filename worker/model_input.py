@@ -144,6 +144,35 @@ def padding_decode_input(
     )
 
 
+def padding_prefill_input(
+    token_ids: torch.Tensor,
+    slots: torch.Tensor,
+    translate: Callable[[torch.Tensor], torch.Tensor] | None,
+    *,
+    sliding_window_size: int | None,
+) -> ModelInput:
+    """A prefill of `token_ids` ([T] int64) from position 0 into the full slots `slots` ([T]
+    int64, SWA ids by `translate` with two pools) of slot-table row 0, for no request: what
+    the engine runs at start to time its prefill (the row's entries are rewritten by the
+    request that takes it next, before any read)."""
+    t = token_ids.numel()
+    zero = torch.zeros(1, dtype=torch.int64)  # [1] int64
+    positions = torch.arange(t)  # [T] int64
+    swa = None if translate is None else translate(slots)
+    return ModelInput(
+        input_ids=token_ids,
+        positions=positions,
+        req_rows=zero,
+        prefix_lens=zero,
+        seq_lens=zero + t,
+        out_full_loc=slots,
+        out_swa_loc=swa,
+        writes=SlotWrites(torch.zeros(t, dtype=torch.int64), positions, slots, swa),
+        logits_indices=zero + t - 1,
+        sliding_window_size=sliding_window_size,
+    )
+
+
 def build_model_input(
     *,
     token_ids: Sequence[int],

@@ -148,6 +148,11 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         return sum(r.pending_tokens for r in self.waiting)
 
+    def prefilling_tokens(self) -> int:
+        """Prompt tokens the admitted requests whose prefill is under way still compute:
+        the chunks after this step's, which a request sent now waits behind."""
+        return sum(r.pending_tokens for r in self._prefilling)
+
     # ---- commands ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         params = req.params

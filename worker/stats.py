@@ -14,6 +14,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     cached_tokens: int = 0  # of which served from the prefix cache
     generated_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens the model computed (chunks, repairs, retries)
+    prefill_s: float = 0.0  # wall time of the steps that computed them (forward + sample)
     prefill_chunks: int = 0  # chunks that ended before the prompt did
     retractions: int = 0
     swa_freed_tokens: int = 0  # out-of-window SWA slots given back by running requests

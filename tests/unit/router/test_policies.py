@@ -215,3 +215,56 @@ def test_ttft_holds_only_for_a_worker_much_faster_that_could_fit_the_request() -
     c.report("b", swa_free_tokens=10)
     assert c.router.route("r3", PROMPT, 100).worker_id == "a"
     c.router.check()
+
+
+def test_ttft_counts_the_rest_of_the_prefills_under_way_whole() -> None:
+    c = Cluster("a", "b", policy="ttft")
+    c.report("a", prompt_tokens_total=0, cached_tokens_total=0)
+    # a is mid-way through a long prefill (admitted, so not in its waiting queue): 50 tokens
+    # left to compute before anything sent now, not discounted by a's reuse (0.75): they are
+    # what remains after its cache match. 50 + 17 > b's 20 + 17.
+    c.report(
+        "a",
+        prefilling_tokens=50,
+        queued_prefill_tokens=0,
+        prompt_tokens_total=400,
+        cached_tokens_total=300,
+    )
+    c.report("b", queued_prefill_tokens=20)
+    assert c.router.worker("a").queued_prefill_tokens == 50
+    assert c.router.route("r1", PROMPT, 1).worker_id == "b"
+    c.report("a", prefilling_tokens=0, prompt_tokens_total=400, cached_tokens_total=300)
+    assert c.router.route("r2", PROMPT, 1).worker_id == "a"  # its prefill ended: 17 < 37 + 17
+    c.router.check()
+
+
+def test_ttft_scales_by_the_prefill_speed_the_reports_measure_before_any_finish() -> None:
+    c = Cluster("a", "b", policy="ttft")
+    # First reports: each engine timed a prefill at start (256 tokens in 0.04 / 0.01 s).
+    c.report("a", prefill_tokens_total=256, prefill_s_total=0.04)
+    c.report("b", prefill_tokens_total=256, prefill_s_total=0.01, queued_prefill_tokens=20)
+    assert c.router.route("r0", PROMPT, 100).worker_id == "b"  # 17 / 0.25 > 20 + 17
+    c.router.finish("r0")
+    c = Cluster("a", "b", policy="ttft")
+    c.report("a")
+    c.report("b")
+    # Since their previous reports, a computed 1000 prompt tokens in 0.2 s, b in 0.05 s.
+    c.report("a", prefill_tokens_total=1000, prefill_s_total=0.2)
+    c.report("b", prefill_tokens_total=1000, prefill_s_total=0.05, queued_prefill_tokens=20)
+    assert c.router.worker("a").s_per_prefill_token == 0.2 / 1000
+    assert c.router.worker("a").s_per_token is None  # nothing finished yet
+    # a runs at a quarter of b's speed: 17 / 0.25 = 68 > (20 + 17) / 1.
+    assert c.router.route("r1", PROMPT, 100).worker_id == "b"
+    # A restarted instance's first report counts from its start, not from the old counters.
+    c.report("a", instance="i1", prefill_tokens_total=100, prefill_s_total=0.02)
+    assert c.router.worker("a").s_per_prefill_token == (0.9 * 0.2 + 0.02) / (0.9 * 1000 + 100)
+    c.report("a", instance="i1", prefill_tokens_total=100, prefill_s_total=0.02)  # no growth
+    assert c.router.worker("a").s_per_prefill_token == (0.9 * 0.2 + 0.02) / (0.9 * 1000 + 100)
+    # A finish observed on b (slow: 0.1 s per generated token) does not outrank the
+    # measured prefill speeds: b stays 4x as fast as a.
+    c.clock.now += 10.0
+    c.router.finish("r1", generated_tokens=100)
+    assert c.router.worker("b").s_per_token == 0.1
+    c.report("b", prefill_tokens_total=1000, prefill_s_total=0.05, queued_prefill_tokens=20)
+    assert c.router.route("r2", PROMPT, 100).worker_id == "b"
+    c.router.check()

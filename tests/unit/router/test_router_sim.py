@@ -78,7 +78,8 @@ def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
             for m in by_policy.values():
                 assert (m["requests"], m["refused"], m["stuck"]) == (sizes[workload], 0, 0)
                 assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and m["throughput_tok_s"] > 0
-                assert 0 < m["ttft_floor_p99_ms"] <= m["ttft_p99_ms"]
+                # A floor, up to float rounding (it sums tokens / rate, the run adds times).
+                assert 0 < m["ttft_floor_p99_ms"] <= m["ttft_p99_ms"] + 1e-6
     for workload in ("chat", "agentic"):  # SWA pressure: cached prefixes lost their windows
         instant = comparison[workload]["0"]
         assert instant["prefix"]["predicted_equals_real"] == 1.0

@@ -24,7 +24,9 @@ def expected_choice(router: Router, request: RouteRequest) -> tuple[str, int] | 
     now = router.clock()
     fresh = [w for w in router._workers.values() if w.is_fresh(now, router.config.report_timeout_s)]
     hits = router.predict_hits(request.token_ids[:-1])
-    observed = {w.bit: w.s_per_token for w in fresh if w.s_per_token}
+    observed = {w.bit: w.s_per_prefill_token for w in fresh if w.s_per_prefill_token}
+    if not observed:  # no report measured a prefill: the speeds observed per finish
+        observed = {w.bit: w.s_per_token for w in fresh if w.s_per_token}
     fastest = min(observed.values(), default=1.0)
     candidates, waiting = [], []
     for w in fresh:  # add order
@@ -76,6 +78,9 @@ def random_headroom(rng: random.Random) -> dict[str, object]:
         "chunked_prefill_size": rng.choice([0, 8, 64]),
         "prompt_tokens_total": rng.randint(0, 10_000),
         "cached_tokens_total": rng.randint(0, 5_000),
+        "prefilling_tokens": rng.choice([0, 0, 50, 2000]),
+        "prefill_tokens_total": rng.choice([0, rng.randint(0, 10_000)]),
+        "prefill_s_total": rng.choice([0.0, 0.5, 2.0]),
     }
 
 

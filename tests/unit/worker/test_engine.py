@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from swaserve.worker import Engine, EngineConfig, RequestError, SamplingParams
+from swaserve.worker.engine import CALIBRATION_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
@@ -169,4 +170,29 @@ def test_flush_cache_returns_both_pools(model_dir: Path) -> None:
     head = engine.headroom()
     assert head.full_free_tokens == head.full_total_tokens == 512
     assert head.swa_free_tokens == head.swa_total_tokens == 256
+    engine.check()
+
+
+def test_headroom_reports_the_prefill_under_way_and_the_measured_prefill(model_dir: Path) -> None:
+    engine = make_engine(model_dir)  # chunks of 32 tokens
+    head = engine.headroom()  # the start measured a prefill of padding tokens
+    assert head.prefill_tokens_total == CALIBRATION_TOKENS and head.prefill_s_total > 0
+    calibration_s = head.prefill_s_total
+    engine.add_request(list(range(1, 101)), GREEDY, request_id="long")
+    engine.step()  # the first chunk: the request is admitted, 68 prompt tokens to go
+    head = engine.headroom()
+    assert (head.num_running, head.num_waiting) == (1, 0)
+    assert head.prefilling_tokens == 68 and head.queued_prefill_tokens == 0
+    assert head.prefill_tokens_total == CALIBRATION_TOKENS + 32
+    first_s = head.prefill_s_total
+    assert first_s > calibration_s
+    engine.add_request([7, 8, 9], GREEDY, request_id="short")
+    assert engine.headroom().queued_prefill_tokens == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    head = engine.headroom()
+    assert head.prefilling_tokens == 0
+    # Every prompt token once; decode steps add none.
+    assert head.prefill_tokens_total == CALIBRATION_TOKENS + 103
+    assert head.prefill_s_total > first_s
     engine.check()
