@@ -85,6 +85,16 @@ class ClusterSnapshotCollector(Collector):
             "prompt tokens recomputed to repair the SWA window of a cached prefix",
             labels=labels,
         )
+        prefill_tokens = CounterMetricFamily(
+            PREFIX + "prefill_tokens",
+            "prompt tokens the model computed (with the prefill timed at start)",
+            labels=labels,
+        )
+        prefill_seconds = CounterMetricFamily(
+            PREFIX + "prefill_seconds",
+            "seconds of the steps that computed them: tokens / seconds is the prefill speed",
+            labels=labels,
+        )
         for status in self.workers:
             h = status.headroom
             if h is None:
@@ -98,7 +108,10 @@ class ClusterSnapshotCollector(Collector):
             queries.add_metric(values, h.prompt_tokens_total)
             hits.add_metric(values, h.cached_tokens_total)
             repairs.add_metric(values, h.window_repair_tokens_total)
+            prefill_tokens.add_metric(values, h.prefill_tokens_total)
+            prefill_seconds.add_metric(values, h.prefill_s_total)
         yield from (running, waiting, usage, swa_usage, tombstoned, queries, hits, repairs)
+        yield from (prefill_tokens, prefill_seconds)
         decisions = CounterMetricFamily(
             PREFIX + "router_decisions",
             "routing decisions by policy and outcome (routed, queued, expired, overloaded)",

@@ -24,6 +24,8 @@ HEADROOM = Headroom(
     prompt_tokens_total=400,
     cached_tokens_total=120,
     window_repair_tokens_total=64,
+    prefill_tokens_total=2560,
+    prefill_s_total=0.5,
 )
 
 
@@ -65,6 +67,8 @@ def test_snapshot_and_histograms_render_with_their_labels() -> None:
     assert got["swaserve:prefix_cache_queries_total", w] == 400
     assert got["swaserve:prefix_cache_hits_total", w] == 120
     assert got["swaserve:window_repair_tokens_total", w] == 64
+    assert got["swaserve:prefill_tokens_total", w] == 2560
+    assert got["swaserve:prefill_seconds_total", w] == 0.5
     routed = (("model_name", "tiny"), ("outcome", "routed"), ("policy", "prefix"))
     assert got["swaserve:router_decisions_total", routed] == 7
     assert got["swaserve:router_queue_len", (("model_name", "tiny"),)] == 1
