@@ -44,9 +44,8 @@ admitted requests one after another at its rate (it admits the next when the pre
 prefill ends) and decodes each at its per-token time; its reports carry, as the engine's do,
 the rest of the prefills it has started (`prefilling_tokens`) and its prefill counters
 (`prefill_tokens_total` / `prefill_s_total`: the prefills that ended, from the one the engine
-times at start); TTFT = first token − arrival at the
-router (router queue + worker queue + prefill), throughput = generated tokens / the run's
-span, all in simulated time. The TTFT floor is a p99 no router can beat on that run
+times at start). TTFT = first token − arrival at the router (router queue + worker queue +
+prefill), throughput = generated tokens / the run's span, all in simulated time. The TTFT floor is a p99 no router can beat on that run
 (`ttft_floors_s`: each request's prompt less what requests sent before it hold, at the
 fastest prefill rate); the best anchor's p99 over it bounds the ratio any policy can reach.
 Goals: TTFT p99 >= 1.2x the best anchor's; ours' predicted == real >= 0.95 with 100 ms
@@ -237,8 +236,9 @@ class SimWorker:
 
     def report(self, now: float) -> WorkerReport:
         while self.prefills and self.prefills[0][0] <= now:  # the engine counts a step once run
-            self.prefill_tokens_total += self.prefills.popleft()[1]
-            self.prefill_s_total = self.prefill_tokens_total * self.spec.prefill_s_per_token
+            computed = self.prefills.popleft()[1]
+            self.prefill_tokens_total += computed
+            self.prefill_s_total += computed * self.spec.prefill_s_per_token
         events = self.cache.take_events()
         self.mirror.apply(events)
         self.seq += 1
@@ -271,13 +271,15 @@ class SimWorker:
         )
 
     def prefilling_tokens(self, now: float) -> int:
-        """Prompt tokens admitted and not computed yet at `now`: the rest of the prefills the
-        prefill engine has started, and the rest of the stalled ones."""
-        started = sum(n for end, n in self.prefills if end > now)
-        if self.prefills and (end_s := self.prefills[0][0]) > now:  # the one computing now
-            n = self.prefills[0][1]
-            started -= n - min(n, round((end_s - now) / self.spec.prefill_s_per_token))
-        return started + sum(len(r.prompt) - r.computed for r in self.prefilling)
+        """Prompt tokens admitted and not computed yet at `now`: the prefills the prefill
+        engine has queued (`prefills` holds only those that end after `now`, once `report`
+        has counted the others), the one computing now by what its end leaves, and the rest
+        of the stalled ones."""
+        left = sum(n for _, n in self.prefills)
+        if self.prefills:  # the head computes now
+            end_s, n = self.prefills[0]
+            left -= n - min(n, round((end_s - now) / self.spec.prefill_s_per_token))
+        return left + sum(len(r.prompt) - r.computed for r in self.prefilling)
 
     def submit(self, req: SimRequest, now: float) -> list[SimRequest]:
         """Take `req` (as the engine's `add_request`; the next report lists it)."""

@@ -80,8 +80,8 @@ class WorkerState:
     router waits for a snapshot report), in-flight requests with running totals of the
     pending ones (`add`, `remove`, `take_report` keep them) and its speed: observed per
     finished request (`s_per_token`, kept by `observe`) and measured by its reports
-    (`s_per_prefill_token`, kept by `take_report`). With a `table`, it is added there, and each of those
-    methods marks its row stale there (`WorkerTable.changed`)."""
+    (`s_per_prefill_token`, kept by `take_report`). With a `table`, it is added there, and
+    each of those methods marks its row stale there (`WorkerTable.changed`)."""
 
     def __init__(
         self,
