@@ -91,3 +91,26 @@ def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
     ratios = report["comparison"]["ratios"]
     assert set(ratios["agentic"]) == {"0", "100", "500"}
     assert ratios["agentic"]["0"]["ours"] in {"prefix", "ttft"}
+
+
+def test_sim_workers_report_the_prefill_under_way_and_their_measured_speed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the engine's: the first report carries the prefill timed at start; a started prefill
+    is in `prefilling_tokens` by what is left of it, and in the counters once it ended."""
+    bench = _load(monkeypatch)
+    spec = bench.WorkerSpec()
+    slow = bench.SimWorker("w0", bench.replace(spec, speed=0.5))
+    first = slow.report(0.0).headroom
+    assert first.prefill_tokens_total == bench.CALIBRATION_TOKENS
+    assert first.prefill_s_total == pytest.approx(
+        bench.CALIBRATION_TOKENS / (0.5 * spec.prefill_tokens_per_s)
+    )
+    prompt = list(range(1, 4001))  # 4000 cold tokens: 0.4 s at half of 20k tokens/s
+    admitted = slow.submit(bench.SimRequest("r", prompt, [7] * 8, None), 0.0)
+    assert [r.request_id for r in admitted] == ["r"]
+    assert slow.report(0.1).headroom.prefilling_tokens == 3000
+    ended = slow.report(0.5).headroom
+    assert ended.prefilling_tokens == 0
+    assert ended.prefill_tokens_total == bench.CALIBRATION_TOKENS + 4000
+    assert ended.prefill_s_total == pytest.approx(first.prefill_s_total + 0.4)
