@@ -110,6 +110,7 @@ class Router:
             if state.instance_id is not None:
                 self.stats.restarts += 1
                 self._drop_view(state)
+                state.forget_report()
             state.instance_id, state.seq, state.needs_snapshot = report.instance_id, 0, False
             missed = report.seq > 1  # an instance counts its reports from 1
         elif report.seq <= state.seq:

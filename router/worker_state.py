@@ -110,7 +110,6 @@ class WorkerState:
         self._generated_tokens = 0.0  # decayed Σ their generated tokens
         self._prefill_s = 0.0  # decayed Σ seconds of the worker's prefill steps (its reports) ...
         self._prefill_tokens = 0.0  # ... and Σ the prompt tokens they computed
-        self._counted_instance: str | None = None  # the instance the last report came from
         self._table = table
         if table is not None:
             table.add(self)
@@ -224,9 +223,10 @@ class WorkerState:
         """A newer report, received at `received_at_s` (router clock): the requests it lists
         are in it and stop being pending; ids the router does not know here are skipped
         (finished already, or routed by an earlier router). The counters' growth since the
-        previous report samples the worker's reuse (a restart resets them: no sample) and its
-        prefill speed (an instance's first report: its counters since its start, which
-        include the prefill the engine times at start)."""
+        previous report samples the worker's reuse and its prefill speed; without a previous
+        report (the first, or the first since a restart: `forget_report`) the prefill
+        counters since the instance's start do, which include the prefill the engine times
+        at start."""
         previous = self.headroom
         if previous is not None:
             prompt = headroom.prompt_tokens_total - previous.prompt_tokens_total
@@ -235,13 +235,12 @@ class WorkerState:
                 self._prompt_tokens = DECAY * self._prompt_tokens + prompt
                 self._cached_tokens = DECAY * self._cached_tokens + cached
         computed, spent = headroom.prefill_tokens_total, headroom.prefill_s_total
-        if previous is not None and self._counted_instance == self.instance_id:
-            computed -= previous.prefill_tokens_total  # else: an instance's first report,
-            spent -= previous.prefill_s_total  # whose counters count from its start
+        if previous is not None:  # else: an instance's first report, counting from its start
+            computed -= previous.prefill_tokens_total
+            spent -= previous.prefill_s_total
         if computed > 0 and spent > 0:
             self._prefill_tokens = DECAY * self._prefill_tokens + computed
             self._prefill_s = DECAY * self._prefill_s + spent
-        self._counted_instance = self.instance_id
         self.headroom = headroom
         self.reported_at_s = received_at_s
         for request_id in admitted_request_ids:
@@ -250,6 +249,11 @@ class WorkerState:
                 r.pending = False
                 self._count(r, -1)
         self._write()
+
+    def forget_report(self) -> None:
+        """The worker restarted: its last report's counters are no base for the new
+        instance's (the next report replaces the report itself)."""
+        self.headroom = None
 
     def _write(self, *, report: bool = True) -> None:
         if self._table is not None:

@@ -148,14 +148,11 @@ class WorkerTable:
         own (1.0: as fast as the fastest, or not known yet). The prefill speed the workers'
         reports measure when any of `among` has one (TTFT is prefill), else the speed observed
         from routing to finish."""
-        s = self.s_per_prefill
-        known = among & (s != 0)
-        if not known.any():
-            s = self.s_per_token
+        for s in (self.s_per_prefill, self.s_per_token):
             known = among & (s != 0)
-            if not known.any():
-                return np.ones(self.capacity)
-        return np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0)
+            if known.any():
+                return np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0)
+        return np.ones(self.capacity)
 
     def check(self, states: Iterable[WorkerState]) -> None:
         """Raise AssertionError where a row differs from its state's (after a `flush`), a row

@@ -355,12 +355,11 @@ class Engine:
             return failed
         model_input = self._model_input(batch)
         timer.lap("input")
-        started = time.perf_counter()
         try:
             logits = self._forward(model_input)
-            timer.lap("model")
+            spent = timer.lap("model")
             next_tokens = self._sample(batch, logits)
-            timer.lap("sample")
+            spent += timer.lap("sample")
         except TensorParallelError as exc:  # the group is gone: fail cleanly, then say so
             self._broken = str(exc)
             self._fail(batch, exc)
@@ -369,7 +368,7 @@ class Engine:
             return failed + self._fail(batch, exc)
         if prefill := sum(batch.extend_lens[batch.num_decodes :]):
             self.stats.prefill_tokens += prefill
-            self.stats.prefill_s += time.perf_counter() - started
+            self.stats.prefill_s += spent
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
         outputs = self._outputs(batch, next_tokens, finished)

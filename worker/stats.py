@@ -36,7 +36,8 @@ class EngineStats:
 
 
 class StepTimer:
-    """Adds the time since the previous lap to a phase's total (one perf_counter per lap)."""
+    """Adds the time since the previous lap to a phase's total (one perf_counter per lap);
+    `lap` returns it."""
 
     __slots__ = ("_last", "_totals")
 
@@ -44,7 +45,8 @@ class StepTimer:
         self._totals = totals
         self._last = time.perf_counter()
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str) -> float:
         now = time.perf_counter()
-        self._totals[phase] += now - self._last
-        self._last = now
+        elapsed, self._last = now - self._last, now
+        self._totals[phase] += elapsed
+        return elapsed
