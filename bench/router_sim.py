@@ -11,14 +11,15 @@ Workloads, drawn once per seed and replayed for every policy:
 A worker admits like the engine's scheduler (architecture §6): it matches `prompt[:-1]` in its
 tree with window repair (R = `window_repair_tokens(L_swa, W, P)`, L_swa = `--swa-layers`),
 checks both pools (free + evictable − what running requests still need), prefills in chunks
-(freeing out-of-window SWA, caching unfinished chunks), and at the end of the reply decodes in
-eviction-interval blocks and caches the finished sequence; the tree keeps window checkpoints
+(freeing out-of-window SWA, caching each unfinished chunk, the whole prompt once its prefill
+ends in simulated time), gives the tree the prompt's SWA KV a window into the decode, and at
+the end of the reply decodes in eviction-interval blocks and caches the finished sequence; the tree keeps window checkpoints
 where decodes leave their windows. A repaired match of m tokens is taken as its first m − R
 slots from the tree plus new slots for the R recomputed tokens and the rest; once they are
 computed only the SWA KV of the window before m is kept for the tree (as the engine does), so
 the request computes `len(prompt) − saved_tokens` tokens. Prefill and decode take
-simulated time (tokens / rate); memory moves at admission and at the finish. Reports go out
-after each change and as a heartbeat.
+simulated time (tokens / rate); memory moves at admission, a window into the decode and at
+the finish. Reports go out after each change and as a heartbeat.
 
 Printed per workload and policy: reused tokens / prompt tokens (the worker's real match at
 admission); load imbalance, max / mean over workers of each worker's time-averaged running
@@ -52,6 +53,7 @@ Goals: TTFT p99 >= 1.2x the best anchor's; ours' predicted == real >= 0.95 with 
 reports.
 
     python bench/router_sim.py [--seed N] [--workers K] [--swa-layers L] [--json] [--quick]
+        [--router-config JSON]
 """
 
 from __future__ import annotations
@@ -335,6 +337,31 @@ class SimWorker:
         assert req.lock is not None
         self.cache.cache_finished_request(tokens[:done], req.slots[:done], req.lock, req.swa)
 
+    def prefilled(self, req: SimRequest) -> None:
+        """`req`'s prefill ended (its first token): the tree takes the whole prompt with its
+        SWA KV, as the engine caches it once the last chunk's forward ran (its next report
+        lists the pages), then the first decode step frees what is out of the window past
+        it."""
+        if req.request_id not in self.running or req.lock is None:
+            return
+        end = len(req.prompt)
+        if page_floor(end, self.spec.page_size) > req.swa.cache_protected_len:
+            req.slots, req.lock = self.cache.cache_unfinished_request(
+                req.prompt, req.slots[:end], req.lock, req.swa
+            )
+        self._free_window(req, end, self.spec.swa_eviction_interval)
+
+    def pass_window(self, req: SimRequest) -> None:
+        """`req`'s decode is a window past its cached prompt: the tree's SWA KV there is no
+        longer the request's to keep (the engine's first decode step past it releases the SWA
+        lock), so it can be freed and tombstoned under pressure."""
+        if req.request_id in self.running and req.lock is not None and not req.lock.swa_released:
+            self.cache.release_request_swa(req.lock)
+
+    def window_s(self) -> float:
+        """From the first token until the decode is a window past the prompt."""
+        return self.spec.window * self.spec.decode_s_per_token / self.spec.speed
+
     def decode_s(self, req: SimRequest) -> float:
         return len(req.reply) * self.spec.decode_s_per_token / self.spec.speed
 
@@ -375,7 +402,8 @@ class SimWorker:
 
     def _prefill(self, req: SimRequest) -> bool:
         """Compute prompt chunks while slots can be had (freeing out-of-window SWA before each,
-        caching each unfinished chunk); True once the prompt is done. A chunk that cannot be
+        caching each unfinished chunk; the whole prompt is cached when its prefill ends in
+        simulated time, `prefilled`); True once the prompt is done. A chunk that cannot be
         allocated stalls the request (it keeps its progress) until memory frees up."""
         s, end = self.spec, len(req.prompt)
         while req.computed < end:
@@ -392,7 +420,6 @@ class SimWorker:
                 req.slots, req.lock = self.cache.cache_unfinished_request(
                     req.prompt[: req.computed], req.slots[: req.computed], req.lock, req.swa
                 )
-        self._free_window(req, end, s.swa_eviction_interval)  # the first decode step's freeing
         return True
 
     def _end_repair(self, req: SimRequest) -> None:
@@ -463,10 +490,12 @@ class SimWorker:
 class Scenario:
     """How the cluster differs from the plain one: reports reach the router
     `report_delay_s` after the worker sends them; the first `slow_workers` workers run at
-    half speed (prefill and decode)."""
+    half speed (prefill and decode); `router_options`: `RouterConfig` fields other than
+    the policy (`--router-config`)."""
 
     report_delay_s: float = 0.0
     slow_workers: int = 0
+    router_options: tuple[tuple[str, object], ...] = ()
 
 
 class Simulation:
@@ -491,7 +520,8 @@ class Simulation:
         }
         self.anchor = ANCHORS[policy](ids, lambda: self.now) if policy in ANCHORS else None
         self.router: Router | AnchorRouter = self.anchor or Router(
-            RouterConfig(policy=policy), clock=lambda: self.now
+            RouterConfig(policy=policy, **dict(scenario.router_options)),  # type: ignore[arg-type]
+            clock=lambda: self.now,
         )
         for worker in self.workers.values():  # registered long before the first request
             if self.anchor is None:
@@ -574,15 +604,25 @@ class Simulation:
         finish a decode later; at the prefill's end the worker admits the next."""
         for req in admitted:
             end = req.first_token_s + worker.decode_s(req)
-            self.at(req.first_token_s, lambda r=req: self._first_token(r))
+            self.at(req.first_token_s, lambda r=req, w=worker: self._first_token(w, r))
+            if (passed := req.first_token_s + worker.window_s()) < end:
+                self.at(passed, lambda r=req, w=worker: self._window(w, r))
             self.at(end, lambda r=req, w=worker: self._finish(w, r))
         if admitted:
             self.at(worker.prefill_free_s, lambda w=worker: self._started(w, w.admit(self.now)))
         self._report(worker)
 
-    def _first_token(self, req: SimRequest) -> None:
+    def _first_token(self, worker: SimWorker, req: SimRequest) -> None:
+        worker.prefilled(req)
         if self.anchor is not None:
             self.anchor.prefilled(req.request_id)
+        self._report(worker)
+
+    def _window(self, worker: SimWorker, req: SimRequest) -> None:
+        """`req`'s decode left its prompt's window: SWA KV there may go, a waiting request
+        may fit now."""
+        worker.pass_window(req)
+        self._started(worker, worker.admit(self.now))
 
     def _finish(self, worker: SimWorker, req: SimRequest) -> None:
         worker.finish(req, self.now)
@@ -880,7 +920,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--quick", action="store_true", help="a few sessions only (for tests)")
+    parser.add_argument(
+        "--router-config",
+        type=json.loads,
+        default={},
+        help="RouterConfig fields for our policies, as JSON: '{\"inflight_prefixes\": false}'",
+    )
     args = parser.parse_args(argv)
+    plain = Scenario(router_options=tuple(args.router_config.items()))
     work, spec = (QUICK if args.quick else Workload()), WorkerSpec(swa_layers=args.swa_layers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny bookkeeping tensors: no intra-op pool
@@ -889,15 +936,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         sessions = chat_sessions(rng, work, args.workers)
         independent = independent_requests(rng, work, args.workers)
         runs = {
-            "chat": {p: run_chat(p, args.workers, spec, sessions) for p in POLICIES},
+            "chat": {p: run_chat(p, args.workers, spec, sessions, plain) for p in POLICIES},
             "independent": {
-                p: run_independent(p, args.workers, spec, independent) for p in POLICIES
+                p: run_independent(p, args.workers, spec, independent, plain) for p in POLICIES
             },
         }
         sequences, probes = (400, 200) if args.quick else (10_000, 2000)
         latency = decision_latency(args.workers, spec, sequences, probes, args.seed)
         pressure = QUICK_PRESSURE if args.quick else PressureWorkload()
-        comparison = compare(args, spec, sessions, pressure)
+        comparison = compare(args, spec, sessions, pressure, plain)
     finally:
         torch.set_num_threads(threads)
     report = summarize(args, spec, runs, latency)
@@ -908,7 +955,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 def compare(
-    args: argparse.Namespace, spec: WorkerSpec, sessions: list[dict], pressure: PressureWorkload
+    args: argparse.Namespace,
+    spec: WorkerSpec,
+    sessions: list[dict],
+    pressure: PressureWorkload,
+    plain: Scenario = Scenario(),
 ) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """workload -> report delay (ms, as a string) -> policy -> metrics: every policy of
     `COMPARED` on the same trace, one slow worker, reports delayed by each of
@@ -923,7 +974,7 @@ def compare(
     for workload, (run, trace) in traces.items():
         out[workload] = {}
         for delay_s in REPORT_DELAYS_S:
-            scenario = Scenario(report_delay_s=delay_s, slow_workers=1)
+            scenario = replace(plain, report_delay_s=delay_s, slow_workers=1)
             out[workload][f"{1e3 * delay_s:g}"] = {
                 p: run(p, args.workers, spec, trace, scenario)
                 for p in COMPARED  # type: ignore[operator]

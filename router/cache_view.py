@@ -354,6 +354,25 @@ def walk_runs(
     return best
 
 
+def held_tokens(
+    runs: Iterable[tuple[int, int, int]], page_size: int, members: int, size: int
+) -> np.ndarray:
+    """By worker of the bit mask `members` (an array of `size`), the tokens of the pages of
+    `runs` it holds in a row from the root, tombstones or not (its full run F)."""
+    out = np.zeros(size, np.int64)
+    alive, end = members, 0
+    for held, _, pages in runs:
+        if gone := alive & ~held:
+            out[mask_bits(gone)] = end
+            alive &= held
+        if not alive:
+            return out
+        end += page_size * pages
+    if alive:
+        out[mask_bits(alive)] = end
+    return out
+
+
 _NEVER = 1 << 62
 
 

@@ -243,20 +243,36 @@ class ExactCacheView:
         return match_runs(self._prompt_runs(token_ids), self.page_size, windows, repair_tokens)
 
     def match_columns(
-        self, token_ids: Sequence[int], members: int, windows: np.ndarray, repairs: np.ndarray
+        self,
+        token_ids: Sequence[int],
+        members: int,
+        windows: np.ndarray,
+        repairs: np.ndarray,
+        keys: list[int] | None = None,
     ) -> np.ndarray:
-        """`match` for the workers of the bit mask `members`, by worker (`walk_runs`)."""
-        runs = self._prompt_runs(token_ids)
+        """`match` for the workers of the bit mask `members`, by worker (`walk_runs`);
+        `keys`: `prompt_keys(token_ids)`, when the caller has them already."""
+        runs = self.runs(self.prompt_keys(token_ids) if keys is None else keys)
         return walk_runs(runs, self.page_size, members, windows, repairs)
+
+    def runs(self, keys: list[int]) -> list[tuple[int, int, int]]:
+        """(held, tomb, pages) runs of the pages of fingerprints `keys` (a prompt's whole
+        pages, `prompt_keys`) that the view holds in a chain from the root (`walk_runs`)."""
+        return self._path(keys) if self._live and keys else []
+
+    def prompt_keys(self, token_ids: Sequence[int]) -> list[int]:
+        """The fingerprints of the whole pages of `token_ids`, as the view files them."""
+        tokens = page_tokens(token_ids, self.page_size)
+        return fingerprints(tokens, self.page_size) if tokens.size else []
+
+    def holds(self, worker: int, key: int) -> bool:
+        """Whether `worker` holds the page of fingerprint `key` (a tombstone too)."""
+        row = self._find(self._tab_fp, self._fp, key)
+        return row > 0 and self._holds(row, worker)
 
     def _prompt_runs(self, token_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         """(held, tomb, pages) runs of the whole pages of `token_ids` the view holds (`_path`)."""
-        if not self._live:
-            return []
-        tokens = page_tokens(token_ids, self.page_size)
-        if not tokens.size:
-            return []
-        return self._path(fingerprints(tokens, self.page_size))
+        return self.runs(self.prompt_keys(token_ids)) if self._live else []
 
     def _path(self, keys: list[int]) -> list[tuple[int, int, int]]:
         """(held, tomb, pages) runs of the pages of fingerprints `keys` from the root, as far as

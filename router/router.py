@@ -23,10 +23,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from swaserve.proto.messages import WorkerReport
-from swaserve.router.cache_view import ApproxCacheView, bits_mask
+from swaserve.router.cache_view import ApproxCacheView, bits_mask, held_tokens, walk_runs
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
 from swaserve.router.exact_view import ExactCacheView
+from swaserve.router.inflight_view import InflightPrompts
 from swaserve.router.policies import POLICIES, Candidates, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.stats import RouterStats
@@ -56,6 +57,7 @@ class Router:
         self.page_size: int | None = None  # fixed by the first report
         self._exact: ExactCacheView | None = None
         self._approx: ApproxCacheView | None = None
+        self._inflight: InflightPrompts | None = None
         self._table = WorkerTable()  # the workers' columns, by bit
 
     # ---- workers -------------------------------------------------------------------------
@@ -128,7 +130,13 @@ class Router:
                 self.stats.resyncs_requested += 1
             if state.kv_events and self._exact is not None:
                 self.stats.event_mismatches += self._exact.apply(state.bit, report.events)
-        state.take_report(report.headroom, self.clock(), report.admitted_request_ids)
+        now = self.clock()
+        if self._inflight is not None and self._exact is not None:
+            exact, bit = self._exact, state.bit
+            self._inflight.settle(
+                bit, lambda key: exact.holds(bit, key), now, self.config.report_timeout_s
+            )
+        state.take_report(report.headroom, now, report.admitted_request_ids)
         return state.needs_snapshot
 
     # ---- requests ------------------------------------------------------------------------
@@ -209,6 +217,11 @@ class Router:
         r = state.remove(request_id)
         if generated_tokens:
             state.observe(self.clock() - r.routed_at_s, generated_tokens)
+        if self._inflight is not None:
+            if generated_tokens:
+                self._inflight.finished(request_id, self.clock())
+            else:
+                self._inflight.remove(request_id)
         return True
 
     @property
@@ -221,7 +234,7 @@ class Router:
         (exact view; a repaired hit counts its match less the R tokens it recomputes) or the
         longest prompt prefix routed there (approximate view). A query: changes nothing."""
         self._table.flush()
-        hits = self._hits(token_ids, self._table.reported)
+        hits = self._hits(token_ids, self._table.reported, self._keys(token_ids))
         return {w.worker_id: int(hits[w.bit]) for w in self._workers.values() if w.headroom}
 
     def check(self) -> None:
@@ -234,6 +247,9 @@ class Router:
             self._exact.check()
         if self._approx is not None:
             self._approx.check()
+        if self._inflight is not None:
+            bits = {w.worker_id: w.bit for w in self._workers.values()}
+            self._inflight.check(lambda rid: bits.get(self._owner.get(rid, "")))
         owned = {rid: w.worker_id for w in self._workers.values() for rid in w.inflight}
         if owned != self._owner:
             raise AssertionError("in-flight requests and their owners disagree")
@@ -268,7 +284,9 @@ class Router:
         fresh = t.fresh(now, self.config.report_timeout_s)
         self.stats.stale_skips += len(self._workers) - int(np.count_nonzero(fresh))
         # The engine keeps the last prompt token to compute, so it matches the prompt minus it.
-        hits = self._hits(request.token_ids[:-1], fresh)
+        keys = self._keys(request.token_ids)
+        query = keys[: (len(request.token_ids) - 1) // self._page_size]
+        hits = self._hits(request.token_ids[:-1], fresh, query)
         full, swa = t.needs(len(request.token_ids), hits, request.max_new_tokens)
         fits = fresh & (full <= t.full_budget) & (swa <= t.swa_budget)
         rows = t.by_order[fits[t.by_order]]
@@ -291,6 +309,8 @@ class Router:
         self._owner[request.request_id] = chosen.worker_id
         if not state.kv_events and self._approx is not None:
             self._approx.record(state.bit, request.token_ids)
+        elif state.kv_events and self._inflight is not None:
+            self._inflight.add(request.request_id, state.bit, keys)
         self.stats.prompt_tokens += len(request.token_ids)
         self.stats.predicted_hit_tokens += chosen.hit_tokens
         decision = RouteDecision(
@@ -317,14 +337,37 @@ class Router:
             t.full_total[rows],
         )
 
-    def _hits(self, token_ids: Sequence[int], among: np.ndarray) -> np.ndarray:
+    def _keys(self, token_ids: Sequence[int]) -> list[int]:
+        """The exact view's fingerprints of the whole pages of `token_ids` ([] before the
+        first report, when there is no view)."""
+        return [] if self._exact is None else self._exact.prompt_keys(token_ids)
+
+    @property
+    def _page_size(self) -> int:
+        return self.page_size or 1
+
+    def _hits(self, token_ids: Sequence[int], among: np.ndarray, keys: list[int]) -> np.ndarray:
         """By bit, the prompt tokens a hit saves the workers of `among` (`predict_hits`);
-        the table is flushed."""
+        `keys`: `_keys(token_ids)`; the table is flushed.
+
+        An event-sending worker's hit comes from its exact view, unless the prompts routed to
+        it that no report shows cached yet (`InflightPrompts`) hold a longer run of the
+        prompt's pages F' than the view's run F: the pages past F are new KV, all of it in the
+        tree once those prefills end, so the match ends on live SWA KV when F' − F >= W (or
+        F = 0) and saves F' tokens. A shorter extension keeps the view's answer, whose window
+        rule sees the tombstones before F."""
         t = self._table
         hits = np.zeros(t.capacity, np.int64)
         exact = bits_mask(among & t.kv_events)
         if exact and self._exact is not None:
-            hits = self._exact.match_columns(token_ids, exact, t.window, t.repair)
+            runs = self._exact.runs(keys)
+            hits = walk_runs(runs, self._exact.page_size, exact, t.window, t.repair)
+            if self._inflight is not None and len(self._inflight):
+                flying = self._inflight.match_columns(keys, exact, t.capacity)
+                if flying.any():
+                    held = held_tokens(runs, self._exact.page_size, exact, t.capacity)
+                    extends = (flying > held) & ((held == 0) | (flying - held >= t.window))
+                    hits = np.where(extends, flying, hits)
         approx = bits_mask(among & ~t.kv_events)
         if approx and self._approx is not None:
             zeros = np.zeros(t.capacity, np.int64)
@@ -340,6 +383,8 @@ class Router:
             self.page_size = page_size
             self._exact = ExactCacheView(page_size)
             self._approx = ApproxCacheView(page_size, self.config.approx_max_tokens)
+            if self.config.inflight_prefixes:
+                self._inflight = InflightPrompts(page_size)
         elif page_size != self.page_size:
             raise ValueError(
                 f"a worker reports page_size={page_size}; this router's workers use "
@@ -357,6 +402,8 @@ class Router:
     def _drop_view(self, state: WorkerState) -> None:
         if self._exact is not None:
             self._exact.drop(state.bit)
+        if self._inflight is not None:
+            self._inflight.drop(state.bit)
         if self._approx is not None:
             self._approx.drop(state.bit)
 

@@ -11,10 +11,13 @@ measured from its receipt, on the router's clock.
     full budget = full free + full evictable - full reserved (running decodes)
                   - queued prefill tokens - Σ pending full need
     SWA budget  = SWA free + SWA evictable - SWA reserved
-                  - (waiting + pending) × (W + P) - min(queued + pending prefill, chunk)
+                  - (waiting + pending) × (max(W + P, SWA held / running)
+                                           + SWA reserved / running)
+                  - min(queued + pending prefill, chunk)
 
 Full KV stays, so every queued request's full need counts. SWA does not: a queued request
-holds a window once it runs, but the prefill chunks before it come one step budget
+holds SWA KV once it runs as a running one does now (at least its window), and reserves what
+one reserves (the worker charges that reserve to every request it admits later), but the prefill chunks before it come one step budget
 (`chunk`) at a time, and a chunk's out-of-window SWA is freed as the prefill moves on, so
 the queue holds one chunk of SWA at most, not one per request.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from swaserve.proto.kv_rules import swa_tokens_for_extend
 from swaserve.proto.messages import Headroom
@@ -143,22 +147,43 @@ class WorkerState:
             return full, full
         queued = h.queued_prefill_tokens + self.pending_prefill_tokens
         prefill = min(queued, h.chunked_prefill_size or queued)  # one chunk in flight at most
-        window = swa_tokens_for_extend(0, h.sliding_window_size, h.page_size)  # W + P
-        queued_swa = (h.num_waiting + self.num_pending) * window + prefill
+        # Once running, each queued request holds SWA KV as a running one does now: at
+        # least its window (W + P), or what the running requests hold each (their windows,
+        # a chunk under way, the cached windows their locks keep), plus what one reserves
+        # (its decode's SWA until the next out-of-window free: the worker charges that to
+        # every request admitted after it).
+        each = swa_tokens_for_extend(0, h.sliding_window_size, h.page_size)  # W + P
+        if h.num_running:
+            held = h.swa_total_tokens - h.swa_available_tokens
+            each = max(each, held // h.num_running) + h.swa_reserved_tokens // h.num_running
+        queued_swa = (h.num_waiting + self.num_pending) * each + prefill
         swa = h.swa_available_tokens - h.swa_reserved_tokens - queued_swa
         return full, swa
 
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens the worker has to compute before a request sent now: the rest of
-        the prefills under way in its last report, its waiting prompts less the share its
-        prefix cache has been saving (a report counts them whole: they are not matched until
-        admitted), and the uncached tokens of the pending requests."""
+        the prefills under way in its last report, the uncached part of its waiting prompts
+        (a report counts them whole: they are not matched until admitted;
+        `_waiting_prefill_tokens`), and the uncached tokens of the pending requests."""
         h = self.headroom
         if h is None:
             return self.pending_prefill_tokens
-        waiting = round(h.queued_prefill_tokens * (1.0 - self.reuse))
-        return h.prefilling_tokens + waiting + self.pending_prefill_tokens
+        return h.prefilling_tokens + self._waiting_prefill_tokens(h) + self.pending_prefill_tokens
+
+    def _waiting_prefill_tokens(self, h: Headroom) -> int:
+        """The uncached part of the worker's waiting prompts. The worker admits in order, so
+        its `num_waiting` waiting requests are the last it took: when the router routed that
+        many, their predicted uncached tokens (hits on prompts in flight included: a fan-out
+        that waits behind the prefill of its prefix) answer it; else the share its cache
+        has been saving of the whole waiting prompts the report counts."""
+        whole = h.queued_prefill_tokens
+        if h.num_waiting:
+            taken = (r.prefill_tokens for r in reversed(self.inflight.values()) if not r.pending)
+            last = list(islice(taken, h.num_waiting))
+            if len(last) == h.num_waiting:
+                return min(whole, sum(last))
+        return round(whole * (1.0 - self.reuse))
 
     @property
     def reuse(self) -> float:

@@ -85,14 +85,30 @@ def test_ttft_takes_the_shortest_queue_plus_uncached_prefill() -> None:
     c.report("c", queued_prefill_tokens=20)  # no hit: 20 + 17
     assert c.router.predict_hits(PROMPT[:-1]) == {"a": 16, "b": 8, "c": 0}
     assert c.router.route("r1", PROMPT, 1).worker_id == "b"
-    # r1's 9 uncached tokens now queue on b (pending until a report lists it): b costs
+    # r1's 9 uncached tokens now queue on b (pending until a report lists it). A prompt that
+    # shares only b's cached page (and r1's first page, in flight there): b costs
     # 29 + 9 = 38, c 37.
+    other = PROMPT[:8] + [100 + t for t in PROMPT[8:]]
     assert c.router.worker("b").queued_prefill_tokens == 29
-    assert c.router.route("r2", PROMPT, 1).worker_id == "c"
+    assert c.router.route("r2", other, 1).worker_id == "c"
     # A report that lists r1 replaces the estimate by what b says it still queues.
     c.report("b", [], admitted=["r1"], queued_prefill_tokens=0)
     assert c.router.worker("b").queued_prefill_tokens == 0
-    assert c.router.route("r3", PROMPT, 1).worker_id == "b"  # 0 + 9
+    assert c.router.route("r3", other, 1).worker_id == "b"  # 0 + 9
+    c.router.check()
+
+
+def test_ttft_counts_the_waiting_requests_it_routed_by_their_predicted_uncached_tokens() -> None:
+    c = Cluster("a", policy="ttft")
+    c.report("a", [stored(PROMPT[:8])])
+    assert c.router.route("r1", PROMPT, 1).predicted_hit_tokens == 8
+    # The report counts r1's prompt whole while it waits (17); the worker admits in order, so
+    # its one waiting request is the last it took, r1, whose prefill costs 17 - 8.
+    c.report("a", admitted=["r1"], num_waiting=1, queued_prefill_tokens=17)
+    assert c.router.worker("a").queued_prefill_tokens == 9
+    # Two waiting and the router routed one of them: the report's count (no reuse seen yet).
+    c.report("a", num_waiting=2, queued_prefill_tokens=30)
+    assert c.router.worker("a").queued_prefill_tokens == 30
     c.router.check()
 
 
@@ -113,12 +129,12 @@ def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> 
     wins, so a short request fills an empty pool rather than evict there."""
     system = list(range(1, 513))  # 512 tokens, cached on a, whose pool is nearly full
     prompt = [*system, *range(1000, 1089)]  # 601 tokens
-    c = Cluster("a", "b", policy="ttft")
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
     c.report("a", [stored(system)], full_free_tokens=800, full_evictable_tokens=8000)
     c.report("b", full_free_tokens=9000)
     # a: 0 + 601 - 512 = 89; b: 601, within 1024 of 89; b has the more free KV.
     assert c.router.route("r1", prompt, 16).worker_id == "b"
-    tight = Cluster("a", "b", policy="ttft", ttft_balance_tokens=256)
+    tight = Cluster("a", "b", policy="ttft", inflight_prefixes=False, ttft_balance_tokens=256)
     tight.report("a", [stored(system)], full_free_tokens=800, full_evictable_tokens=8000)
     tight.report("b", full_free_tokens=9000)
     assert tight.router.route("r1", prompt, 16).worker_id == "a"  # 601 - 89 > 256
@@ -136,7 +152,7 @@ def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> 
 
 
 def test_ttft_divides_the_cost_by_the_worker_s_observed_speed() -> None:
-    c = Cluster("a", "b", policy="ttft")
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
     c.report("a", queued_prefill_tokens=10)  # 10 + 17 = 27
     c.report("b", queued_prefill_tokens=20)  # 20 + 17 = 37
     assert c.router.route("r1", PROMPT, 100).worker_id == "a"
@@ -182,7 +198,7 @@ def _observe(c: Cluster, rid: str, worker: str, s_per_token: float) -> None:
 
 
 def test_ttft_holds_a_request_for_a_faster_worker_that_lacks_room_for_max_hold_s() -> None:
-    c = Cluster("a", "b", policy="ttft", max_hold_s=0.05)
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False, max_hold_s=0.05)
     _observe(c, "r1", "a", 0.04)
     _observe(c, "r2", "b", 0.01)  # b is 4x as fast
     # b has no SWA room now (it needs 17 + W + P); a has: a costs 17 / 0.25 = 68, b 17.
@@ -201,14 +217,14 @@ def test_ttft_holds_a_request_for_a_faster_worker_that_lacks_room_for_max_hold_s
 
 
 def test_ttft_holds_only_for_a_worker_much_faster_that_could_fit_the_request() -> None:
-    c = Cluster("a", "b", policy="ttft")
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
     _observe(c, "r1", "a", 0.04)
     _observe(c, "r2", "b", 0.01)
     c.report("a")
     c.report("b", swa_free_tokens=10, swa_total_tokens=10)  # 17 + W + P never fits b
     assert c.router.route("r3", PROMPT, 100).worker_id == "a"
     # b less than 1.25x as fast as a: a takes it although b would be cheaper once it has room.
-    c = Cluster("a", "b", policy="ttft")
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
     _observe(c, "r1", "a", 0.012)
     _observe(c, "r2", "b", 0.01)
     c.report("a", queued_prefill_tokens=3)  # (3 + 17) / (0.01 / 0.012) = 24 > b's 17

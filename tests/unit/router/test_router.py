@@ -34,7 +34,7 @@ def test_route_predicts_the_hit_under_the_window_rule() -> None:
 
 
 def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
-    c = Cluster("a", "b")
+    c = Cluster("a", "b", inflight_prefixes=False)  # r1's prompt stays b's 10 cached tokens
     # a: all 8 pages, [3..14] tombstoned: only [15,16] live before 16, so its plain match is
     # 2; repairing R = 4 tokens it skips 16 - 4 = 12. b: [1..10] live, a plain hit of 10.
     c.report("a", [stored(PROMPT), KVTombstoned(pages_of(PROMPT, 1, 7))])
@@ -78,7 +78,9 @@ def test_prefix_gate_keeps_affinity_among_near_least_loaded(
 
 
 def test_gate_counts_requests_routed_since_the_last_report() -> None:
-    c = Cluster("a", "b", balance_abs_threshold=2, balance_rel_threshold=1.25)
+    c = Cluster(  # the load rule alone: b's requests give it no in-flight hits
+        "a", "b", balance_abs_threshold=2, balance_rel_threshold=1.25, inflight_prefixes=False
+    )
     c.report("a", [stored(PROMPT)])
     c.report("b")
     hits = [routed(c.router.route(f"r{i}", PROMPT, 8)) for i in range(4)]
@@ -136,7 +138,7 @@ def test_admission_charges_reservations_waiting_work_and_requests_routed_since()
     c.router.check()
 
 
-def test_queued_requests_charge_a_window_each_and_one_prefill_chunk() -> None:
+def test_queued_requests_charge_what_a_running_one_holds_each_and_one_prefill_chunk() -> None:
     c = Cluster("a")
     c.report("a", swa_free_tokens=100, chunked_prefill_size=8)
     state = c.router._workers["a"]
@@ -153,6 +155,16 @@ def test_queued_requests_charge_a_window_each_and_one_prefill_chunk() -> None:
         queued_prefill_tokens=51,
     )
     assert state.budgets()[1] == 100 - 3 * (W + P) - 8
+    # Two requests run, reserving 10 SWA tokens between them. Holding 4 between them (less
+    # than a window each), a queued one will hold its window and reserve their average (5).
+    running = {"num_running": 2, "swa_reserved_tokens": 10, "num_waiting": 3}
+    queue = {"queued_prefill_tokens": 51, "chunked_prefill_size": 8}
+    c.report("a", swa_free_tokens=100, swa_total_tokens=104, **running, **queue)
+    assert state.budgets()[1] == 100 - 10 - 3 * (W + P + 5) - 8
+    # Holding 40 between them (windows, a chunk under way, cached windows they lock), each
+    # queued one will hold as much as one of them: 20 + 5.
+    c.report("a", swa_free_tokens=100, swa_total_tokens=140, **running, **queue)
+    assert state.budgets()[1] == 100 - 10 - 3 * (20 + 5) - 8
     c.router.check()
 
 
