@@ -231,8 +231,10 @@ class Router:
     def predict_hits(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Per reported worker, the tokens of `token_ids` its prefix cache would let a request
         skip: the `saved_tokens` of the worker's `match_prefix(token_ids, allow_repair=True)`
-        (exact view; a repaired hit counts its match less the R tokens it recomputes) or the
-        longest prompt prefix routed there (approximate view). A query: changes nothing."""
+        (exact view; a repaired hit counts its match less the R tokens it recomputes; or the
+        prompts routed there that no report shows cached yet, when they hold more, `_hits`)
+        or the longest prompt prefix routed there (approximate view). A query: changes
+        nothing."""
         self._table.flush()
         hits = self._hits(token_ids, self._table.reported, self._keys(token_ids))
         return {w.worker_id: int(hits[w.bit]) for w in self._workers.values() if w.headroom}
