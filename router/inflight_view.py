@@ -42,7 +42,9 @@ class InflightPrompts:
         self._records: dict[str, _Record] = {}  # request id -> record
         self._by_worker: dict[int, dict[str, _Record]] = {}
         self._mask: dict[int, int] = {}  # fingerprint -> bits of the workers holding it
-        self._count: dict[tuple[int, int], int] = {}  # (fingerprint, worker) -> records
+        # (fingerprint, worker) -> records past the first, for pages several records of one
+        # worker hold (a page one record holds is only its bit in `_mask`)
+        self._extra: dict[tuple[int, int], int] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -59,12 +61,13 @@ class InflightPrompts:
         record = _Record(worker, keys)
         self._records[request_id] = record
         self._by_worker.setdefault(worker, {})[request_id] = record
-        bit = 1 << worker
+        bit, mask, extra = 1 << worker, self._mask, self._extra
         for key in keys:
-            n = self._count.get((key, worker), 0)
-            self._count[key, worker] = n + 1
-            if not n:
-                self._mask[key] = self._mask.get(key, 0) | bit
+            m = mask.get(key, 0)
+            if m & bit:
+                extra[key, worker] = extra.get((key, worker), 0) + 1
+            else:
+                mask[key] = m | bit
 
     def remove(self, request_id: str) -> None:
         """Forget `request_id`'s prompt (no-op if it has none)."""
@@ -75,15 +78,17 @@ class InflightPrompts:
         del mine[request_id]
         if not mine:
             del self._by_worker[record.worker]
-        clear = ~(1 << record.worker)
+        worker, clear, masks, extra = record.worker, ~(1 << record.worker), self._mask, self._extra
         for key in record.keys:
-            n = self._count.pop((key, record.worker))
+            n = extra.pop((key, worker), 0) if extra else 0
             if n > 1:
-                self._count[key, record.worker] = n - 1
-            elif mask := self._mask[key] & clear:
-                self._mask[key] = mask
+                extra[key, worker] = n - 1
+            elif n:
+                continue
+            elif mask := masks[key] & clear:
+                masks[key] = mask
             else:
-                del self._mask[key]
+                del masks[key]
 
     def finished(self, request_id: str, now_s: float) -> None:
         """`request_id` ended on its worker after running: its record expires from now."""
@@ -115,22 +120,23 @@ class InflightPrompts:
     def match_columns(self, keys: Sequence[int], members: int, capacity: int) -> np.ndarray:
         """By worker bit (of the mask `members`), the tokens of the pages of fingerprints
         `keys` (a prompt's whole pages, from the first) that the worker's records hold in a
-        row from the first page. A worker's records hold whole prompts, so the pages it holds
-        of `keys` are a prefix of them: a binary search per worker finds its length."""
+        row from the first page. One walk for all workers, as bit masks: the workers still
+        holding every page so far narrow at each page, and a worker's run ends where it
+        leaves them."""
         hits = np.zeros(capacity, np.int64)
         if not keys or not self._mask:
             return hits
-        get = self._mask.get
-        for bit in mask_bits(get(keys[0], 0) & members).tolist():
-            b = 1 << bit
-            lo, hi = 1, len(keys)  # pages before lo are held, pages from hi on are not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if get(keys[mid], 0) & b:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            hits[bit] = lo * self.page_size
+        get, p = self._mask.get, self.page_size
+        alive = members
+        for i, key in enumerate(keys):
+            held = get(key, 0) & alive
+            if held != alive:
+                if gone := alive & ~held:
+                    hits[mask_bits(gone)] = i * p
+                alive = held
+                if not alive:
+                    return hits
+        hits[mask_bits(alive)] = len(keys) * p
         return hits
 
     def check(self, owner: Callable[[str], int | None]) -> None:
@@ -152,5 +158,6 @@ class InflightPrompts:
         mask: dict[int, int] = {}
         for key, worker in count:
             mask[key] = mask.get(key, 0) | 1 << worker
-        if count != self._count or mask != self._mask:
+        extra = {kw: n - 1 for kw, n in count.items() if n > 1}
+        if extra != self._extra or mask != self._mask:
             raise CacheViewCorrupted("page masks or counts differ from the records")

@@ -46,7 +46,11 @@ def test_serve_load_bench() -> None:
         assert 0.0 <= run["cached_share"] <= 1.0
         assert 0.0 <= run["history_hit_share"] <= 1.0
         assert sum(run["requests_per_worker"].values()) == requests
-        assert len(run["requests_per_worker"]) == 2
+    assert len(runs["serve"]["requests_per_worker"]) == 2
+    # Every session shares the system prompt, and at 3 concurrent requests no worker's load
+    # passes the prefix gate: once the first prompt is in flight on a worker, later sessions
+    # may all follow it there.
+    assert 1 <= len(runs["swaserve"]["requests_per_worker"]) <= 2
     # Greedy decoding: the routing and the cache hits must not change a single answer, so
     # both runs send the same prompts.
     assert runs["swaserve"]["answers_equal_first_run"] == 1.0
