@@ -34,6 +34,17 @@ Defaults and why:
   hits (reuse 0.74 / 0.68 / 0.43). A slack
   relative to the cost (×1.2-1.5) does not help: it is the short requests, whose cost is
   small, that must be free to move.
+- `prefix_ttft_slack_tokens=2048`: `prefix` keeps the longest hit unless that worker's
+  predicted prefill wait (queued prefill plus this request's uncached tokens, over its speed)
+  is more than 2048 tokens (about 0.1 s at 20k tokens/s) above the cheapest worker's; then
+  the longest hit among the workers within that slack wins. The load gate counts requests,
+  so without the guard a session whose history was evicted recomputes it on a worker half
+  as fast, or behind another long prefill. On bench/router_sim.py (one slow worker of 4,
+  reports 0 / 100 / 500 ms late, medians over seeds 0-2) it moves `prefix`'s TTFT p99 on
+  chat from 219 / 262 / 225 ms to 188 / 185 / 188 (reuse 0.77-0.80 → 0.78-0.80), skewed
+  128-196 → 123-125 ms, agentic 270 / 518 / 518 → 263 / 306 / 309 ms. 1536 does as well;
+  512 / 1024 move too many sessions (chat reuse 0.68-0.79), 3072 / 4096 too few (chat p99
+  195-262 ms). None turns the guard off.
 - `inflight_prefixes=True`: a prompt routed to an event-sending worker counts as that worker's
   hit until its report shows the prompt cached (`router/inflight_view.py`). SGLang's and Ray
   Serve's text trees insert a prompt when they route it, so they have this by construction;
@@ -68,6 +79,11 @@ class RouterConfig(BaseModel):
     max_hold_s: float = Field(0.05, ge=0, description="ttft: longest wait for a faster worker")
     ttft_balance_tokens: int = Field(
         1024, ge=0, description="ttft: prefill a placement may add to go where most KV is free"
+    )
+    prefix_ttft_slack_tokens: int | None = Field(
+        2048,
+        ge=0,
+        description="prefix: predicted prefill wait (tokens) past the cheapest that moves a request",
     )
     inflight_prefixes: bool = Field(
         True, description="count prompts routed to a worker as its hits until it reports them"

@@ -131,7 +131,8 @@ class Policy(ABC):
 
 
 class PrefixPolicy(Policy):
-    """Most reusable tokens among the near-least-loaded workers.
+    """Most reusable tokens among the near-least-loaded workers, unless that worker would
+    make the request wait much longer for its first token than another would.
 
     SGLang's cache-aware gate calls the cluster imbalanced when `max - least > abs` and
     `max > least × rel`, and then drops affinity altogether (least loaded wins). Here a worker
@@ -139,6 +140,15 @@ class PrefixPolicy(Policy):
     least × rel)`, and the eligible worker with the longest hit wins (ties: lower load, then
     add order). A balanced cluster keeps full affinity; an imbalanced one keeps it among the
     workers close to the least loaded.
+
+    The TTFT guard (`prefix_ttft_slack_tokens`, None: off): when the chosen worker's
+    predicted prefill wait (`ttft`'s cost: its queued prefill plus this request's uncached
+    tokens, over its speed) is more than the slack above the cheapest worker's, the request
+    goes to the longest hit among the workers within the slack of the cheapest (ties: lower
+    cost, lower load, add order). A request counts requests, not tokens: a long history whose
+    cache was evicted, a worker half as fast, or one behind a long prefill all pass the load
+    gate and make the request's first token wait; the guard moves only such requests, so
+    sessions keep their workers otherwise (`ttft` moves every one its cost favours).
     """
 
     name = "prefix"
@@ -149,7 +159,15 @@ class PrefixPolicy(Policy):
         limit = max(
             least + self.config.balance_abs_threshold, least * self.config.balance_rel_threshold
         )
-        return first_min((-c.hit_tokens, c.load, c.order), c.load <= limit)
+        chosen = first_min((-c.hit_tokens, c.load, c.order), c.load <= limit)
+        slack = self.config.prefix_ttft_slack_tokens
+        if slack is None:
+            return chosen
+        cost = _ttft(request, c)
+        near = cost <= cost.min() + slack
+        if near[chosen]:
+            return chosen
+        return first_min((-c.hit_tokens, cost, c.load, c.order), near)
 
 
 BALANCE_FREE_SHARE = 0.5

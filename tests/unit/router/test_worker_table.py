@@ -135,17 +135,23 @@ def test_columns_decide_as_the_per_worker_rules(policy: str, seed: int, workers:
 
 def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -> Candidate:
     """The policies' rules as plain Python over a list (ties as documented)."""
+
+    def cost(c: Candidate) -> float:
+        return (c.queued_prefill_tokens + len(request.token_ids) - c.hit_tokens) / c.speed
+
     if policy == "prefix":
         least = min(c.load for c in cands)
         limit = max(least + 4, least * 1.5)
         eligible = [c for c in cands if c.load <= limit]
-        return max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
+        chosen = max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
+        cheapest = min(cost(c) for c in cands)
+        if cost(chosen) <= cheapest + 2048:
+            return chosen
+        near = [c for c in cands if cost(c) <= cheapest + 2048]
+        return min(near, key=lambda c: (-c.hit_tokens, cost(c), c.load, c.order))
     if policy == "least_load":
         return min(cands, key=lambda c: (c.load, -c.hit_tokens, c.order))
     assert policy == "ttft"
-
-    def cost(c: Candidate) -> float:
-        return (c.queued_prefill_tokens + len(request.token_ids) - c.hit_tokens) / c.speed
 
     best = min(cands, key=lambda c: (cost(c), -c.hit_tokens, c.load, c.order))
     if best.free_tokens >= BALANCE_FREE_SHARE * best.total_tokens:
@@ -161,7 +167,7 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
         st.tuples(
             st.integers(0, 6),  # load
             st.sampled_from([0, 16, 32, 1024, 2048]),  # hit
-            st.sampled_from([0, 100, 1500]),  # queued prefill
+            st.sampled_from([0, 100, 1500, 4000]),  # queued prefill
             st.sampled_from([1.0, 0.5, 0.25]),  # speed
             st.integers(0, 10),  # free (of 10)
         ),
