@@ -44,7 +44,8 @@ Defaults and why:
   chat from 219 / 262 / 225 ms to 188 / 185 / 188 (reuse 0.77-0.80 → 0.78-0.80), skewed
   128-196 → 123-125 ms, agentic 270 / 518 / 518 → 263 / 306 / 309 ms. 1536 does as well;
   512 / 1024 move too many sessions (chat reuse 0.68-0.79), 3072 / 4096 too few (chat p99
-  195-262 ms). None turns the guard off.
+  195-262 ms). None turns the guard off (on the command line, a slack longer than any prompt
+  does the same).
 - `inflight_prefixes=True`: a prompt routed to an event-sending worker counts as that worker's
   hit until its report shows the prompt cached (`router/inflight_view.py`). SGLang's and Ray
   Serve's text trees insert a prompt when they route it, so they have this by construction;

@@ -93,6 +93,30 @@ def test_router_sim_quick_reports_json(monkeypatch: pytest.MonkeyPatch) -> None:
     ratios = report["comparison"]["ratios"]
     assert set(ratios["agentic"]) == {"0", "100", "500"}
     assert ratios["agentic"]["0"]["ours"] in {"prefix", "ttft"}
+    for workload, by_delay in ratios.items():
+        for delay, r in by_delay.items():
+            # The room is the best anchor's p99 over the floor or the one-pool reference,
+            # whichever is larger (the reference is one run per workload, every delay alike).
+            by_policy = comparison[workload][delay]
+            anchor_ms = by_policy[r["best_anchor"]]["ttft_p99_ms"]
+            floor_ms = by_policy[r["ours"]]["ttft_floor_p99_ms"]
+            assert r["one_pool_p99_ms"] == ratios[workload]["0"]["one_pool_p99_ms"] > 0
+            assert r["room"] == pytest.approx(anchor_ms / max(floor_ms, r["one_pool_p99_ms"]))
+
+
+def test_the_one_pool_reference_holds_the_fleet_s_memory_and_prefill_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench = _load(monkeypatch)
+    spec = bench.WorkerSpec()
+    one = bench.pooled(spec, 4)
+    assert (one.full_tokens, one.swa_tokens) == (4 * spec.full_tokens, 4 * spec.swa_tokens)
+    assert one.prefill_tokens_per_s == 4 * spec.prefill_tokens_per_s
+    assert (one.window, one.page_size, one.chunk_tokens) == (
+        spec.window,
+        spec.page_size,
+        spec.chunk_tokens,
+    )
 
 
 def test_sim_workers_report_the_prefill_under_way_and_their_measured_speed(
