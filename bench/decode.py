@@ -11,7 +11,10 @@ of --prompt-len tokens generate --new-tokens greedy tokens each:
 
 Eager and compiled runs alternate, --repeats times each, on the same fresh prompts (no prefix
 hit); the best run of each counts (a busy machine slows both alike). The greedy tokens of the
-two must be equal (`same_tokens`).
+two should be equal (`same_tokens`); the two steps add in different orders, so a token whose
+MoE router scores two experts within float rounding of each other may pick either expert and
+the request's tokens part from there (seen once: GPT-OSS, batch 24, 1 of 24 requests from its
+32nd token, where transformers' router logits put layer 1's 2nd and 3rd experts 2.3e-6 apart).
 
 Start-up: the compile is paid when the engine starts (it compiles its decode graphs before the
 first request). `compile_cold_s` is that extra start-up time in a new process with an empty
