@@ -9,13 +9,16 @@ the report until a report lists it. No clock is compared across hosts: a report'
 measured from its receipt, on the router's clock.
 
     full budget = full free + full evictable - full reserved (running decodes)
-                  - queued prefill tokens - Σ pending full need
+                  - waiting full need - Σ pending full need
     SWA budget  = SWA free + SWA evictable - SWA reserved
                   - (waiting + pending) × (max(W + P, SWA held / running)
                                            + SWA reserved / running)
                   - min(queued + pending prefill, chunk)
 
-Full KV stays, so every queued request's full need counts. SWA does not: a queued request
+Full KV stays, so every queued request's full need counts: a waiting request the router
+routed is charged its own need (uncached prompt + new tokens, what the engine's admission
+charges it; a report counts its prompt whole, cached prefix and all), another one its whole
+prompt as the report counts it (`_waiting_full_tokens`). SWA does not: a queued request
 holds SWA KV once it runs as a running one does now (at least its window), and reserves what
 one reserves (the worker charges that reserve to every request it admits later), but the prefill chunks before it come one step budget
 (`chunk`) at a time, and a chunk's out-of-window SWA is freed as the prefill moves on, so
@@ -140,7 +143,7 @@ class WorkerState:
         full = (
             h.full_available_tokens
             - h.full_reserved_tokens
-            - h.queued_prefill_tokens
+            - self._waiting_full_tokens(h)
             - self.pending_full_tokens
         )
         if not h.hybrid:
@@ -171,6 +174,23 @@ class WorkerState:
             return self.pending_prefill_tokens
         return h.prefilling_tokens + self._waiting_prefill_tokens(h) + self.pending_prefill_tokens
 
+    def _waiting_requests(self, h: Headroom) -> list[InFlight] | None:
+        """The worker's `num_waiting` waiting requests when the router routed them all: the
+        worker admits in order, so they are the last it took (listed by a report); None
+        when it routed fewer."""
+        taken = (r for r in reversed(self.inflight.values()) if not r.pending)
+        last = list(islice(taken, h.num_waiting))
+        return last if len(last) == h.num_waiting else None
+
+    def _waiting_full_tokens(self, h: Headroom) -> int:
+        """Full KV the worker's waiting requests will take once admitted: their full needs
+        when the router routed them (a fan-out waiting behind its prefix takes its suffix
+        and its reply), else their whole prompts as the report counts them."""
+        waiting = self._waiting_requests(h) if h.num_waiting else []
+        if waiting is None:
+            return h.queued_prefill_tokens
+        return sum(r.need.full_tokens for r in waiting)
+
     def _waiting_prefill_tokens(self, h: Headroom) -> int:
         """The uncached part of the worker's waiting prompts. The worker admits in order, so
         its `num_waiting` waiting requests are the last it took: when the router routed that
@@ -178,11 +198,8 @@ class WorkerState:
         that waits behind the prefill of its prefix) answer it; else the share its cache
         has been saving of the whole waiting prompts the report counts."""
         whole = h.queued_prefill_tokens
-        if h.num_waiting:
-            taken = (r.prefill_tokens for r in reversed(self.inflight.values()) if not r.pending)
-            last = list(islice(taken, h.num_waiting))
-            if len(last) == h.num_waiting:
-                return min(whole, sum(last))
+        if h.num_waiting and (waiting := self._waiting_requests(h)) is not None:
+            return min(whole, sum(r.prefill_tokens for r in waiting))
         return round(whole * (1.0 - self.reuse))
 
     @property

@@ -138,6 +138,23 @@ def test_admission_charges_reservations_waiting_work_and_requests_routed_since()
     c.router.check()
 
 
+def test_a_waiting_request_the_router_routed_is_charged_its_own_full_need() -> None:
+    """A report counts a waiting prompt whole; the engine admits it for its uncached tokens
+    and its new ones, which the router predicted when it routed it."""
+    c = Cluster("a", inflight_prefixes=False)
+    c.report("a", [stored(PROMPT)], full_free_tokens=200)
+    state = c.router._workers["a"]
+    assert c.router.route("r1", PROMPT, 5).predicted_hit_tokens == 16  # full need 1 + 5
+    assert state.budgets()[0] == 200 - 6
+    waiting = {"num_waiting": 1, "queued_prefill_tokens": len(PROMPT), "full_free_tokens": 200}
+    c.report("a", admitted=["r1"], **waiting)
+    assert state.num_pending == 0 and state.budgets()[0] == 200 - 6  # not 200 - 17
+    # Two waiting, one the router did not route: the report's whole prompts.
+    c.report("a", **{**waiting, "num_waiting": 2, "queued_prefill_tokens": 40})
+    assert state.budgets()[0] == 200 - 40
+    c.router.check()
+
+
 def test_queued_requests_charge_what_a_running_one_holds_each_and_one_prefill_chunk() -> None:
     c = Cluster("a")
     c.report("a", swa_free_tokens=100, chunked_prefill_size=8)
