@@ -186,8 +186,8 @@ class WorkerState:
         """Full KV the worker's waiting requests will take once admitted: their full needs
         when the router routed them (a fan-out waiting behind its prefix takes its suffix
         and its reply), else their whole prompts as the report counts them."""
-        waiting = self._waiting_requests(h) if h.num_waiting else []
-        if waiting is None:
+        waiting = self._waiting_requests(h) if h.num_waiting else None
+        if waiting is None:  # (none waiting: the report's count, 0 from an engine)
             return h.queued_prefill_tokens
         return sum(r.need.full_tokens for r in waiting)
 
