@@ -73,7 +73,8 @@ class RotaryEmbedding:
         inv_freq = self._inv_freq_by_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)
-            self._inv_freq_by_device[positions.device] = inv_freq
+            if not torch.compiler.is_compiling():  # a traced step keeps no state of its own
+                self._inv_freq_by_device[positions.device] = inv_freq
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, R/2] float32
         cos = (freqs.cos() * self.attention_scaling).to(dtype)  # [T, R/2]
         sin = (freqs.sin() * self.attention_scaling).to(dtype)  # [T, R/2]

@@ -102,6 +102,7 @@ def test_compiled_decode_equals_transformers_and_eager(
         assert run(engine, prompts) == want
         engine.check()
         assert step.stats.steps - warmed >= MAX_NEW  # decodes went through the compiled step
+        assert step.stats.direct >= MAX_NEW  # most called their shape's graph directly
         assert engine.stats.cached_tokens > 0 and engine.stats.swa_freed_tokens > 0
         engine.shutdown()
 

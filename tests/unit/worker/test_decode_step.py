@@ -16,6 +16,7 @@ import torch
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.decode_step import (
     DecodeStep,
+    InductorBackend,
     batch_buckets,
     bucket_of,
     key_width,
@@ -124,6 +125,38 @@ def test_buckets_and_widths() -> None:
     assert key_width(65, 4096, graphs=True) == 256
     assert key_width(300, 4096, graphs=True) == 512
     assert key_width(3000, 2048, graphs=True) == 2048
+
+
+def test_a_compiled_graph_is_called_directly_only_when_it_is_all_its_function_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU step calls a recorded graph with its recorded arguments only when dynamo ran
+    nothing around it: a function with a side effect (state dynamo sets after the graph) is
+    not recorded as callable."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    backend = InductorBackend({})
+    x = torch.arange(4.0)
+
+    def pure(t: torch.Tensor) -> torch.Tensor:
+        return t * 2 + 1
+
+    out = torch.compile(pure, fullgraph=True, backend=backend)(x)
+    [call] = backend.calls
+    assert call.returned(out)
+    x.add_(10)  # the recorded arguments are the caller's tensors: a call sees their new values
+    assert torch.equal(call.fn(*call.args)[0], x * 2 + 1)
+
+    backend.calls.clear()
+    kept: dict[str, torch.Tensor] = {}
+
+    def keeps(t: torch.Tensor) -> torch.Tensor:
+        kept["y"] = t * 3
+        return t + 1
+
+    out = torch.compile(keeps, fullgraph=True, backend=backend)(x)
+    [call] = backend.calls
+    assert torch.equal(out, x + 1) and torch.equal(kept["y"], x * 3)
+    assert not call.returned(out)
 
 
 def test_compile_modes() -> None:
