@@ -40,6 +40,7 @@ through dynamo.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -230,7 +231,8 @@ class DecodeStep:
         self._graph_factory = graph_factory
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._backend: InductorBackend | None = None
-        self._direct: dict[tuple[int, int], GraphCall] = {}  # (Bp, Lf) → its graph's call
+        self._direct: dict[tuple[int, int], Callable[[], Any]] = {}  # (Bp, Lf) → its graph,
+        # bound to the arguments dynamo gave it
         self._seen: set[tuple[int, int]] = set()
 
     def accepts(self, inp: ModelInput) -> bool:
@@ -324,24 +326,22 @@ class DecodeStep:
         direct = self._direct.get((bp, width))
         if direct is not None:
             self.stats.direct += 1
-            return direct.fn(*direct.args)[0]
+            return direct()[0]
         if self._compiled is None or self._backend is None:
-            options = compile_options(guard_modules=self.graph_breaks)
-            guards = {k: options.pop(k) for k in ("guard_filter_fn",) if k in options}
-            self._backend = InductorBackend(options)
+            inductor, dynamo = compile_options(guard_modules=self.graph_breaks)
+            self._backend = InductorBackend(inductor)
             self._compiled = torch.compile(
                 own_code(self),
                 fullgraph=not self.graph_breaks,
                 backend=self._backend,
-                options=guards or None,
+                options=dynamo,
             )
-        self._backend.calls.clear()
-        logits = self._traced(bp, width)
         calls = self._backend.calls
-        if not self.graph_breaks and len(calls) == 1 and calls[0].returned(logits):
-            calls[0].out = None  # the arguments are kept, not this step's logits
-            self._direct[(bp, width)] = calls[0]
         calls.clear()
+        logits = self._traced(bp, width)
+        if not self.graph_breaks and len(calls) == 1 and calls[0].returned(logits):
+            self._direct[(bp, width)] = functools.partial(calls[0].fn, *calls[0].args)
+        calls.clear()  # the recorded call holds this step's logits
         return logits
 
     def _traced(self, bp: int, width: int) -> torch.Tensor:
@@ -379,20 +379,21 @@ def own_code(step: DecodeStep) -> Callable[[torch.Tensor, torch.Tensor], torch.T
     return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), step)
 
 
-def compile_options(*, guard_modules: bool) -> dict[str, Any]:
-    """inductor's options for the CPU step. Without `guard_modules` the model's modules are
-    not guarded: their weights are fixed once the step exists (fused, bound), and checking ~10
-    guards per parameter on every call costs about as much as a layer (0.17 ms of a 2.6 ms step
-    at batch 1). That holds only for a step traced whole, from `_step` down: under TP each
-    collective breaks the graph, and the code resumed after a break inside a layer is one code
-    object for every layer, told apart by its module guards alone. The FX graph and AOT caches
-    (on by default) live under `TORCHINDUCTOR_CACHE_DIR` (`compile_cache_dir`). `cpp_wrapper`:
-    the graph's kernels are called from generated C++, not Python (batch 8 of the decode bench
-    1.2-1.3× faster, the same compile time)."""
-    options: dict[str, Any] = {"cpp_wrapper": True}
-    if not guard_modules:
-        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-    return options
+def compile_options(*, guard_modules: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(inductor's options, dynamo's) for the CPU step. Without `guard_modules` the model's
+    modules are not guarded (dynamo's `guard_filter_fn`): their weights are fixed once the step
+    exists (fused, bound), and checking ~10 guards per parameter on every call costs about as
+    much as a layer (0.17 ms of a 2.6 ms step at batch 1). That holds only for a step traced
+    whole, from `_step` down: under TP each collective breaks the graph, and the code resumed
+    after a break inside a layer is one code object for every layer, told apart by its module
+    guards alone. The FX graph and AOT caches (on by default) live under
+    `TORCHINDUCTOR_CACHE_DIR` (`compile_cache_dir`). `cpp_wrapper`: the graph's kernels are
+    called from generated C++, not Python (batch 8 of the decode bench 1.2-1.3× faster, the
+    same compile time)."""
+    inductor: dict[str, Any] = {"cpp_wrapper": True}
+    if guard_modules:
+        return inductor, None
+    return inductor, {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
 def use_compile_cache(cache_dir: Path) -> Path:
