@@ -11,10 +11,12 @@ of --prompt-len tokens generate --new-tokens greedy tokens each:
 
 Eager and compiled runs alternate, --repeats times each, on the same fresh prompts (no prefix
 hit); the best run of each counts (a busy machine slows both alike). The greedy tokens of the
-two should be equal (`same_tokens`); the two steps add in different orders, so a token whose
+two should be equal in every repeat (`same_tokens`; `differing_requests` of `requests` counts
+those that are not); the two steps add in different orders, so a token whose
 MoE router scores two experts within float rounding of each other may pick either expert and
 the request's tokens part from there (seen once: GPT-OSS, batch 24, 1 of 24 requests from its
-32nd token, where transformers' router logits put layer 1's 2nd and 3rd experts 2.3e-6 apart).
+32nd token, where transformers' router logits put layer 1's 2nd and 3rd experts 2.3e-6 apart;
+it is the prompts of seed 24001, the second repeat).
 
 Start-up: the compile is paid when the engine starts (it compiles its decode graphs before the
 first request). `compile_cold_s` is that extra start-up time in a new process with an empty
@@ -156,13 +158,13 @@ def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any
     eager, compiled = engine(model, False), engine(model, True)
     for batch in args.batches:
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-        tokens: dict[bool, list[list[int]]] = {}
+        tokens: dict[bool, list[list[int]]] = {False: [], True: []}  # every repeat's requests
         for repeat in range(args.repeats):
             for compile_, eng in ((False, eager), (True, compiled)):
                 seed = batch * 1000 + repeat
                 figures, toks = run_batch(eng, batch, args.prompt_len, args.new_tokens, seed)
                 runs[compile_].append(figures)
-                tokens[compile_] = toks
+                tokens[compile_].extend(toks)
         e, c = best(runs[False]), best(runs[True])
         out["batches"][batch] = {
             "eager": e,
@@ -170,6 +172,10 @@ def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any
             "decode_speedup": e["decode_step_ms"] / c["decode_step_ms"],
             "prefill_ratio": c["prefill_tok_s"] / e["prefill_tok_s"],
             "same_tokens": tokens[False] == tokens[True],
+            "differing_requests": sum(
+                a != b for a, b in zip(tokens[False], tokens[True], strict=True)
+            ),
+            "requests": len(tokens[False]),
         }
     return out
 
@@ -210,7 +216,7 @@ def main() -> None:
                 f"  {batch:5d}  {r['eager']['decode_step_ms']:8.2f}  "
                 f"{r['compiled']['decode_step_ms']:11.2f}  {r['decode_speedup']:7.2f}×  "
                 f"{'' if goal is None else f'{goal:.1f}×':>4}  {r['prefill_ratio']:12.2f}×  "
-                f"{r['same_tokens']}"
+                f"{r['same_tokens']} ({r['differing_requests']} of {r['requests']} differ)"
             )
     print(f"load average at the end: {load:.2f}")
     if args.json:
