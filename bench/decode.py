@@ -166,15 +166,14 @@ def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any
                 runs[compile_].append(figures)
                 tokens[compile_].extend(toks)
         e, c = best(runs[False]), best(runs[True])
+        differing = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
         out["batches"][batch] = {
             "eager": e,
             "compiled": c,
             "decode_speedup": e["decode_step_ms"] / c["decode_step_ms"],
             "prefill_ratio": c["prefill_tok_s"] / e["prefill_tok_s"],
-            "same_tokens": tokens[False] == tokens[True],
-            "differing_requests": sum(
-                a != b for a, b in zip(tokens[False], tokens[True], strict=True)
-            ),
+            "same_tokens": differing == 0,
+            "differing_requests": differing,
             "requests": len(tokens[False]),
         }
     return out
