@@ -58,7 +58,7 @@ from swaserve.worker.cache_paths import compile_cache_dir
 from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.model_input import ModelInput
-from swaserve.worker.models.layers import static_shapes
+from swaserve.worker.models.static_step import static_shapes
 
 logger = logging.getLogger(__name__)
 

@@ -140,6 +140,8 @@ class ModelRunner:
         self.model.fuse_projections()
         self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
         self.compile_mode = compile_mode(config, device)
+        if self.compile_mode == "compile":  # and the compiled CPU step's prepacked copies
+            self.weight_bytes += self.model.prepack_weights()
         self.graph_factory = graph_factory
         if plan is not None:
             if slot_table_shape is None:

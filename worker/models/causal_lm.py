@@ -134,6 +134,16 @@ class HybridCausalLM(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
 
+    def prepack_weights(self) -> int:
+        """For the compiled CPU decode step: each linear layer and MoE block holds its weights
+        a second time, prepacked for oneDNN where this torch can (`prepacked.py`); the step
+        then runs its GEMMs over those copies. Returns the bytes the copies add."""
+        return sum(
+            module.prepack_weights()
+            for module in self.modules()
+            if module is not self and hasattr(module, "prepack_weights")
+        )
+
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """`state_dict()` under the checkpoint's names: fused projections split back into
         their parts (what an HF class of the model loads)."""

@@ -71,11 +71,23 @@ class GptOssExperts(BatchedExperts):
         self.expert_elements = 3 * d * i  # gate/up and down weights of one expert
         self.expert_weight_names = ("gate_up_proj", "down_proj")
 
-    def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(up + 1) · gate · σ(α · gate), gate clamped above and up on both sides at `limit`."""
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Clamped SwiGLU: (up + 1) · gate · σ(α · gate), gate clamped above and up on both
+        sides at `limit`."""
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.gate_up_proj.shape[1]
+        gate_up = self.gate_up_proj.transpose(1, 2).reshape(-1, d)  # [E·2I, D]
+        return gate_up, self.down_proj.reshape(-1, d).t()  # [D, E·I]
+
+    def stacked_gate_up_bias(self) -> torch.Tensor:
+        return self.gate_up_proj_bias.reshape(-1)  # [E·2I]
+
+    def routed_down_bias(self) -> torch.Tensor | None:
+        return self.down_proj_bias if self.adds_down_bias else None
 
     def expert_outputs(
         self,
@@ -87,7 +99,7 @@ class GptOssExperts(BatchedExperts):
         )
         gate_up = torch.bmm(xs, self.expert_weight("gate_up_proj", experts))  # [n, C, 2I]
         gate_up = gate_up + gate_up_bias.unsqueeze(1)
-        y = torch.bmm(self.clamped_swiglu(gate_up), self.expert_weight("down_proj", experts))
+        y = torch.bmm(self.activation(gate_up), self.expert_weight("down_proj", experts))
         if self.adds_down_bias:
             down_bias = self.down_proj_bias if experts is None else self.down_proj_bias[experts]
             y = y + down_bias.unsqueeze(1)  # [n, C, D]

@@ -12,8 +12,6 @@ row-parallel; the dense MLP is column-parallel gate/up and row-parallel down. No
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +24,9 @@ from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.host_tensors import to_device
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.param_shard import ParamShard
+from swaserve.worker.models.prepacked import Prepackable, available, pack, prepacked_linear
 from swaserve.worker.models.rotary import apply_rotary
+from swaserve.worker.models.static_step import in_static_step
 from swaserve.worker.models.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -177,7 +177,7 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class FusedLinear(nn.Module):
+class FusedLinear(Prepackable):
     """Column-parallel projections of one input in one weight (their rows stacked, biases too):
     one matmul instead of several; `forward` returns each projection's output, as views."""
 
@@ -202,7 +202,7 @@ class FusedLinear(nn.Module):
                 )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.linear(x, self.bias).split(self.sizes, dim=-1)
 
     def unfused(self) -> dict[str, torch.Tensor]:
         """The parts' parameters under their own names (`q_proj.weight`, ...), as views."""
@@ -242,24 +242,6 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-_STATIC_SHAPES = [False]
-
-
-@contextlib.contextmanager
-def static_shapes() -> Iterator[None]:
-    """While a fixed-shape step runs (a compiled or captured decode step, `decode_step.py`):
-    layers take paths that read nothing back to the host (see `in_static_step`)."""
-    _STATIC_SHAPES[0] = True
-    try:
-        yield
-    finally:
-        _STATIC_SHAPES[0] = False
-
-
-def in_static_step() -> bool:
-    return _STATIC_SHAPES[0]
-
-
 # Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and
 # down weights): 2**27 elements is 256 MiB in bfloat16, enough for a GPT-OSS-120b decode step of
 # one token (4 × 3 × 2880²).
@@ -294,11 +276,17 @@ class BatchedExperts(nn.Module):
     Weights that stay quantized in memory (see `quantized_weights.keep_quantized`) are listed
     in `quantized` (parameter name → its resident form); `expert_weight` dequantizes the experts
     a step selects, nothing else, and keeps nothing: the grouped path then runs only the
-    selected experts, in chunks whose dequantized weights fit `GATHER_BUDGET_ELEMENTS`."""
+    selected experts, in chunks whose dequantized weights fit `GATHER_BUDGET_ELEMENTS`.
+
+    For the compiled CPU decode step the experts' weights may be held a second time, prepacked
+    (`prepack_weights`, `forward_prepacked`): subclasses give them as two linears over all
+    experts (`stacked_expert_weights`) and their activation (`activation`)."""
 
     num_experts: int
     expert_elements: int
     expert_weight_names: tuple[str, ...] = ()
+    prepacked = False
+    stacked_out_features = (0, 0)  # (E·2I, D): the stacked linears' output sizes, once prepacked
 
     def __init__(self) -> None:
         super().__init__()
@@ -321,6 +309,35 @@ class BatchedExperts(nn.Module):
     ) -> torch.Tensor:  # [n, C, D]
         """Each of `experts` applied to its C rows of `xs` (no routing weight)."""
         raise NotImplementedError
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] → [..., I]
+        """The experts' gated activation of one expert's gate/up outputs."""
+        raise NotImplementedError
+
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E·2I, D], down [D, E·I]): every expert's weights as two linear weights.
+        Output e·2I + j of gate_up is expert e's gate/up output j as `activation` reads it;
+        input e·I + i of down is its intermediate unit i. Copies or views of the parameters."""
+        raise NotImplementedError
+
+    def stacked_gate_up_bias(self) -> torch.Tensor | None:  # [E·2I], gate_up's order
+        return None
+
+    def routed_down_bias(self) -> torch.Tensor | None:  # [E, D], added weighted by routing
+        return None
+
+    def prepack_weights(self) -> int:
+        """Hold the stacked weights prepacked (`prepacked.pack`, for `forward_prepacked`), unless
+        held quantized or the weights are not `prepacked.available`; the bytes that adds."""
+        sources = [getattr(self, name) for name in self.expert_weight_names]
+        if self.quantized or not all(available(w) for w in sources):
+            return 0
+        with torch.no_grad():
+            gate_up, down = self.stacked_expert_weights()
+            added = pack(sources[0], gate_up) + pack(sources[1], down)
+        self.stacked_out_features = (gate_up.shape[0], down.shape[0])
+        self.prepacked = True
+        return added
 
     def forward(
         self,
@@ -375,6 +392,8 @@ class BatchedExperts(nn.Module):
         dense = torch.zeros(
             t, self.num_experts, dtype=top_k_weights.dtype, device=x.device
         ).scatter_(1, top_k_index, top_k_weights)  # [T, E] routing weight of every pair
+        if self.prepacked:
+            return self.forward_prepacked(x, dense)
         xs = x.unsqueeze(0).expand(self.num_experts, t, x.shape[1])  # [E, T, D]
         if self.quantized:
             per_chunk = max(1, GATHER_BUDGET_ELEMENTS // self.expert_elements)
@@ -388,6 +407,28 @@ class BatchedExperts(nn.Module):
         else:
             y = self.expert_outputs(xs, None)  # [E, T, D]
         return torch.einsum("etd,te->td", y, dense.to(y.dtype)).to(x.dtype)
+
+    def forward_prepacked(
+        self,
+        x: torch.Tensor,  # [T, D]
+        dense: torch.Tensor,  # [T, E] routing weight of every (token, expert); 0 if not chosen
+    ) -> torch.Tensor:  # [T, D]
+        """Every expert over every token as two GEMMs over the prepacked stacked weights:
+        [T, D] × [D, E·2I], the activation, each expert's part scaled by its routing weight,
+        then [T, E·I] × [E·I, D], which also sums over the experts."""
+        t = x.shape[0]
+        gate_up_source, down_source = (getattr(self, name) for name in self.expert_weight_names)
+        gate_up_features, out_features = self.stacked_out_features
+        gate_up = prepacked_linear(
+            x, gate_up_source, self.stacked_gate_up_bias(), gate_up_features
+        )  # [T, E·2I]
+        h = self.activation(gate_up.view(t, self.num_experts, -1))  # [T, E, I]
+        h = (h * dense.to(h.dtype)[..., None]).reshape(t, -1)  # [T, E·I]
+        y = prepacked_linear(h, down_source, None, out_features)  # [T, D]
+        bias = self.routed_down_bias()
+        if bias is not None:
+            y = y + dense.to(bias.dtype) @ bias
+        return y.to(x.dtype)
 
     def forward_grouped(
         self,

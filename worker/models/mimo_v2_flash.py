@@ -92,9 +92,19 @@ class MiMoV2FlashExperts(BatchedExperts):
         experts: torch.Tensor | None,  # [n] int64, or None: every expert in order
     ) -> torch.Tensor:  # [n, C, D]
         gate_up_w = self.expert_weight("gate_up_proj", experts)  # [n, 2I, D]
-        gate, up = torch.bmm(xs, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)  # 2 × [n, C, I]
+        gate_up = torch.bmm(xs, gate_up_w.transpose(1, 2))  # [n, C, 2I]
         down_w = self.expert_weight("down_proj", experts)  # [n, D, I]
-        return torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))  # [n, C, D]
+        return torch.bmm(self.activation(gate_up), down_w.transpose(1, 2))  # [n, C, D]
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: silu(gate) · up, gate the first half."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        e, d, i = self.down_proj.shape
+        gate_up = self.gate_up_proj.reshape(-1, d)  # [E·2I, D]
+        return gate_up, self.down_proj.permute(1, 0, 2).reshape(d, e * i)  # [D, E·I]
 
 
 class MiMoV2FlashMoE(nn.Module):

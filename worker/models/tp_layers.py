@@ -1,7 +1,9 @@
 """Tensor-parallel layers: column- and row-parallel linears, the vocab-parallel embedding and LM
 head. Each keeps `param_shards` (parameter name → `ParamShard`), so the loader hands every rank
 its part of each checkpoint tensor, read as a slice. At TP = 1 each is exactly the plain layer
-(`nn.Linear`, `nn.Embedding`): same parameter names, shapes and arithmetic.
+(`nn.Linear`, `nn.Embedding`): same parameter names, shapes and arithmetic. The linears and the
+LM head run over a prepacked copy of their weight in the compiled CPU decode step
+(`prepacked.Prepackable`).
 
     column-parallel  W [O, I]: rank r holds output rows `segments` (W_r [O_r, I], b_r [O_r]);
                      y_r = x W_r^T + b_r, no communication. Several segments fuse projections.
@@ -26,6 +28,7 @@ from torch import nn
 
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.models.param_shard import ParamShard
+from swaserve.worker.models.prepacked import Prepackable
 from swaserve.worker.parallel import TPGroup, shard_range
 
 Segments = tuple[tuple[int, int], ...]
@@ -53,7 +56,7 @@ def _held(segments: Segments) -> int:
     return sum(end - start for start, end in segments)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Prepackable):
     """Rank's output rows `segments` of a linear [out_features, in_features]; no communication."""
 
     def __init__(
@@ -78,10 +81,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, O_r]
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Prepackable):
     """Rank's input columns `segments` of a linear [out_features, in_features]; the partial
     outputs are all-reduced over `tp` and the (replicated) bias is added once, after the sum."""
 
@@ -109,8 +112,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, O]
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, O], summed over ranks
+            return self.linear(x, self.bias)
+        y = self.tp.all_reduce(self.linear(x, None))  # [T, O], summed over ranks
         return y if self.bias is None else y + self.bias
 
 
@@ -157,7 +160,7 @@ class VocabParallelEmbedding(VocabParallelRows):
         return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-class ParallelLMHead(VocabParallelRows):
+class ParallelLMHead(VocabParallelRows, Prepackable):
     """Rank's vocabulary rows of the LM head (the same rows as the embedding's, so a tied head
     shares its shard). The logits are gathered to the full vocabulary on rank 0, which samples;
     every other rank returns `no_logits` — [0, V]: no row, nothing to sample or read back."""
@@ -168,7 +171,7 @@ class ParallelLMHead(VocabParallelRows):
         super().__init__(vocab_size, hidden_size, dtype=dtype, tp=tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] on rank 0; [0, V] elsewhere
-        logits = F.linear(hidden, self.weight)  # [N, V_r]
+        logits = self.linear(hidden, None)  # [N, V_r]
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_to_first(logits, dim=-1)  # [N, tp · V_r], rank order; None off 0

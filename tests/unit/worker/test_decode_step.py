@@ -27,8 +27,8 @@ from swaserve.worker.models.layers import (
     GATHER_BUDGET_ELEMENTS,
     BatchedExperts,
     FusedLinear,
-    static_shapes,
 )
+from swaserve.worker.models.static_step import static_shapes
 
 W = 8
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)

@@ -1,5 +1,6 @@
-"""Batched MoE experts (gathered weights for few tokens, sorted-by-expert bmm for many) against
-the per-expert loop they replaced, on GPT-OSS and MiMo-V2-Flash layouts, float32."""
+"""Batched MoE experts (gathered weights for few tokens, sorted-by-expert bmm for many, the
+static step's GEMMs over prepacked stacked weights) against the per-expert loop they replaced,
+on GPT-OSS and MiMo-V2-Flash layouts, float32."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.gpt_oss import GptOssExperts
 from swaserve.worker.models.layers import gathers_expert_weights, sort_by_expert
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashExperts
+from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.models.tiny import make_tiny_model
+from swaserve.worker.parallel import TPGroup
 
 TOLERANCE = 1e-5
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 3, 32
@@ -35,7 +38,7 @@ def reference_gpt_oss(experts: GptOssExperts, x, top_k_index, top_k_weights) -> 
     out = torch.zeros_like(x)
     for e, rows, slots in reference_groups(top_k_index, experts.num_experts):
         gate_up = x[rows] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
-        y = experts.clamped_swiglu(gate_up) @ experts.down_proj[e] + experts.down_proj_bias[e]
+        y = experts.activation(gate_up) @ experts.down_proj[e] + experts.down_proj_bias[e]
         out.index_add_(0, rows, (y * top_k_weights[rows, slots, None]).to(x.dtype))
     return out
 
@@ -162,3 +165,71 @@ def test_sort_by_expert_pads_each_group_to_the_largest() -> None:
     assert groups.position.tolist() == [0, 1, 0, 1, 2, 0]
     assert groups.token.tolist() == [0, 2, 0, 1, 2, 1]
     assert groups.pair.tolist() == [1, 4, 0, 2, 5, 3]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("arch", sorted(REFERENCES))
+@pytest.mark.parametrize("num_tokens", [1, 2, 37])
+def test_prepacked_experts_equal_the_per_expert_loop(arch: str, num_tokens: int, tmp_path) -> None:
+    """The static step's path over the prepacked stacked weights (two GEMMs over every expert;
+    one token still gathers its experts' weights), and the eager paths unchanged beside it."""
+    experts = make_experts(arch, tmp_path)
+    stacked = 3 * NUM_EXPERTS * HIDDEN * experts.down_proj.shape[1 if arch == "gpt-oss" else 2]
+    assert experts.prepack_weights() == stacked * 4
+    assert experts.prepacked
+    assert experts.stacked_out_features == (stacked // 3 * 2 // HIDDEN, HIDDEN)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens))
+    index, weights = random_routing(num_tokens, seed=num_tokens)
+    with torch.no_grad():
+        theirs = REFERENCES[arch](experts, x, index, weights)
+        with static_shapes():
+            ours = experts(x, index, weights)
+        eager = experts(x, index, weights)
+    assert (ours - theirs).abs().max().item() < TOLERANCE
+    assert (eager - theirs).abs().max().item() < TOLERANCE
+
+
+def rank_experts(
+    full: GptOssExperts | MiMoV2FlashExperts, arch: str, tmp_path, rank: int
+) -> GptOssExperts | MiMoV2FlashExperts:
+    """TP rank `rank` of 2's experts, holding its slices of `full`'s weights."""
+    config = load_model_config(tmp_path)
+    tp = TPGroup(rank=rank, world_size=2)
+    i = full.down_proj.shape[1 if arch == "gpt-oss" else 2] // 2  # I_r
+    part = slice(rank * i, (rank + 1) * i)
+    experts: GptOssExperts | MiMoV2FlashExperts
+    with torch.no_grad():
+        if isinstance(full, GptOssExperts):
+            experts = GptOssExperts(config, dtype=torch.float32, tp=tp)
+            columns = slice(2 * part.start, 2 * part.stop)
+            experts.gate_up_proj.copy_(full.gate_up_proj[:, :, columns])
+            experts.gate_up_proj_bias.copy_(full.gate_up_proj_bias[:, columns])
+            experts.down_proj.copy_(full.down_proj[:, part])
+            experts.down_proj_bias.copy_(full.down_proj_bias)
+        else:
+            experts = MiMoV2FlashExperts(config, dtype=torch.float32, tp=tp)
+            up = slice(2 * i + part.start, 2 * i + part.stop)
+            experts.gate_up_proj.copy_(
+                torch.cat([full.gate_up_proj[:, part], full.gate_up_proj[:, up]], 1)
+            )
+            experts.down_proj.copy_(full.down_proj[:, :, part])
+    return experts
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("arch", sorted(REFERENCES))
+def test_prepacked_tp_ranks_sum_to_the_whole(arch: str, tmp_path) -> None:
+    """Each TP rank's prepacked experts give its partial output (the down bias on rank 0 only);
+    their sum is the unsharded experts' output."""
+    full = make_experts(arch, tmp_path)
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(1))
+    index, weights = random_routing(6, seed=1)
+    with torch.no_grad():
+        want = REFERENCES[arch](full, x, index, weights)
+        total = torch.zeros_like(want)
+        for rank in range(2):
+            experts = rank_experts(full, arch, tmp_path, rank)
+            experts.prepack_weights()
+            with static_shapes():
+                total += experts(x, index, weights)
+    assert (total - want).abs().max().item() < TOLERANCE

@@ -1,0 +1,121 @@
+"""Prepacked linear weights (oneDNN) for the compiled CPU decode step: the op against
+`F.linear`, its errors, the copies' lifetime, and where the layers use them."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swaserve.worker.models import prepacked
+from swaserve.worker.models.layers import FusedLinear
+from swaserve.worker.models.prepacked import held_for, pack, prepacked_linear
+from swaserve.worker.models.static_step import static_shapes
+from swaserve.worker.models.tp_layers import ColumnParallelLinear, RowParallelLinear
+from swaserve.worker.parallel import TPGroup
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
+)
+
+GEN = torch.Generator().manual_seed(3)
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prepacked_linear_equals_f_linear(rows: int, with_bias: bool) -> None:
+    weight, x = randn(48, 40), randn(rows, 40)
+    bias = randn(48) if with_bias else None
+    assert pack(weight, weight) == 48 * 40 * 4
+    assert (prepacked_linear(x, weight, bias, 48) - F.linear(x, weight, bias)).abs().max() < 1e-5
+    strided = randn(40, rows).t()  # a transposed view
+    want = F.linear(strided, weight, bias)
+    assert (prepacked_linear(strided, weight, bias, 48) - want).abs().max() < 1e-5
+    assert prepacked_linear(x[:0], weight, bias, 48).shape == (0, 48)
+
+
+def test_a_copy_of_rearranged_values_serves_its_source() -> None:
+    source = randn(3, 16, 10)  # [E, D, N]: three experts' weights
+    stacked = source.transpose(1, 2).reshape(30, 16)  # [E·N, D], a rearranged copy
+    pack(source, stacked)
+    x = randn(5, 16)
+    want = torch.cat([x @ source[e] for e in range(3)], dim=1)  # [5, E·N]
+    assert (prepacked_linear(x, source, None, 30) - want).abs().max() < 1e-5
+
+
+def test_errors_are_clear() -> None:
+    weight = randn(8, 4)
+    with pytest.raises(RuntimeError, match="no prepacked weight is held"):
+        prepacked_linear(randn(2, 4), weight, None, 8)
+    pack(weight, weight)
+    with pytest.raises(RuntimeError, match="has 8 output features, the call asks for 9"):
+        prepacked_linear(randn(2, 4), weight, None, 9)
+    with pytest.raises(ValueError, match="float32 on CPU"):
+        pack(weight, weight.double())
+    with pytest.raises(ValueError, match=r"\[out_features, in_features\]"):
+        pack(weight, randn(2, 2, 2))
+    view = weight[:4]  # same address, another shape: not the source
+    assert held_for(view) is None
+    with pytest.raises(RuntimeError, match="no prepacked weight is held"):
+        prepacked_linear(randn(2, 4), view, None, 8)
+
+
+def test_a_copy_lives_as_long_as_its_source() -> None:
+    gc.collect()
+    before = len(prepacked._HELD)
+    weight = randn(16, 16)
+    pack(weight, weight)
+    assert held_for(weight) is not None
+    assert len(prepacked._HELD) == before + 1
+    del weight
+    gc.collect()
+    assert len(prepacked._HELD) == before
+
+
+def linears() -> list[torch.nn.Module]:
+    """A column-, a row-parallel and a fused linear (TP = 1), with biases and random weights."""
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(12, 20, ((0, 20),), bias=True, dtype=torch.float32)
+    row = RowParallelLinear(12, 20, ((0, 12),), bias=True, dtype=torch.float32, tp=TPGroup.single())
+    parts = [
+        ColumnParallelLinear(12, n, ((0, n),), bias=True, dtype=torch.float32) for n in (6, 10)
+    ]
+    for module in [col, row, *parts]:
+        with torch.no_grad():
+            for param in module.parameters():
+                param.copy_(torch.randn(param.shape))
+    return [col, row, FusedLinear(parts, ("a_proj", "b_proj"))]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_layers_use_the_copy_only_in_a_static_step_of_several_rows(index: int) -> None:
+    layer = linears()[index]
+    x = randn(4, 12)
+    with torch.no_grad():
+        want = layer(x)
+        assert layer.prepack_weights() == layer.weight.numel() * 4
+        assert layer.prepacked
+        assert layer.prepack_weights() == 0  # held already: no second copy
+        with static_shapes():
+            got = layer(x)
+        outs = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(*outs, strict=True):
+            assert (a - b).abs().max() < 1e-5
+        prepacked._HELD.pop(layer.weight.data_ptr())  # now only the eager path works
+        layer(x)
+        with static_shapes():
+            layer(x[:1])  # one row: inductor's own loops, not the copy
+            with pytest.raises(RuntimeError, match="no prepacked weight is held"):
+                layer(x)
+
+
+def test_layers_without_onednn_weights_stay_plain() -> None:
+    layer = ColumnParallelLinear(4, 4, ((0, 4),), bias=False, dtype=torch.float64)
+    assert layer.prepack_weights() == 0
+    assert not layer.prepacked
