@@ -25,7 +25,9 @@ logits it returns; nothing is read back. TP ranks pad the broadcast `ModelInput`
 (`bucket` depends only on it), so every rank runs the same bucket.
 
 Models see `static_shapes()` True while the step runs: the MoE then takes a path with no host
-read (`BatchedExperts.forward`).
+read (`BatchedExperts.forward`). Compiled on CPU, the step's GEMMs run over oneDNN-prepacked
+copies of the weights (`models/prepacked.py`, made when the runner loads the model) and its
+attention over our C++ kernel (`attention/cpu_kernels.py`, built here before any trace).
 
 On CPU a compiled graph is called directly once it exists, as a CUDA graph is replayed: the
 first step of each (Bp, Lf) goes through dynamo (which checks its guards, traces and compiles
@@ -53,6 +55,7 @@ from typing import Any, Protocol
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from swaserve.worker.attention import cpu_kernels
 from swaserve.worker.attention.static_decode import DecodeBatch, decode_metadata
 from swaserve.worker.cache_paths import compile_cache_dir
 from swaserve.worker.host_tensors import to_device
@@ -213,6 +216,8 @@ class DecodeStep:
             raise ValueError(f"mode must be 'graphs' or 'compile', got {mode!r}")
         if mode == "compile":
             self.cache_dir = use_compile_cache(compile_cache_dir())
+            if device.type == "cpu":
+                cpu_kernels.load()  # built before any trace: the graphs call it
         self.model = model
         self.slot_table = slot_table
         self.window = sliding_window_size

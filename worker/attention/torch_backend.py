@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from swaserve.worker.attention import cpu_kernels
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.metadata import (
     AttentionMetadata,
@@ -174,13 +175,16 @@ def static_decode(
 ) -> torch.Tensor:  # [Bp, H, Dv]
     """A layer of a fixed-shape decode step (`static_decode.DecodeMetadata`): write the new
     K/V, then attend over the padded reads; no host work, no host read (any backend's decode
-    step of a compiled or captured graph runs this). Traced by torch.compile it is written as
-    loops over the pool rows (`decode_attention_loops`); captured eager, as gathers and the
-    attention kernels."""
+    step of a compiled or captured graph runs this). Traced by torch.compile, float32: our C++
+    kernel over the pool rows (`cpu_kernels`) once the step has built it, else loops over the
+    pool rows (`decode_attention_loops`); captured eager, as gathers and the attention kernels."""
     meta.write_kv(kv_pool, layer.layer_id, k, v)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
     reads = meta.reads(layer)
     if torch.compiler.is_compiling():
+        kernel = cpu_kernels.decode_attention_op()
+        if kernel is not None and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32:
+            return kernel(q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks)
         return decode_attention_loops(
             q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks
         )

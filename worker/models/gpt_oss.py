@@ -72,19 +72,28 @@ class GptOssExperts(BatchedExperts):
         self.expert_weight_names = ("gate_up_proj", "down_proj")
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """Clamped SwiGLU: (up + 1) · gate · σ(α · gate), gate clamped above and up on both
-        sides at `limit`."""
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        """Clamped SwiGLU of interleaved gate / up outputs (even / odd)."""
+        return self.clamped_swiglu(gate_up[..., ::2], gate_up[..., 1::2])
+
+    def clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """(up + 1) · gate · σ(α · gate), gate clamped above and up on both sides at `limit`."""
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.gate_up_proj.shape[1]
-        gate_up = self.gate_up_proj.transpose(1, 2).reshape(-1, d)  # [E·2I, D]
-        return gate_up, self.down_proj.reshape(-1, d).t()  # [D, E·I]
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each expert's gate outputs, then its up outputs (de-interleaved: the activation then
+        reads two contiguous halves, not every other element)."""
+        _, d, two_i = self.gate_up_proj.shape
+        order = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)])  # [2I]
+        order = order.to(self.gate_up_proj.device)
+        gate_up = self.gate_up_proj[:, :, order].transpose(1, 2).reshape(-1, d)  # [E·2I, D]
+        bias = self.gate_up_proj_bias[:, order].reshape(-1)  # [E·2I]
+        return gate_up, bias, self.down_proj.reshape(-1, d).t()  # ..., [D, E·I]
 
-    def stacked_gate_up_bias(self) -> torch.Tensor:
-        return self.gate_up_proj_bias.reshape(-1)  # [E·2I]
+    def stacked_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.clamped_swiglu(gate, up)
 
     def routed_down_bias(self) -> torch.Tensor | None:
         return self.down_proj_bias if self.adds_down_bias else None

@@ -280,7 +280,7 @@ class BatchedExperts(nn.Module):
 
     For the compiled CPU decode step the experts' weights may be held a second time, prepacked
     (`prepack_weights`, `forward_prepacked`): subclasses give them as two linears over all
-    experts (`stacked_expert_weights`) and their activation (`activation`)."""
+    experts (`stacked_expert_weights`) and their activation (`stacked_activation`)."""
 
     num_experts: int
     expert_elements: int
@@ -314,27 +314,35 @@ class BatchedExperts(nn.Module):
         """The experts' gated activation of one expert's gate/up outputs."""
         raise NotImplementedError
 
-    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E·2I, D], down [D, E·I]): every expert's weights as two linear weights.
-        Output e·2I + j of gate_up is expert e's gate/up output j as `activation` reads it;
-        input e·I + i of down is its intermediate unit i. Copies or views of the parameters."""
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(gate_up [E·2I, D], its bias [E·2I] or None, down [D, E·I]): every expert's weights
+        as two linear weights. Outputs [e·2I, (e + 1)·2I) of gate_up are expert e's gate/up
+        outputs as `stacked_activation` reads them; input e·I + i of down is its intermediate
+        unit i. Copies or views of the parameters."""
         raise NotImplementedError
 
-    def stacked_gate_up_bias(self) -> torch.Tensor | None:  # [E·2I], gate_up's order
-        return None
+    def stacked_activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] → [..., I]
+        """`activation` of gate/up outputs in `stacked_expert_weights`' order (the same order
+        unless a subclass reorders them there)."""
+        return self.activation(gate_up)
 
     def routed_down_bias(self) -> torch.Tensor | None:  # [E, D], added weighted by routing
         return None
 
     def prepack_weights(self) -> int:
-        """Hold the stacked weights prepacked (`prepacked.pack`, for `forward_prepacked`), unless
-        held quantized or the weights are not `prepacked.available`; the bytes that adds."""
+        """Hold the stacked weights prepacked (`prepacked.pack`, for `forward_prepacked`), and
+        the stacked gate/up bias as the buffer `stacked_gate_up_bias`, unless held quantized or
+        the weights are not `prepacked.available`; the bytes that adds."""
         sources = [getattr(self, name) for name in self.expert_weight_names]
         if self.quantized or not all(available(w) for w in sources):
             return 0
         with torch.no_grad():
-            gate_up, down = self.stacked_expert_weights()
+            gate_up, bias, down = self.stacked_expert_weights()
             added = pack(sources[0], gate_up) + pack(sources[1], down)
+            if bias is not None:
+                bias = bias.contiguous()
+                added += bias.nbytes
+        self.register_buffer("stacked_gate_up_bias", bias, persistent=False)
         self.stacked_out_features = (gate_up.shape[0], down.shape[0])
         self.prepacked = True
         return added
@@ -420,9 +428,9 @@ class BatchedExperts(nn.Module):
         gate_up_source, down_source = (getattr(self, name) for name in self.expert_weight_names)
         gate_up_features, out_features = self.stacked_out_features
         gate_up = prepacked_linear(
-            x, gate_up_source, self.stacked_gate_up_bias(), gate_up_features
+            x, gate_up_source, self.stacked_gate_up_bias, gate_up_features
         )  # [T, E·2I]
-        h = self.activation(gate_up.view(t, self.num_experts, -1))  # [T, E, I]
+        h = self.stacked_activation(gate_up.view(t, self.num_experts, -1))  # [T, E, I]
         h = (h * dense.to(h.dtype)[..., None]).reshape(t, -1)  # [T, E·I]
         y = prepacked_linear(h, down_source, None, out_features)  # [T, D]
         bias = self.routed_down_bias()

@@ -101,10 +101,10 @@ class MiMoV2FlashExperts(BatchedExperts):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, None, torch.Tensor]:
         e, d, i = self.down_proj.shape
         gate_up = self.gate_up_proj.reshape(-1, d)  # [E·2I, D]
-        return gate_up, self.down_proj.permute(1, 0, 2).reshape(d, e * i)  # [D, E·I]
+        return gate_up, None, self.down_proj.permute(1, 0, 2).reshape(d, e * i)  # [D, E·I]
 
 
 class MiMoV2FlashMoE(nn.Module):

@@ -91,7 +91,7 @@ def held_for(source: torch.Tensor) -> torch.Tensor | None:
     return held.packed
 
 
-_LIB = torch.library.Library("swaserve", "DEF")
+_LIB = torch.library.Library("swaserve", "FRAGMENT")
 _LIB.define("prepacked_linear(Tensor x, Tensor source, Tensor? bias, int out_features) -> Tensor")
 
 

@@ -160,7 +160,7 @@ class VocabParallelEmbedding(VocabParallelRows):
         return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-class ParallelLMHead(VocabParallelRows, Prepackable):
+class ParallelLMHead(Prepackable, VocabParallelRows):
     """Rank's vocabulary rows of the LM head (the same rows as the embedding's, so a tied head
     shares its shard). The logits are gathered to the full vocabulary on rank 0, which samples;
     every other rank returns `no_logits` — [0, V]: no row, nothing to sample or read back."""

@@ -174,8 +174,10 @@ def test_prepacked_experts_equal_the_per_expert_loop(arch: str, num_tokens: int,
     """The static step's path over the prepacked stacked weights (two GEMMs over every expert;
     one token still gathers its experts' weights), and the eager paths unchanged beside it."""
     experts = make_experts(arch, tmp_path)
-    stacked = 3 * NUM_EXPERTS * HIDDEN * experts.down_proj.shape[1 if arch == "gpt-oss" else 2]
-    assert experts.prepack_weights() == stacked * 4
+    i = experts.down_proj.shape[1 if arch == "gpt-oss" else 2]
+    stacked = 3 * NUM_EXPERTS * HIDDEN * i
+    bias = NUM_EXPERTS * 2 * i if arch == "gpt-oss" else 0  # the de-interleaved gate/up bias
+    assert experts.prepack_weights() == (stacked + bias) * 4
     assert experts.prepacked
     assert experts.stacked_out_features == (stacked // 3 * 2 // HIDDEN, HIDDEN)
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens))
