@@ -183,7 +183,11 @@ def static_decode(
     reads = meta.reads(layer)
     if torch.compiler.is_compiling():
         kernel = cpu_kernels.decode_attention_op()
-        if kernel is not None and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32:
+        if (
+            kernel is not None
+            and q.device.type == "cpu"
+            and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32
+        ):
             return kernel(q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks)
         return decode_attention_loops(
             q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks
