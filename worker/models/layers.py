@@ -333,8 +333,10 @@ class BatchedExperts(nn.Module):
         """Hold the stacked weights prepacked (`prepacked.pack`, for `forward_prepacked`), and
         the stacked gate/up bias as the buffer `stacked_gate_up_bias`, unless held quantized or
         the weights are not `prepacked.available`; the bytes that adds."""
+        if self.quantized:
+            return 0
         sources = [getattr(self, name) for name in self.expert_weight_names]
-        if self.quantized or not all(available(w) for w in sources):
+        if not all(available(w) for w in sources):
             return 0
         with torch.no_grad():
             gate_up, bias, down = self.stacked_expert_weights()

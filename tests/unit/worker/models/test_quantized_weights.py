@@ -291,3 +291,26 @@ def test_scaled_mm_block_linear_is_close_to_dequantization_on_cuda() -> None:
     got = scaled_mm_block_linear(x, weight, block_scale).float()
     want = x.float() @ dequantize_fp8(weight, scale_inv, (128, 128), torch.float32).t()
     assert float((got - want).abs().max() / want.abs().max()) < 0.05
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "mimo-fp8"])
+def test_prepacking_leaves_quantized_weights_alone(
+    name: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    """The compiled CPU step's prepacked copies are made of float32 weights only: experts and
+    linears held quantized keep their own paths."""
+    kept, _ = both(tiny_model_factory(**MODELS[name]))
+    packable = [m for m in kept.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    floats = {
+        id(m.weight): m.weight.nbytes
+        for m in packable
+        if hasattr(m, "linear") and m.weight.dtype == torch.float32
+    }
+    assert kept.prepack_weights() == sum(floats.values())
+    assert not experts_of(kept).prepacked
+    for module in kept.modules():
+        if isinstance(module, Fp8Linear):
+            assert not hasattr(module, "prepacked")
+        elif getattr(module, "prepacked", False):
+            assert id(module.weight) in floats
