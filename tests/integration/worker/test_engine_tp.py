@@ -430,9 +430,13 @@ def _ranks_of(pid: int) -> list[int]:
     return [kid for kid in _children(pid) if f"-m {RANK_MODULE} " in _cmdline(kid)]
 
 
+# The program takes Ctrl-C as a terminal's foreground program does: started by a test run that
+# is itself a background job of a non-interactive shell, it would inherit SIGINT ignored.
 STEPPING_SCRIPT = """
+import signal
 import sys
 from swaserve.worker import Engine, EngineConfig, SamplingParams
+signal.signal(signal.SIGINT, signal.default_int_handler)
 engine = Engine(EngineConfig(model=sys.argv[1], max_total_tokens=4096, tp_size=2))
 engine.add_request([1, 2], SamplingParams(max_new_tokens=3000, ignore_eos=True))
 while not engine.step():
