@@ -185,7 +185,9 @@ class ServingMetrics:
 
 class RequestTimer:
     """Feeds one request's stream into the histograms: `tokens(n, worker, now)` per chunk,
-    `finish(now)` at the end (a request that produced no token records only its e2e)."""
+    `finish(now)` at the end (a request that produced no token records only its e2e). Every
+    token after a request's first is one inter-token sample, however the stream merged them
+    into chunks (a busy ingress reads several at once): a request of N tokens gives N - 1."""
 
     def __init__(self, metrics: ServingMetrics, arrival_s: float) -> None:
         self.metrics = metrics
@@ -198,12 +200,14 @@ class RequestTimer:
             return
         self.worker = worker
         labels = (self.metrics.model_name, worker)
+        histogram = self.metrics.itl.labels(*labels)
         if self._last_s is None:
             self.metrics.ttft.labels(*labels).observe(now_s - self.arrival_s)
+            for _ in range(num_tokens - 1):  # came with the first token: no gap seen
+                histogram.observe(0.0)
         else:
             # a chunk of n tokens after a gap: n tokens at gap / n each (a merged chunk)
             gap = (now_s - self._last_s) / num_tokens
-            histogram = self.metrics.itl.labels(*labels)
             for _ in range(num_tokens):
                 histogram.observe(gap)
         self._last_s = now_s

@@ -81,6 +81,21 @@ def test_snapshot_and_histograms_render_with_their_labels() -> None:
     assert got["swaserve:e2e_request_latency_seconds_sum", w] == 0.5
 
 
+def test_every_token_after_the_first_is_one_inter_token_sample() -> None:
+    """However the stream merged them: 3 tokens, the first two in one chunk, give 2 samples."""
+    metrics = ServingMetrics("tiny")
+    timer = metrics.tracker(arrival_s=10.0)
+    timer.tokens(2, "worker-0", now_s=10.25)  # the first token and the second, merged
+    timer.tokens(1, "worker-0", now_s=10.45)
+    timer.finish(now_s=10.5)
+    got = samples(asyncio.run(metrics.render(Snapshot())))
+    w = (("model_name", "tiny"), ("worker", "worker-0"))
+    assert got["swaserve:time_to_first_token_seconds_count", w] == 1
+    assert got["swaserve:time_to_first_token_seconds_sum", w] == 0.25
+    assert got["swaserve:inter_token_latency_seconds_count", w] == 2
+    assert abs(got["swaserve:inter_token_latency_seconds_sum", w] - 0.2) < 1e-9
+
+
 def test_single_pool_workers_have_no_tombstones() -> None:
     from dataclasses import replace
 
