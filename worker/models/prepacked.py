@@ -83,12 +83,19 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
     return weight.numel() * weight.element_size()
 
 
-def held_for(source: torch.Tensor) -> torch.Tensor | None:
-    """The prepacked copy held for `source`, or None."""
+def _held(source: torch.Tensor) -> _Held | None:
+    """The entry of `source`: at its address, for a live tensor of its shape (a view at the same
+    address, or a tensor since freed, is not its source)."""
     held = _HELD.get(source.data_ptr())
     if held is None or held.source() is None or held.shape != source.shape:
         return None
-    return held.packed
+    return held
+
+
+def held_for(source: torch.Tensor) -> torch.Tensor | None:
+    """The prepacked copy held for `source`, or None."""
+    held = _held(source)
+    return None if held is None else held.packed
 
 
 _LIB = torch.library.Library("swaserve", "FRAGMENT")
@@ -98,8 +105,8 @@ _LIB.define("prepacked_linear(Tensor x, Tensor source, Tensor? bias, int out_fea
 def _prepacked_linear_cpu(
     x: torch.Tensor, source: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    held = _HELD.get(source.data_ptr())
-    if held is None or held.source() is None or held.shape != source.shape:
+    held = _held(source)
+    if held is None:
         raise RuntimeError(
             f"swaserve::prepacked_linear: no prepacked weight is held for the {source.shape} "
             "tensor it was given (pack() it first)"
@@ -110,7 +117,7 @@ def _prepacked_linear_cpu(
             f"features, the call asks for {out_features}"
         )
     if x.numel() == 0:
-        return x.new_empty((*x.shape[:-1], out_features))
+        return _prepacked_linear_fake(x, source, bias, out_features)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), held.packed, bias, "none", [], "")
 
 
