@@ -50,11 +50,11 @@ from swaserve.worker.attention import (
     flash_attn_available,
 )
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
-from swaserve.worker.host_tensors import int_tensor, to_device
 from swaserve.worker.kv import KVLayout, SWAKVPool
 from swaserve.worker.kv.slot_table import DeviceSlotTable
-from swaserve.worker.model_input import ModelInput
 from swaserve.worker.models.tiny import make_tiny_model
+from swaserve.worker.runner.host_tensors import int_tensor, to_device
+from swaserve.worker.runner.model_input import ModelInput
 
 ARCHS = ("gpt-oss", "mimo-v2-flash")
 WINDOW = 32

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from swaserve.worker.kv.capacity import main
+from swaserve.cluster.kv_capacity import main
 
 if __name__ == "__main__":
     sys.exit(main())

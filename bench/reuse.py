@@ -37,8 +37,8 @@ import torch
 
 from swaserve.proto.kv_rules import window_repair_tokens
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.model_input import ModelInput
 from swaserve.worker.models.tiny import make_tiny_model
+from swaserve.worker.runner.model_input import ModelInput
 
 MODES = {
     "one-pool": {"disable_hybrid_swa_memory": True},

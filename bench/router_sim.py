@@ -86,7 +86,7 @@ from swaserve.proto.kv_events import KVEventMirror
 from swaserve.proto.kv_rules import cdiv, page_floor, swa_tokens_for_extend, window_repair_tokens
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Overloaded, RouteDecision, Router, RouterConfig
-from swaserve.worker.engine import CALIBRATION_TOKENS
+from swaserve.worker.engine.engine import CALIBRATION_TOKENS
 from swaserve.worker.kv import SWAFreeState, SWATokenAllocator, free_swa_out_of_window_slots
 from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock

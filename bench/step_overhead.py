@@ -24,8 +24,8 @@ import tempfile
 import torch
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.engine.stats import STEP_PHASES
 from swaserve.worker.models.tiny import make_tiny_model
-from swaserve.worker.stats import STEP_PHASES
 
 WINDOW = 16
 PROMPT_TOKENS = 8

@@ -7,8 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from swaserve.cluster import client, generate, serve_command
-    from swaserve.worker.kv import capacity
+    from swaserve.cluster import client, generate, kv_capacity, serve_command
     from swaserve.worker.models import tiny
 
     commands = [
@@ -20,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("client", client, "stream a completion from a running server over gRPC"),
         (
             "kv-capacity",
-            capacity,
+            kv_capacity,
             "how many concurrent requests fit in a KV budget: one pool vs two pools",
         ),
         (

@@ -24,7 +24,6 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError
 
-from swaserve.cluster.engine_loop import GenerateChunk
 from swaserve.cluster.model_info import model_info_of
 from swaserve.cluster.routed import (
     ClusterBusy,
@@ -38,9 +37,10 @@ from swaserve.cluster.routed import (
 )
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup
+from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import load_tokenizer
+from swaserve.worker.engine.engine_loop import GenerateChunk
 
 logger = logging.getLogger(__name__)
 

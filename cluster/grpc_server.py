@@ -34,7 +34,6 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
-from swaserve.cluster.detokenizer import IncrementalDetokenizer
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.routed import (
     ClusterBusy,
@@ -46,6 +45,7 @@ from swaserve.cluster.routed import (
 )
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.worker import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swaserve.proto.request_limits import RequestLimits
-from swaserve.worker.tokenizer import tokenizer_dir
+from swaserve.proto.text.tokenizer import tokenizer_dir
 
 if TYPE_CHECKING:
     from swaserve.cluster.worker_group import WorkerInfo

@@ -23,11 +23,11 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from swaserve.cluster.engine_loop import MISROUTED, WORKER_LOST, GenerateChunk
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
+from swaserve.proto.text.tokenizer import TextTokenizer
 from swaserve.worker import SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
+from swaserve.worker.engine.engine_loop import MISROUTED, WORKER_LOST, GenerateChunk
 
 logger = logging.getLogger(__name__)
 

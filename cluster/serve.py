@@ -42,7 +42,6 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from swaserve.cluster.defaults import API_KEY_ENV
-from swaserve.cluster.engine_loop import MISROUTED, EngineLoop, GenerateChunk
 from swaserve.cluster.grpc_server import (
     UNAUTHENTICATED_DETAILS,
     BearerToken,
@@ -56,9 +55,10 @@ from swaserve.cluster.routed import RoutedCluster, WorkerLost
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import EngineWorker, RankWorker, WorkerInfo
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import load_tokenizer
+from swaserve.worker.engine.engine_loop import MISROUTED, EngineLoop, GenerateChunk
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
 from swaserve.cluster.model_info import ModelInfo, model_info_of_engine
 from swaserve.proto.messages import WorkerReport
 from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.tp_worker import RankSpec, run_worker_rank
+from swaserve.worker.engine.engine_loop import EngineLoop, GenerateChunk
+from swaserve.worker.runner.executor import RankSpec, run_worker_rank
 
 logger = logging.getLogger(__name__)
 

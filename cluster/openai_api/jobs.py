@@ -31,10 +31,9 @@ from swaserve.cluster.openai_api.protocol import (
     message_text,
 )
 from swaserve.cluster.routed import InvalidRequest, RoutedCluster
+from swaserve.proto.text.chat_template import ChatTemplate, ChatTemplateError
+from swaserve.proto.text.tokenizer import encode_text
 from swaserve.worker import SamplingParams
-from swaserve.worker.models.chat_template import ChatTemplate
-from swaserve.worker.models.errors import ChatTemplateError
-from swaserve.worker.tokenizer import encode_text
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from swaserve.cluster.grpc_server import BadRequest
 from swaserve.cluster.routed import ClusterBusy, GenerationFailed, InvalidRequest, Unavailable
-from swaserve.worker.models.errors import ChatTemplateError
+from swaserve.proto.text.chat_template import ChatTemplateError
 
 logger = logging.getLogger(__name__)
 

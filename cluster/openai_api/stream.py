@@ -24,11 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from swaserve.cluster.detokenizer import IncrementalDetokenizer
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.openai_api.jobs import Job
 from swaserve.cluster.openai_api.protocol import api_error
 from swaserve.cluster.routed import ClusterError, RoutedCluster, Unavailable
+from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

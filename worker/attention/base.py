@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.slot_table import DeviceSlotTable
+from swaserve.worker.runner.host_tensors import to_device
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionLayer, ForwardBatch
 from swaserve.worker.attention.static_decode import padded_reads, write_new_kv
-from swaserve.worker.host_tensors import pack_to_device
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
+from swaserve.worker.runner.host_tensors import pack_to_device
 
 
 class MissingSWAKV(RuntimeError):

@@ -22,7 +22,7 @@ from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import Attention, DecoderLayer, FusedLinear, RMSNorm
 from swaserve.worker.models.rotary import RotaryEmbedding
 from swaserve.worker.models.tp_layers import ParallelLMHead, VocabParallelEmbedding
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 
 class UnboundBackend(AttentionBackend):

@@ -25,7 +25,7 @@ from swaserve.worker.models.errors import (
     UnknownArchitectureError,
 )
 from swaserve.worker.models.quantization import QuantizationConfig
-from swaserve.worker.parallel import (
+from swaserve.worker.runner.parallel import (
     ShardingError,
     num_heads_per_rank,
     num_kv_heads_per_rank,

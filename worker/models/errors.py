@@ -54,7 +54,3 @@ class QuantizedTensorError(WeightLoadError):
 
 class UnsupportedQuantizationError(ModelConfigError):
     """config.json's `quantization_config` names a method or option swaserve cannot load."""
-
-
-class ChatTemplateError(ModelError):
-    """The model has no chat template, or its template cannot be read or rendered."""

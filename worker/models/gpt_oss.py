@@ -20,7 +20,7 @@ from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import BatchedExperts, RMSNorm
 from swaserve.worker.models.param_shard import ParamShard
-from swaserve.worker.parallel import TPGroup, shard_range
+from swaserve.worker.runner.parallel import TPGroup, shard_range
 
 
 class GptOssTopKRouter(nn.Module):

@@ -21,7 +21,6 @@ from torch import nn
 
 from swaserve.worker.attention.base import AttentionBackend, ForwardBatch
 from swaserve.worker.attention.static_decode import DecodeBatch
-from swaserve.worker.host_tensors import to_device
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.prepacked import Prepackable, available, pack, prepacked_linear
@@ -32,7 +31,8 @@ from swaserve.worker.models.tp_layers import (
     RowParallelLinear,
     even_segments,
 )
-from swaserve.worker.parallel import TPGroup, kv_head_range
+from swaserve.worker.runner.host_tensors import to_device
+from swaserve.worker.runner.parallel import TPGroup, kv_head_range
 
 if TYPE_CHECKING:
     from swaserve.worker.models.quantized_weights import QuantizedWeight

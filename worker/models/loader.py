@@ -56,7 +56,7 @@ from swaserve.worker.models.weight_sources import (
     Source,
     resolve_source,
 )
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 __all__ = [
     "INDEX_FILE",

@@ -21,7 +21,7 @@ from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.layers import BatchedExperts, DenseMLP
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.tp_layers import fused_segments
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 
 class MiMoV2FlashTopkRouter(nn.Module):

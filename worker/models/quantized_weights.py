@@ -47,7 +47,7 @@ from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.quantization import FP8, MXFP4, QuantizationConfig
 from swaserve.worker.models.tp_layers import ColumnParallelLinear, RowParallelLinear
 from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4_SCALES
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from torch import nn
 from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.prepacked import Prepackable
-from swaserve.worker.parallel import TPGroup, shard_range
+from swaserve.worker.runner.parallel import TPGroup, shard_range
 
 Segments = tuple[tuple[int, int], ...]
 

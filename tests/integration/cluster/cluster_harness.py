@@ -22,9 +22,9 @@ from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+from swaserve.proto.text.tokenizer import TextTokenizer
 from swaserve.router import RouterConfig
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
 
 T = TypeVar("T")
 

@@ -36,8 +36,8 @@ from test_serve_command import ServeProcess, engine_pids_of_other_drivers
 from swaserve.cluster.http_server import HttpServer
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.text.chat_template import ChatTemplate
 from swaserve.router import RouterConfig
-from swaserve.worker.models.chat_template import ChatTemplate
 
 pytestmark = pytest.mark.slow
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.engine import CALIBRATION_TOKENS
-from swaserve.worker.model_input import ModelInput
-from swaserve.worker.parallel import TensorParallelError
-from swaserve.worker.process_ranks import ProcessRanks
-from swaserve.worker.tp_worker import RANK_MODULE, TPLauncher
+from swaserve.worker.engine.engine import CALIBRATION_TOKENS
+from swaserve.worker.runner.executor import RANK_MODULE, TPLauncher
+from swaserve.worker.runner.model_input import ModelInput
+from swaserve.worker.runner.parallel import TensorParallelError
+from swaserve.worker.runner.process_ranks import ProcessRanks
 
 pytestmark = pytest.mark.slow
 
@@ -285,8 +285,8 @@ def test_an_engine_built_in_a_file_without_a_main_guard_generates(
 FAIL_AT_START = "raise RuntimeError('injected: the rank cannot start')"
 FAIL_AT_LOAD = """
 import sys
-from swaserve.worker import model_runner
-from swaserve.worker.process_ranks import rank_main
+from swaserve.worker.runner import model_runner
+from swaserve.worker.runner.process_ranks import rank_main
 def fail(*args, **kwargs):
     raise RuntimeError("injected: no memory for the shard")
 model_runner.ModelRunner.__init__ = fail
@@ -318,8 +318,8 @@ def test_a_rank_that_fails_at_start_up_fails_the_engine_with_its_own_error(
 PROBE = """
 import json
 import sys
-from swaserve.worker import model_runner
-from swaserve.worker.process_ranks import rank_main
+from swaserve.worker.runner import model_runner
+from swaserve.worker.runner.process_ranks import rank_main
 forward = model_runner.ModelRunner.forward
 def probe(self, inp):
     comm = self.tp.device_comm
@@ -426,7 +426,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _ranks_of(pid: int) -> list[int]:
-    """The TP rank processes among `pid`'s children: `python ... -m swaserve.worker.tp_worker`."""
+    """The TP rank processes among `pid`'s children: `python ... -m swaserve.worker.runner.executor`."""
     return [kid for kid in _children(pid) if f"-m {RANK_MODULE} " in _cmdline(kid)]
 
 

@@ -21,11 +21,11 @@ from test_quantized_tp import run_steps_kept_quantized
 from test_tp_model import run_steps
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.model_runner import default_kv_cache_bytes, shard_weight_bytes
 from swaserve.worker.models.checkpoint import Checkpoint
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.quantized_weights import resident_bytes
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.model_runner import default_kv_cache_bytes, shard_weight_bytes
+from swaserve.worker.runner.parallel import TPGroup
 
 TOLERANCE = 1e-4
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12, 64, 8, 30], [200, 1, 33, 8, 90, 144, 2]]
@@ -114,7 +114,7 @@ def test_kv_budget_is_sized_after_the_load_from_the_weights_bytes(
         asked.append(kw)
         return default_kv_cache_bytes(config, device, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("swaserve.worker.engine.default_kv_cache_bytes", spy)
+    monkeypatch.setattr("swaserve.worker.engine.engine.default_kv_cache_bytes", spy)
     e = Engine(EngineConfig(model=str(model_dir)))  # no budget given: the default is asked
     assert asked == [{"weight_bytes": e.weight_bytes, "weights_loaded": True}]
     assert e.weight_bytes == resident_bytes(e.runner.model)

@@ -18,7 +18,7 @@ from test_tp_model import TOLERANCE, run_on_two_ranks, run_steps
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.loader import load_model
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 
 def run_steps_kept_quantized(tp: TPGroup, model_dir: str) -> list[np.ndarray]:

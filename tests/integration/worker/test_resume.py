@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.sampling import seed_for_position
+from swaserve.worker.runner.sampler import seed_for_position
 
 
 def test_seed_for_position_is_spread_and_in_range() -> None:

@@ -24,7 +24,7 @@ from swaserve.worker.attention.torch_backend import TorchAttentionBackend
 from swaserve.worker.kv.memory import KVMemoryConfig, build_kv_memory
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.loader import load_model
-from swaserve.worker.parallel import TPGroup, connect_store, create_store, init_tp_group
+from swaserve.worker.runner.parallel import TPGroup, connect_store, create_store, init_tp_group
 
 TIMEOUT_S = 30.0
 TOLERANCE = 1e-4

@@ -13,7 +13,7 @@ import pytest
 
 from swaserve.proto.kv_rules import window_repair_tokens
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.model_input import ModelInput
+from swaserve.worker.runner.model_input import ModelInput
 
 W = 8
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from swaserve.cluster.engine_loop import GenerateChunk
 from swaserve.cluster.routed import ModelInfo, RoutedCluster
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.request_limits import RequestLimits
+from swaserve.proto.text.tokenizer import TextTokenizer
 from swaserve.worker import SamplingParams
-from swaserve.worker.tokenizer import TextTokenizer
+from swaserve.worker.engine.engine_loop import GenerateChunk
 
 T = TypeVar("T")
 

@@ -11,10 +11,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
 from swaserve.proto.messages import WorkerReport
 from swaserve.router import Router, RouterConfig
 from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.engine.engine_loop import EngineLoop, GenerateChunk
 
 
 class LossyTransport:

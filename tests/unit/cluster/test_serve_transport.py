@@ -19,15 +19,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
 from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
 
-from swaserve.cluster.engine_loop import MISROUTED, EngineLoop, GenerateChunk
 from swaserve.cluster.grpc_server import UNAUTHENTICATED_DETAILS, RpcFailure
 from swaserve.cluster.openai_api import api_error
 from swaserve.cluster.routed import InvalidRequest, Unavailable
 from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress, SwaWorker
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.worker import SamplingParams
-from swaserve.worker.engine import RequestError
-from swaserve.worker.parallel import TensorParallelError
+from swaserve.worker.engine.engine import RequestError
+from swaserve.worker.engine.engine_loop import MISROUTED, EngineLoop, GenerateChunk
+from swaserve.worker.runner.parallel import TensorParallelError
 
 PROMPT = [5, 6, 7]
 PARAMS = SamplingParams(max_new_tokens=6)

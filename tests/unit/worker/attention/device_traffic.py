@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from swaserve.worker import host_tensors
+from swaserve.worker.runner import host_tensors
 
 DEVICE = torch.device("meta")
 _COPY_OPS = {"_to_copy", "copy_", "to"}  # op packets that copy between devices

@@ -15,11 +15,11 @@ import torch
 from fake_flash_attn import FakeFlashAttn
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker import model_runner as model_runner_module
 from swaserve.worker.attention import FlashAttentionBackend
 from swaserve.worker.attention.flash_backend import decode_block_table
 from swaserve.worker.attention.static_decode import decode_metadata
-from swaserve.worker.model_input import ModelInput
+from swaserve.worker.runner import model_runner as model_runner_module
+from swaserve.worker.runner.model_input import ModelInput
 
 W = 8
 PREFIX = [(5 * i + 2) % 200 + 1 for i in range(40)]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from fake_flash_attn import FakeFlashAttn
 
-from swaserve.worker import model_runner as model_runner_module
 from swaserve.worker.attention import flash_backend
+from swaserve.worker.runner import model_runner as model_runner_module
 
 BENCH = Path(__file__).resolve().parents[4] / "bench" / "gpu_check.py"
 

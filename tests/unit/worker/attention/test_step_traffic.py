@@ -23,13 +23,13 @@ from fake_flash_attn import FakeFlashAttn
 
 from swaserve.worker.attention import FlashAttentionBackend, TorchAttentionBackend
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
-from swaserve.worker.host_tensors import int_tensor
 from swaserve.worker.kv.memory import KVMemoryConfig, build_kv_pool, plan_kv_memory
 from swaserve.worker.kv.slot_table import DeviceSlotTable
-from swaserve.worker.model_input import ModelInput, SlotWrites, build_model_input
-from swaserve.worker.model_runner import ModelRunner
 from swaserve.worker.models.config import ModelConfig, load_model_config
-from swaserve.worker.sampling import Sampler, SamplingParams, filtered_probs
+from swaserve.worker.runner.host_tensors import int_tensor
+from swaserve.worker.runner.model_input import ModelInput, SlotWrites, build_model_input
+from swaserve.worker.runner.model_runner import ModelRunner
+from swaserve.worker.runner.sampler import Sampler, SamplingParams, filtered_probs
 
 W = 16
 ARCHS = ["gpt-oss", "mimo-v2-flash"]

@@ -14,7 +14,7 @@ from swaserve.worker.models.layers import gathers_expert_weights, sort_by_expert
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashExperts
 from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.models.tiny import make_tiny_model
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 TOLERANCE = 1e-5
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 3, 32

@@ -14,7 +14,7 @@ from swaserve.worker.models.layers import FusedLinear
 from swaserve.worker.models.prepacked import held_for, pack, prepacked_linear
 from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.models.tp_layers import ColumnParallelLinear, RowParallelLinear
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"

@@ -32,7 +32,7 @@ from swaserve.worker.models.layers import BatchedExperts, sort_by_expert
 from swaserve.worker.models.loader import SINGLE_FILE, build_meta_model, load_model
 from swaserve.worker.models.mxfp4 import dequantize_mxfp4, random_mxfp4
 from swaserve.worker.models.quantized_weights import Fp8Linear, Fp8Weight, resident_bytes
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.parallel import TPGroup
 
 LAYER = "model.layers.1"
 MODELS = {

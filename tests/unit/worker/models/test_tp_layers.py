@@ -25,7 +25,7 @@ from swaserve.worker.models.tp_layers import (
     even_segments,
 )
 from swaserve.worker.models.weight_sources import PlainSource
-from swaserve.worker.parallel import ShardingError, TPGroup
+from swaserve.worker.runner.parallel import ShardingError, TPGroup
 
 
 def rank(r: int, world_size: int = 2) -> TPGroup:

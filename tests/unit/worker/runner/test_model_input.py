@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from swaserve.worker.model_input import (
+from swaserve.worker.runner.model_input import (
     COMMAND_FIELD,
     HEADER_LEN,
     SlotWrites,

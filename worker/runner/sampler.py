@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from swaserve.worker.host_tensors import float_tensor, int_tensor, to_device
+from swaserve.worker.runner.host_tensors import float_tensor, int_tensor, to_device
 
 
 class SamplingParams(BaseModel):

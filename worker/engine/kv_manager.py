@@ -32,15 +32,15 @@ import numpy as np
 import torch
 
 from swaserve.proto.kv_rules import cdiv, page_floor
-from swaserve.worker.decode_batch import DecodeBatch
+from swaserve.worker.engine.decode_batch import DecodeBatch
+from swaserve.worker.engine.request import Request
+from swaserve.worker.engine.stats import EngineStats
 from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
 from swaserve.worker.kv.radix_cache import SWARadixCache
 from swaserve.worker.kv.radix_node import PrefixLock
 from swaserve.worker.kv.slot_table import RequestSlotTable
 from swaserve.worker.kv.swa_freeing import SWAFreeState, take_out_of_window_range
-from swaserve.worker.model_input import SlotWrites
-from swaserve.worker.request import Request
-from swaserve.worker.stats import EngineStats
+from swaserve.worker.runner.model_input import SlotWrites
 
 
 def is_hybrid(

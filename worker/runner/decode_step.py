@@ -58,10 +58,10 @@ from torch._inductor.compile_fx import compile_fx
 from swaserve.worker.attention import cpu_kernels
 from swaserve.worker.attention.static_decode import DecodeBatch, decode_metadata
 from swaserve.worker.cache_paths import compile_cache_dir
-from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.slot_table import DeviceSlotTable
-from swaserve.worker.model_input import ModelInput
 from swaserve.worker.models.static_step import static_shapes
+from swaserve.worker.runner.host_tensors import to_device
+from swaserve.worker.runner.model_input import ModelInput
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 
 from swaserve.worker.kv.radix_node import PrefixLock
 from swaserve.worker.kv.swa_freeing import SWAFreeState
-from swaserve.worker.sampling import SamplingParams
+from swaserve.worker.runner.sampler import SamplingParams
 
 
 class RequestStatus(enum.Enum):

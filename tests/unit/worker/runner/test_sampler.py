@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from swaserve.worker.sampling import (
+from swaserve.worker.runner.sampler import (
     Sampler,
     SamplingParams,
     filtered_probs,

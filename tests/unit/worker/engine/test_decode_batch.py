@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.decode_batch import DecodeBatch
+from swaserve.worker.engine.decode_batch import DecodeBatch
 
 W = 8
 P = 4

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from swaserve.cluster.cli import main as cli_main
-from swaserve.worker.kv.capacity import MODEL_SHAPES, capacity_row, capacity_table
+from swaserve.cluster.kv_capacity import MODEL_SHAPES, capacity_row, capacity_table
 
-REPO = Path(__file__).resolve().parents[4]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_shapes_are_the_real_models() -> None:
@@ -57,7 +57,7 @@ def test_cli_kv_capacity(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_tp_divides_the_kv_heads_so_a_rank_budget_holds_the_groups_tokens() -> None:
-    from swaserve.worker.kv.capacity import model_shapes
+    from swaserve.cluster.kv_capacity import model_shapes
 
     one, eight = model_shapes(1)["mimo-v2-flash"], model_shapes(8)["mimo-v2-flash"]
     # MiMo-V2-Flash: 4 full KV heads (replicated at tp = 8: 1 per rank), 8 SWA KV heads (1 each).

@@ -24,8 +24,6 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from swaserve.worker.models.errors import ChatTemplateError
-
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = (
@@ -38,6 +36,10 @@ SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 Message = Mapping[str, Any]
+
+
+class ChatTemplateError(Exception):
+    """The model has no chat template, or its template cannot be read or rendered."""
 
 
 class ChatTemplate:

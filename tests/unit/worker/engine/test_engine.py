@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from swaserve.worker import Engine, EngineConfig, RequestError, SamplingParams
-from swaserve.worker.engine import CALIBRATION_TOKENS
+from swaserve.worker.engine.engine import CALIBRATION_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
@@ -144,7 +144,7 @@ def test_requests_that_can_never_fit_are_refused(model_dir: Path) -> None:
 def test_a_tp_size_the_model_cannot_split_is_refused_before_any_rank_starts(
     model_dir: Path,
 ) -> None:
-    from swaserve.worker.parallel import ShardingError
+    from swaserve.worker.runner.parallel import ShardingError
 
     with pytest.raises(ShardingError, match="4 attention heads do not split over tp_size=3"):
         make_engine(model_dir, tp_size=3)

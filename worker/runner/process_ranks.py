@@ -1,7 +1,7 @@
 """`ProcessRanks`: TP ranks 1..tp-1 as child processes of rank 0's process, and the rank
-process's own side (`rank_main`, run by `python -m swaserve.worker.tp_worker`).
+process's own side (`rank_main`, run by `python -m swaserve.worker.runner.executor`).
 
-    rank 0                                       rank r (python -m swaserve.worker.tp_worker
+    rank 0                                       rank r (python -m swaserve.worker.runner.executor
                                                           --rank r --world-size n)
     Popen(rank_command(), env=rank_env())  ──▶  stdin: one JSON line {store, RankSpec}
     RankOutput thread  ◀── stdout + stderr ───  run_worker_rank(...); a failure is reported
@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Sequence
 from typing import IO, Any
 
-from swaserve.worker.tp_worker import RANK_MODULE, RankSpec, run_worker_rank
+from swaserve.worker.runner.executor import RANK_MODULE, RankSpec, run_worker_rank
 
 ERROR_MARK = "swaserve-tp-rank-error: "  # a rank's own failure report: this, then JSON, one line
 TAIL_LINES = 40  # output lines kept per rank, for the failure message of a rank that died

@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from swaserve.cluster.detokenizer import IncrementalDetokenizer
+from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.worker.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, write_byte_tokenizer
 
 FFFD = "\ufffd"

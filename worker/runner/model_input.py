@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swaserve.worker.host_tensors import int_tensor
+from swaserve.worker.runner.host_tensors import int_tensor
 
 
 @dataclass(frozen=True, slots=True)

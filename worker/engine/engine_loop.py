@@ -32,7 +32,7 @@ from typing import Any
 
 from swaserve.proto.messages import WorkerReport
 from swaserve.worker import Engine, SamplingParams
-from swaserve.worker.engine import RequestOutput
+from swaserve.worker.engine.engine import RequestOutput
 
 logger = logging.getLogger(__name__)
 

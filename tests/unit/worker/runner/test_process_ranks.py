@@ -15,8 +15,8 @@ import pytest
 
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.pool_plan import PoolPlan
-from swaserve.worker.process_ranks import ERROR_MARK, ProcessRanks, rank_env
-from swaserve.worker.tp_worker import RankSpec
+from swaserve.worker.runner.executor import RankSpec
+from swaserve.worker.runner.process_ranks import ERROR_MARK, ProcessRanks, rank_env
 
 SPEC = RankSpec(
     EngineConfig(model="/models/tiny", tp_size=2, page_size=4, max_total_tokens=256),
@@ -105,7 +105,7 @@ def test_a_rank_ends_when_its_stdin_ends() -> None:
     """What happens when rank 0's process dies: the pipe's end is the rank's signal."""
     code = (
         "import sys; sys.stdin.buffer.readline(); "
-        "from swaserve.worker.process_ranks import _exit_with_parent; "
+        "from swaserve.worker.runner.process_ranks import _exit_with_parent; "
         "print('watching', flush=True); _exit_with_parent(0)"
     )
     ranks = ProcessRanks(2, python(code))

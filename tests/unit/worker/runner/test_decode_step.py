@@ -14,21 +14,21 @@ import pytest
 import torch
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.decode_step import (
-    DecodeStep,
-    InductorBackend,
-    batch_buckets,
-    bucket_of,
-    key_width,
-)
-from swaserve.worker.model_input import padding_decode_input
-from swaserve.worker.model_runner import compile_mode
 from swaserve.worker.models.layers import (
     GATHER_BUDGET_ELEMENTS,
     BatchedExperts,
     FusedLinear,
 )
 from swaserve.worker.models.static_step import static_shapes
+from swaserve.worker.runner.decode_step import (
+    DecodeStep,
+    InductorBackend,
+    batch_buckets,
+    bucket_of,
+    key_width,
+)
+from swaserve.worker.runner.model_input import padding_decode_input
+from swaserve.worker.runner.model_runner import compile_mode
 
 W = 8
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)

@@ -24,7 +24,7 @@ from swaserve.worker.kv.memory import KVMemoryConfig, build_kv_memory
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.loader import load_model
 from swaserve.worker.models.tp_layers import ParallelLMHead
-from swaserve.worker.parallel import (
+from swaserve.worker.runner.parallel import (
     Collectives,
     TensorParallelError,
     TPGroup,

@@ -17,7 +17,7 @@ from swaserve.worker.kv.pool_plan import (
     request_bound,
     requests_that_fit,
 )
-from swaserve.worker.parallel import num_kv_heads_per_rank
+from swaserve.worker.runner.parallel import num_kv_heads_per_rank
 
 BF16_BYTES = 2
 

@@ -1,6 +1,6 @@
 """Running one engine over a TP group: rank 0 is the engine's own process; ranks 1..tp-1 each
 run `run_worker_rank` wherever the `RankHandles` put them: child processes of rank 0
-(`process_ranks.ProcessRanks`, the default: `python -m swaserve.worker.tp_worker --rank r
+(`process_ranks.ProcessRanks`, the default: `python -m swaserve.worker.runner.executor --rank r
 --world-size n`, which imports nothing of the user's program) or Ray actors (the cluster's
 worker groups).
 
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from swaserve.worker.model_input import (
+from swaserve.worker.runner.model_input import (
     COMMAND_FIELD,
     HEADER_LEN,
     ModelInput,
@@ -47,7 +47,7 @@ from swaserve.worker.model_input import (
     payload_len,
     unpack_model_input,
 )
-from swaserve.worker.parallel import (
+from swaserve.worker.runner.parallel import (
     TensorParallelError,
     TPGroup,
     connect_store,
@@ -67,7 +67,7 @@ JOIN_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 600.0  # a rank loading its shard, after rank 0 loaded its own
 POLL_S = 0.05  # how often rank 0 looks at the store and the ranks while they start
 ARRIVED, READY = "arrived", "ready"  # rank/<stage>/<r>: the store keys of start-up
-RANK_MODULE = "swaserve.worker.tp_worker"
+RANK_MODULE = "swaserve.worker.runner.executor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +145,8 @@ def run_worker_rank(
     """The loop of TP rank `rank` >= 1: join the group, load the shard, then run every forward
     rank 0 broadcasts until it says stop. Its logits stay here: the forward gathers them to
     rank 0 and returns no row on this rank, which samples nothing."""
-    from swaserve.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
     from swaserve.worker.models.config import load_model_config
+    from swaserve.worker.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 
     config = spec.config
     timeout_s = config.tp_timeout_s
@@ -216,7 +216,7 @@ class TPLauncher:
         self.world_size = config.tp_size
         self.timeout_s = config.tp_timeout_s
         if ranks is None:
-            from swaserve.worker.process_ranks import ProcessRanks
+            from swaserve.worker.runner.process_ranks import ProcessRanks
 
             ranks = ProcessRanks(self.world_size)
         self.ranks: RankHandles = ranks
@@ -321,6 +321,6 @@ class TPLauncher:
 
 
 if __name__ == "__main__":  # a rank process (`process_ranks.rank_command`)
-    from swaserve.worker.process_ranks import rank_main
+    from swaserve.worker.runner.process_ranks import rank_main
 
     rank_main()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from swaserve.worker.request import Request
+from swaserve.worker.engine.request import Request
 
 _NONE = np.empty(0, dtype=np.int64)  # [0] int64: no index (never written)
 _NO_GAP = 1 << 62

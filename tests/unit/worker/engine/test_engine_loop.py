@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from swaserve.cluster.engine_loop import EngineLoop, GenerateChunk
 from swaserve.proto.kv_events import KVCleared
 from swaserve.proto.messages import WorkerReport
 from swaserve.router.exact_view import ExactCacheView
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.engine import RequestError
+from swaserve.worker.engine.engine import RequestError
+from swaserve.worker.engine.engine_loop import EngineLoop, GenerateChunk
 
 
 @pytest.fixture

@@ -21,32 +21,32 @@ from swaserve.proto.kv_rules import (
 )
 from swaserve.proto.messages import Headroom
 from swaserve.proto.request_limits import RequestLimits
+from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.worker.config import EngineConfig
+from swaserve.worker.engine.kv_manager import KVCacheManager, is_hybrid
+from swaserve.worker.engine.request import FinishReason, Request, RequestStatus
+from swaserve.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
+from swaserve.worker.engine.stats import EngineStats
 from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
 from swaserve.worker.kv.slot_table import RequestSlotTable
-from swaserve.worker.kv_manager import KVCacheManager, is_hybrid
-from swaserve.worker.model_input import (
+from swaserve.worker.models.config import load_model_config
+from swaserve.worker.runner.executor import RankHandles, RankSpec, TPLauncher, rank_device
+from swaserve.worker.runner.model_input import (
     ModelInput,
     build_model_input,
     padding_decode_input,
     padding_prefill_input,
 )
-from swaserve.worker.model_runner import (
+from swaserve.worker.runner.model_runner import (
     ModelRunner,
     default_kv_cache_bytes,
     resolve_device,
     resolve_dtype,
     shard_weight_bytes,
 )
-from swaserve.worker.models.config import load_model_config
-from swaserve.worker.parallel import TensorParallelError, TPGroup
-from swaserve.worker.request import FinishReason, Request, RequestStatus
-from swaserve.worker.sampling import Sampler, SamplingParams, make_generator, reseed
-from swaserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
-from swaserve.worker.stats import EngineStats
-from swaserve.worker.tokenizer import load_tokenizer
-from swaserve.worker.tp_worker import RankHandles, RankSpec, TPLauncher, rank_device
+from swaserve.worker.runner.parallel import TensorParallelError, TPGroup
+from swaserve.worker.runner.sampler import Sampler, SamplingParams, make_generator, reseed
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.kv.slot_table import RequestSlotTable
-from swaserve.worker.model_input import ModelInput
+from swaserve.worker.runner.model_input import ModelInput
 
 W = 8
 P = 4

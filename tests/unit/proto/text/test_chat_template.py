@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from swaserve.worker.models.chat_template import TEMPLATE_FILE, ChatTemplate
-from swaserve.worker.models.errors import ChatTemplateError
+from swaserve.proto.text.chat_template import TEMPLATE_FILE, ChatTemplate, ChatTemplateError
 from swaserve.worker.models.tiny import write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")

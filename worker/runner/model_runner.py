@@ -16,17 +16,17 @@ import torch
 from swaserve.worker.attention.base import ForwardBatch
 from swaserve.worker.attention.registry import select_backend
 from swaserve.worker.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from swaserve.worker.decode_step import DecodeStep, Graph
-from swaserve.worker.host_tensors import to_device
 from swaserve.worker.kv.memory import build_kv_pool
 from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.kv.slot_table import DeviceSlotTable
-from swaserve.worker.model_input import ModelInput
 from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.loader import build_meta_model, load_model
 from swaserve.worker.models.quantized_weights import resident_bytes
-from swaserve.worker.parallel import TPGroup
+from swaserve.worker.runner.decode_step import DecodeStep, Graph
+from swaserve.worker.runner.host_tensors import to_device
+from swaserve.worker.runner.model_input import ModelInput
+from swaserve.worker.runner.parallel import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
