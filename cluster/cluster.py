@@ -37,10 +37,11 @@ from swaserve.cluster.routed import (
 )
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.cluster.worker_group import KILL_TIMEOUT_S, WorkerGroup
+from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.stream import GenerateChunk
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.router import RouterConfig
-from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.engine.engine_loop import GenerateChunk
+from swaserve.worker.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +255,9 @@ class Cluster(RoutedCluster):
         return [w for w, g in self.groups.items() if g.alive]
 
     async def _stream(
-        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+        self, worker_id: str, request: EngineRequest
     ) -> AsyncIterator[GenerateChunk | Exception]:
-        stream = self.groups[worker_id].engine.generate.remote(request_id, token_ids, params)
+        stream = self.groups[worker_id].engine.generate.remote(request)
         try:
             async for ref in stream:
                 yield await ref

@@ -43,10 +43,10 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
 )
+from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
-from swaserve.worker import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from swaserve.proto.request_limits import RequestLimits
 from swaserve.proto.text.tokenizer import tokenizer_dir
 
 if TYPE_CHECKING:
-    from swaserve.cluster.worker_group import WorkerInfo
     from swaserve.worker import Engine, EngineConfig
 
 
@@ -50,6 +49,16 @@ class ModelInfo:
             "eos_token_ids": list(self.eos_token_ids),
             "has_tokenizer": self.has_tokenizer,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What rank 0 tells the driver once its engine is up (plain data for the ingress)."""
+
+    worker_id: str
+    device: str
+    node_id: str
+    model: ModelInfo  # the model its engine serves and the limits of a request
 
 
 def model_info_of_engine(engine: Engine) -> ModelInfo:

@@ -25,9 +25,10 @@ from typing import Any
 
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
+from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import FinishReason, GenerateChunk
 from swaserve.proto.text.tokenizer import TextTokenizer
-from swaserve.worker import SamplingParams
-from swaserve.worker.engine.engine_loop import MISROUTED, WORKER_LOST, GenerateChunk
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class RoutedCluster:
 
     # ---- what a subclass provides ----------------------------------------------------------
     def _stream(
-        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+        self, worker_id: str, request: EngineRequest
     ) -> AsyncIterator[GenerateChunk | Exception]:
         """The worker's items: a first empty chunk once it took the request (or the
         `RequestError` that refused it), then chunks. Raises `WorkerLost`."""
@@ -196,7 +197,10 @@ class RoutedCluster:
             left = params.max_new_tokens - len(sent)
             if left <= 0:  # the lost chunk was only the finish: the request is complete
                 yield GenerateChunk(
-                    request_id, finished=True, finish_reason="length", cached_tokens=cached or 0
+                    request_id,
+                    finished=True,
+                    finish_reason=FinishReason.LENGTH,
+                    cached_tokens=cached or 0,
                 )
                 return
             attempt = params if not sent else params.model_copy(update={"max_new_tokens": left})
@@ -206,7 +210,7 @@ class RoutedCluster:
             try:
                 worker = await self._route(request_id, prompt, attempt, session_id, deadline)
                 self._open[request_id] = worker
-                async for item in self._stream(worker, request_id, prompt, attempt):
+                async for item in self._stream(worker, EngineRequest(request_id, prompt, attempt)):
                     if isinstance(item, ValueError):  # the engine refused it (RequestError)
                         finished = True
                         if sent:
@@ -216,12 +220,12 @@ class RoutedCluster:
                         raise InvalidRequest(str(item))
                     if isinstance(item, Exception):  # e.g. "worker has stopped"
                         raise WorkerLost(str(item))
-                    if item.finish_reason == MISROUTED:
+                    if item.finish_reason == FinishReason.MISROUTED:
                         finished = True
                         raise _Misrouted(item.error or "")
-                    if item.finish_reason == WORKER_LOST:
+                    if item.finish_reason == FinishReason.WORKER_LOST:
                         raise WorkerLost(item.error)
-                    if item.finish_reason == "error":
+                    if item.finish_reason == FinishReason.ERROR:
                         finished = True
                         raise GenerationFailed(item.error or "the worker's step failed")
                     item.worker_id = item.worker_id or worker

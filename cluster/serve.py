@@ -19,13 +19,12 @@ gRPC service, only the worker transport differs (`ServeCluster`).
 Faults: a worker replica whose engine loop ended or whose TP rank died fails Serve's health
 check (`SwaWorker.check_health`) and is replaced under a new replica id. The ingress drops a
 worker from the router only when it is gone (ActorDiedError, a stopped engine, a lost rank); a
-call that reached another replica (MISROUTED) or met an unreachable one (ActorUnavailableError)
+call that reached another replica (FinishReason.MISROUTED) or met an unreachable one (ActorUnavailableError)
 is routed again and drops nobody.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -38,8 +37,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
-from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from swaserve.cluster.defaults import API_KEY_ENV
 from swaserve.cluster.grpc_server import (
@@ -49,16 +46,17 @@ from swaserve.cluster.grpc_server import (
     RpcFailure,
 )
 from swaserve.cluster.metrics import ServingMetrics
-from swaserve.cluster.model_info import ModelInfo, model_info_of
+from swaserve.cluster.model_info import ModelInfo, WorkerInfo, model_info_of
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
 from swaserve.cluster.routed import RoutedCluster, WorkerLost
 from swaserve.cluster.router_actor import RouterActor
-from swaserve.cluster.worker_group import EngineWorker, RankWorker, WorkerInfo
+from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import FinishReason, GenerateChunk
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.router import RouterConfig
-from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.engine.engine_loop import MISROUTED, EngineLoop, GenerateChunk
+from swaserve.worker.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,90 +153,6 @@ class SwaRouter(RouterActor):
     """The router as a Serve deployment (one replica)."""
 
 
-class SwaWorker(EngineWorker):
-    """One TP worker group as one Serve replica: the replica is rank 0; it starts ranks
-    1..tp-1 in the other bundles of its placement group."""
-
-    def __init__(self, config: EngineConfig, router: Any, report_interval_s: float) -> None:
-        worker_id = serve.get_replica_context().replica_id.unique_id
-        ranks = []
-        if config.tp_size > 1:
-            group = get_current_placement_group()
-            if group is None:
-                raise RuntimeError("a TP worker replica needs placement_group_bundles")
-            use_gpu = config.device.startswith("cuda")
-            resources = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
-            ranks = [
-                ray.remote(RankWorker)
-                .options(
-                    max_restarts=0,
-                    max_concurrency=2,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=rank
-                    ),
-                    **resources,
-                )
-                .remote()
-                for rank in range(1, config.tp_size)
-            ]
-        super().__init__(worker_id, config, ranks, router, report_interval_s)
-        self.start_sync()
-
-    async def info_of(self) -> WorkerInfo:
-        assert self.info is not None
-        return self.info
-
-    async def generate_on(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        worker_id: str,
-    ) -> AsyncIterator[GenerateChunk | Exception]:
-        if worker_id not in (self.worker_id, ANY_WORKER):  # Serve could not reach it
-            yield GenerateChunk(
-                request_id,
-                finished=True,
-                finish_reason=MISROUTED,  # route again; the chosen worker is not lost
-                error=f"the call for worker {worker_id} reached {self.worker_id}: "
-                f"{worker_id} is not among the running replicas",
-            )
-            return
-        async for item in self.generate(request_id, token_ids, params):
-            yield item
-
-    async def check_health(self) -> None:
-        """Serve calls it every `health_check_period_s`; raising marks the replica unhealthy
-        and Serve replaces it (under a new replica id, so the router sees a new worker).
-        Raises once the engine loop has ended (the error that ended it: a dead or hung TP
-        rank, a broken step) or when a TP rank has died (`TensorParallelError`)."""
-        loop = self.loop
-        if loop is None:
-            raise RuntimeError(f"worker {self.worker_id} has stopped")
-        if loop.wait(0):  # re-raises the error that ended the loop
-            raise RuntimeError(f"worker {self.worker_id}: its engine loop has ended")
-        launcher = loop.engine.launcher
-        if launcher is not None:  # TP > 1; asks Ray, so off the replica's event loop
-            await asyncio.to_thread(launcher.check_alive)
-
-    async def abort_on(self, request_id: str, worker_id: str) -> None:
-        if worker_id == self.worker_id:
-            await self.abort(request_id)
-
-    def __del__(self) -> None:
-        """Serve calls it when the replica stops: end the loop, the engine and its ranks."""
-        loop: EngineLoop | None = getattr(self, "loop", None)
-        if loop is None:
-            return
-        self.loop = None
-        loop.stop()
-        try:
-            loop.wait(10.0)
-        except BaseException:
-            logger.warning("worker %s ended with an error", self.worker_id, exc_info=True)
-        loop.engine.shutdown()
-
-
 class ServeCluster(RoutedCluster):
     """`RoutedCluster` over the SwaRouter and SwaWorker deployments (handles)."""
 
@@ -263,16 +177,14 @@ class ServeCluster(RoutedCluster):
         self.model_info = model_info_of(self.engine, info, self.args.served_model_name)
 
     def _stream(
-        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+        self, worker_id: str, request: EngineRequest
     ) -> AsyncIterator[GenerateChunk | Exception]:
-        return self._stream_from(worker_id, request_id, token_ids, params)
+        return self._stream_from(worker_id, request)
 
     async def _stream_from(
-        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+        self, worker_id: str, request: EngineRequest
     ) -> AsyncIterator[GenerateChunk | Exception]:
-        stream = self.workers.options(stream=True).generate_on.remote(
-            request_id, token_ids, params, worker_id=worker_id
-        )
+        stream = self.workers.options(stream=True).generate_on.remote(request, worker_id=worker_id)
         try:
             async for item in stream:
                 yield item
@@ -283,9 +195,9 @@ class ServeCluster(RoutedCluster):
             # route again.
             stream.cancel()
             yield GenerateChunk(
-                request_id,
+                request.request_id,
                 finished=True,
-                finish_reason=MISROUTED,
+                finish_reason=FinishReason.MISROUTED,
                 error=f"worker {worker_id} was unreachable: {exc}",
             )
         except ray.exceptions.RayActorError as exc:  # ActorDiedError: the replica is gone
@@ -423,6 +335,8 @@ GRPC_SERVICER_FUNCTION = (
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The Serve application (see the module docstring); `args` as `ServeAppArgs`."""
+    from swaserve.cluster.serve_worker import SwaWorker  # the engine: only worker replicas load it
+
     try:
         parsed = ServeAppArgs(**args)
         parsed.check_extra()

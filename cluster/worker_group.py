@@ -20,33 +20,24 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from swaserve.cluster.model_info import ModelInfo, model_info_of_engine
+from swaserve.cluster.model_info import WorkerInfo, model_info_of_engine
+from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.messages import WorkerReport
-from swaserve.worker import EngineConfig, SamplingParams
-from swaserve.worker.engine.engine_loop import EngineLoop, GenerateChunk
+from swaserve.proto.stream import GenerateChunk
+from swaserve.worker.config import EngineConfig
+from swaserve.worker.engine.engine_loop import EngineLoop
 from swaserve.worker.runner.executor import RankSpec, run_worker_rank
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # model load on every rank
 KILL_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What rank 0 tells the driver once its engine is up (plain data for the ingress)."""
-
-    worker_id: str
-    device: str
-    node_id: str
-    model: ModelInfo  # the model its engine serves and the limits of a request
 
 
 class RankWorker:
@@ -168,12 +159,10 @@ class EngineWorker:
         while not await asyncio.to_thread(loop.wait, 1.0):
             pass
 
-    async def generate(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[GenerateChunk | Exception]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateChunk | Exception]:
         """Stream the request's chunks. The first item is an empty chunk once the engine took
         the request, or the `RequestError` that refused it (then the stream ends)."""
-        loop = self._loop()
+        loop, request_id = self._loop(), request.request_id
         chunks: asyncio.Queue[GenerateChunk] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -181,7 +170,7 @@ class EngineWorker:
             event_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
         try:
-            await asyncio.wrap_future(loop.submit(request_id, token_ids, params, sink))
+            await asyncio.wrap_future(loop.submit(request, sink))
         except Exception as exc:
             yield exc
             return

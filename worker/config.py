@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swaserve.worker.kv.memory import KVMemoryConfig
 from swaserve.worker.kv.pool_plan import (
     DEFAULT_SWA_EVICTION_INTERVAL,
     DEFAULT_SWA_FULL_TOKENS_RATIO,
 )
+
+if TYPE_CHECKING:
+    from swaserve.worker.kv.memory import KVMemoryConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 """KV budget on CPU when neither `kv_cache_bytes` nor `max_total_tokens` is given."""
@@ -124,6 +126,8 @@ class EngineConfig(BaseModel):
 
     def kv_memory_config(self, *, kv_cache_bytes: int | None = None) -> KVMemoryConfig:
         """The KV part, with the byte budget resolved by the engine when none was given."""
+        from swaserve.worker.kv.memory import KVMemoryConfig
+
         budget = self.kv_cache_bytes if self.kv_cache_bytes is not None else kv_cache_bytes
         return KVMemoryConfig(
             page_size=self.page_size,

@@ -31,9 +31,9 @@ from swaserve.cluster.openai_api.protocol import (
     message_text,
 )
 from swaserve.cluster.routed import InvalidRequest, RoutedCluster
+from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.text.chat_template import ChatTemplate, ChatTemplateError
 from swaserve.proto.text.tokenizer import encode_text
-from swaserve.worker import SamplingParams
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -113,3 +114,49 @@ def test_section_references_resolve_in_docs_architecture() -> None:
     assert cited, "no references found: the pattern is stale"
     assert set(cited) <= headings, {n: f for n, f in cited.items() if n not in headings}
     assert outside == []
+
+
+INGRESS_MODULES = [
+    "swaserve.proto",
+    "swaserve.proto.text.chat_template",
+    "swaserve.proto.text.detokenizer",
+    "swaserve.proto.text.tokenizer",
+    "swaserve.cluster.grpc_server",
+    "swaserve.cluster.http_server",
+    "swaserve.cluster.openai_api",
+    "swaserve.cluster.routed",
+    "swaserve.cluster.router_actor",
+    "swaserve.cluster.serve",
+]
+ENGINE_PACKAGES = (
+    "torch",
+    "swaserve.worker.engine",
+    "swaserve.worker.runner",
+    "swaserve.worker.models",
+)
+
+
+def test_ingresses_and_proto_import_neither_torch_nor_the_engine() -> None:
+    """An HTTP or gRPC proxy replica loads the contract and the ingress, never the engine: each
+    module is imported alone in a fresh interpreter and what it pulled in is listed."""
+    probe = (
+        "import importlib, json, sys\n"
+        "importlib.import_module(sys.argv[1])\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    for module in INGRESS_MODULES:
+        out = subprocess.run(
+            [sys.executable, "-c", probe, module], capture_output=True, text=True, check=True
+        ).stdout
+        loaded = json.loads(out.splitlines()[-1])
+        engine = [m for m in loaded if m.split(".")[0] == "torch" or m.startswith(ENGINE_PACKAGES)]
+        assert engine == [], (module, engine[:5])
+
+
+def test_proto_imports_nothing_of_the_other_packages() -> None:
+    for path in (REPO / "proto").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(
+            r"^\s*(import|from)\s+(torch|ray|swaserve\.(worker|router|cluster))\b", text, flags=re.M
+        ), path
+

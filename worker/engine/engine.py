@@ -21,10 +21,12 @@ from swaserve.proto.kv_rules import (
 )
 from swaserve.proto.messages import Headroom
 from swaserve.proto.request_limits import RequestLimits
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import FinishReason
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.kv_manager import KVCacheManager, is_hybrid
-from swaserve.worker.engine.request import FinishReason, Request, RequestStatus
+from swaserve.worker.engine.request import Request, RequestStatus
 from swaserve.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from swaserve.worker.engine.stats import EngineStats
 from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
@@ -46,7 +48,7 @@ from swaserve.worker.runner.model_runner import (
     shard_weight_bytes,
 )
 from swaserve.worker.runner.parallel import TensorParallelError, TPGroup
-from swaserve.worker.runner.sampler import Sampler, SamplingParams, make_generator, reseed
+from swaserve.worker.runner.sampler import Sampler, make_generator, reseed
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason "error": why the step failed
 
@@ -74,7 +76,7 @@ class RequestOutput:
 class GenerateOutput:
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     cached_tokens: int
 
 
@@ -454,7 +456,7 @@ class Engine:
         for req in batch.reqs:
             outputs.append(
                 RequestOutput(
-                    req.request_id, [], True, FinishReason.ERROR.value, req.cached_tokens, message
+                    req.request_id, [], True, FinishReason.ERROR, req.cached_tokens, message
                 )
             )
             self._requests.pop(req.request_id, None)
@@ -468,7 +470,7 @@ class Engine:
             self._requests.pop(req.request_id, None)
             outputs.append(
                 RequestOutput(
-                    req.request_id, [], True, FinishReason.ERROR.value, req.cached_tokens, req.error
+                    req.request_id, [], True, FinishReason.ERROR, req.cached_tokens, req.error
                 )
             )
         return outputs
@@ -503,7 +505,7 @@ class Engine:
                     req.request_id,
                     [token],
                     reason is not None,
-                    None if reason is None else reason.value,
+                    reason,
                     req.cached_tokens,
                 )
             )
@@ -554,7 +556,7 @@ class Engine:
     def _generate_output(self, req: Request) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else ""
         reason = req.finish_reason or FinishReason.ABORT
-        return GenerateOutput(list(req.output_ids), text, reason.value, req.cached_tokens)
+        return GenerateOutput(list(req.output_ids), text, reason, req.cached_tokens)
 
     # ---- reports -------------------------------------------------------------------------
     def headroom(self) -> Headroom:

@@ -27,45 +27,25 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.messages import WorkerReport
-from swaserve.worker import Engine, SamplingParams
-from swaserve.worker.engine.engine import RequestOutput
+from swaserve.proto.stream import FinishReason, GenerateChunk
+from swaserve.worker.engine.engine import Engine, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REPORT_INTERVAL_S = 0.1
 
 
-@dataclass(slots=True)
-class GenerateChunk:
-    """What a worker streams for one request: its new tokens since the previous chunk.
-
-    `finish_reason` is set on the last chunk: "stop" | "length" | "abort" | "error" |
-    "worker_lost" | "misrouted"; `error` says why for the last three."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-    error: str | None = None
-    worker_id: str = ""  # set by the cluster: the group that served it
-
-
-WORKER_LOST = "worker_lost"
-MISROUTED = "misrouted"  # a replica that was not the one chosen got the call: route again
-
 Sink = Callable[[GenerateChunk], None]
 
 
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest
     sink: Sink
     accepted: Future[None]
 
@@ -124,16 +104,14 @@ class EngineLoop:
         self._thread.start()
 
     # ---- commands (any thread) ------------------------------------------------------------
-    def submit(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, sink: Sink
-    ) -> Future[None]:
+    def submit(self, request: EngineRequest, sink: Sink) -> Future[None]:
         """Queue a request. The future resolves once the engine took it, or raises its
         `RequestError` (then nothing reaches the sink)."""
         accepted: Future[None] = Future()
         if self._done.is_set():
             accepted.set_exception(RuntimeError(f"worker {self.worker_id} has stopped"))
             return accepted
-        self._commands.put(_Add(request_id, token_ids, params, sink, accepted))
+        self._commands.put(_Add(request, sink, accepted))
         return accepted
 
     def abort(self, request_id: str) -> None:
@@ -210,9 +188,9 @@ class EngineLoop:
         except BaseException as exc:
             self._failure = exc
             logger.error("worker %s: engine loop ended: %s", self.worker_id, exc)
-            self._end_all(WORKER_LOST, f"worker {self.worker_id} lost: {exc}")
+            self._end_all(FinishReason.WORKER_LOST, f"worker {self.worker_id} lost: {exc}")
         else:
-            self._end_all("abort", "the worker is shutting down")
+            self._end_all(FinishReason.ABORT, "the worker is shutting down")
         finally:
             self._done.set()
             self._fail_pending_adds()
@@ -246,19 +224,20 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.token_ids, command.params, command.request_id)
+            request = command.request
+            self.engine.add_request(request.token_ids, request.params, request.request_id)
         except Exception as exc:
             command.accepted.set_exception(exc)
             return
-        self._sinks[command.request_id] = command.sink
-        self._admitted.append(command.request_id)
+        self._sinks[request.request_id] = command.sink
+        self._admitted.append(request.request_id)
         command.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
         sink = self._sinks.pop(request_id, None)
         self.engine.abort(request_id)
         if sink is not None:
-            sink(GenerateChunk(request_id, finished=True, finish_reason="abort"))
+            sink(GenerateChunk(request_id, finished=True, finish_reason=FinishReason.ABORT))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -350,7 +329,7 @@ class EngineLoop:
         if loop is not None:
             asyncio.run_coroutine_threadsafe(_cancel_all_and_stop(), loop)
 
-    def _end_all(self, reason: str, message: str) -> None:
+    def _end_all(self, reason: FinishReason, message: str) -> None:
         for request_id, sink in list(self._sinks.items()):
             try:
                 self.engine.abort(request_id)

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import FinishReason
 from swaserve.worker.kv.radix_node import PrefixLock
 from swaserve.worker.kv.swa_freeing import SWAFreeState
-from swaserve.worker.runner.sampler import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -17,13 +18,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # a stop token (or EOS) was sampled
-    LENGTH = "length"  # max_new_tokens (or the model's context) reached
-    ABORT = "abort"
-    ERROR = "error"  # the step that ran it failed; `Request.error` says why
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # [0] int64: the row of a request without KV

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from swaserve.proto.kv_rules import page_ceil, page_floor, swa_tokens_for_extend
+from swaserve.proto.stream import FinishReason
 from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.kv_manager import KVCacheManager, PrefixHit
-from swaserve.worker.engine.request import FinishReason, Request, RequestStatus
+from swaserve.worker.engine.request import Request, RequestStatus
 from swaserve.worker.engine.stats import EngineStats
 
 CLIP_MAX_NEW_TOKENS = 4096

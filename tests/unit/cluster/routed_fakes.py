@@ -12,10 +12,11 @@ from typing import Any, TypeVar
 
 from swaserve.cluster.routed import ModelInfo, RoutedCluster
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
+from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.request_limits import RequestLimits
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import GenerateChunk
 from swaserve.proto.text.tokenizer import TextTokenizer
-from swaserve.worker import SamplingParams
-from swaserve.worker.engine.engine_loop import GenerateChunk
 
 T = TypeVar("T")
 
@@ -147,10 +148,11 @@ class FakeCluster(RoutedCluster):
         self.aborted: list[tuple[str, str]] = []
 
     async def _stream(
-        self, worker_id: str, request_id: str, token_ids: list[int], params: SamplingParams
+        self, worker_id: str, request: EngineRequest
     ) -> AsyncIterator[GenerateChunk | Exception]:
+        request_id = request.request_id
         yield GenerateChunk(request_id)  # taken
-        tokens = counting_tokens(token_ids, params)
+        tokens = counting_tokens(request.token_ids, request.params)
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
             yield GenerateChunk(

@@ -26,10 +26,10 @@ from swaserve.cluster.grpc_server import (
 )
 from swaserve.cluster.http_server import HttpServer
 from swaserve.cluster.openai_api import MAX_BODY_BYTES
+from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.proto.text.tokenizer import TextTokenizer, encode_text, load_tokenizer
-from swaserve.worker import SamplingParams
 
 TOKEN = "s3cret"
 OVER_LIMIT_BYTES = MAX_BODY_BYTES + 4_000_000  # about 20 MB

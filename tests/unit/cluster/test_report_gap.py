@@ -11,10 +11,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.messages import WorkerReport
+from swaserve.proto.stream import GenerateChunk
 from swaserve.router import Router, RouterConfig
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.engine.engine_loop import EngineLoop, GenerateChunk
+from swaserve.worker.engine.engine_loop import EngineLoop
 
 
 class LossyTransport:
@@ -80,7 +82,7 @@ def test_a_lost_report_is_repaired_by_a_snapshot_and_loses_nothing(
         got = {}
         for rid, prompt in prompts.items():  # one after another: each is cached when it ends
             chunks: queue.SimpleQueue[GenerateChunk] = queue.SimpleQueue()
-            loop.submit(rid, prompt, params, chunks.put).result(30)
+            loop.submit(EngineRequest(rid, prompt, params), chunks.put).result(30)
             got[rid] = finished_tokens(chunks)
         assert got == expected  # nothing lost, nothing changed by the gap
         assert transport.dropped is not None

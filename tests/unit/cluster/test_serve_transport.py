@@ -22,11 +22,14 @@ from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
 from swaserve.cluster.grpc_server import UNAUTHENTICATED_DETAILS, RpcFailure
 from swaserve.cluster.openai_api import api_error
 from swaserve.cluster.routed import InvalidRequest, Unavailable
-from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress, SwaWorker
+from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress
+from swaserve.cluster.serve_worker import SwaWorker
+from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import FinishReason, GenerateChunk
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
-from swaserve.worker import SamplingParams
 from swaserve.worker.engine.engine import RequestError
-from swaserve.worker.engine.engine_loop import MISROUTED, EngineLoop, GenerateChunk
+from swaserve.worker.engine.engine_loop import EngineLoop
 from swaserve.worker.runner.parallel import TensorParallelError
 
 PROMPT = [5, 6, 7]
@@ -93,11 +96,16 @@ def test_a_call_for_another_replica_is_misrouted_not_lost(
     worker = make_worker(None)
 
     async def collect() -> list[GenerateChunk | Exception]:
-        return [c async for c in worker.generate_on("r1", PROMPT, PARAMS, worker_id="other")]
+        return [
+            c
+            async for c in worker.generate_on(
+                EngineRequest("r1", PROMPT, PARAMS), worker_id="other"
+            )
+        ]
 
     [chunk] = asyncio.run(collect())
     assert isinstance(chunk, GenerateChunk)
-    assert (chunk.finished, chunk.finish_reason) == (True, MISROUTED)
+    assert (chunk.finished, chunk.finish_reason) == (True, FinishReason.MISROUTED)
     assert chunk.error == (
         "the call for worker other reached me: other is not among the running replicas"
     )
@@ -201,10 +209,10 @@ class ScriptedWorkers:
         self.scripts = scripts
         self.streams: list[tuple[str, FakeStream]] = []
 
-    def generate_on(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, worker_id: str
-    ) -> FakeStream:
-        stream = self.scripts[worker_id].pop(0)(request_id, token_ids, params)
+    def generate_on(self, request: EngineRequest, worker_id: str) -> FakeStream:
+        stream = self.scripts[worker_id].pop(0)(
+            request.request_id, request.token_ids, request.params
+        )
         self.streams.append((worker_id, stream))
         return stream
 
@@ -254,7 +262,9 @@ def test_a_dead_worker_is_removed_and_its_request_migrates(model_dir: Path) -> N
 
 
 def test_a_misrouted_call_loses_nobody(model_dir: Path) -> None:
-    misrouted = GenerateChunk("r1", finished=True, finish_reason=MISROUTED, error="elsewhere")
+    misrouted = GenerateChunk(
+        "r1", finished=True, finish_reason=FinishReason.MISROUTED, error="elsewhere"
+    )
     cluster, router, _ = serve_cluster(model_dir, {"w0": [answers(misrouted), serves()]})
     assert generated(cluster) == EVERY_TOKEN
     assert router.removed == [] and router.routed == ["w0", "w0"]

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.kv_events import KVCleared
 from swaserve.proto.messages import WorkerReport
+from swaserve.proto.stream import GenerateChunk
 from swaserve.router.exact_view import ExactCacheView
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.engine.engine import RequestError
-from swaserve.worker.engine.engine_loop import EngineLoop, GenerateChunk
+from swaserve.worker.engine.engine_loop import EngineLoop
 
 
 @pytest.fixture
@@ -67,7 +69,7 @@ def test_streams_the_tokens_of_generate_and_reports(engine: Engine) -> None:
     try:
         sinks = [Collector(), Collector()]
         for i, prompt in enumerate(prompts):
-            loop.submit(f"r{i}", prompt, params, sinks[i]).result(10)
+            loop.submit(EngineRequest(f"r{i}", prompt, params), sinks[i]).result(10)
         for i, sink in enumerate(sinks):
             chunks = sink.until_finished()
             assert [t for c in chunks for t in c.token_ids] == expected[i]
@@ -87,10 +89,10 @@ def test_bad_request_fails_its_future_and_abort_ends_the_stream(engine: Engine) 
     loop.start()
     try:
         with pytest.raises(RequestError):
-            loop.submit("bad", [10_000], SamplingParams(), Collector()).result(10)
+            loop.submit(EngineRequest("bad", [10_000], SamplingParams()), Collector()).result(10)
         sink = HeldAtFirstToken()
         long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
-        loop.submit("long", [1, 2, 3], long, sink).result(10)
+        loop.submit(EngineRequest("long", [1, 2, 3], long), sink).result(10)
         first = sink.chunks.get(timeout=30)
         assert first.token_ids
         loop.abort("long")
@@ -111,14 +113,14 @@ def test_stop_ends_open_requests_and_refuses_new_ones(engine: Engine) -> None:
     loop.start()
     sink = HeldAtFirstToken()
     long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
-    loop.submit("long", [4, 5, 6], long, sink).result(10)
+    loop.submit(EngineRequest("long", [4, 5, 6], long), sink).result(10)
     assert sink.chunks.get(timeout=30).token_ids
     loop.stop()
     sink.go.set()
     assert loop.wait(10)
     assert sink.until_finished()[-1].finish_reason == "abort"
     with pytest.raises(RuntimeError, match="stopped"):
-        loop.submit("late", [1], long, Collector()).result(1)
+        loop.submit(EngineRequest("late", [1], long), Collector()).result(1)
     engine.check()
 
 
@@ -159,13 +161,13 @@ def test_reports_list_the_requests_taken_and_a_snapshot_replaces_the_stream(
     try:
         params = SamplingParams(max_new_tokens=4, temperature=0.0)
         sink = Collector()
-        loop.submit("r0", [1, 2, 3, 4, 5, 6], params, sink).result(10)
+        loop.submit(EngineRequest("r0", [1, 2, 3, 4, 5, 6], params), sink).result(10)
         sink.until_finished()
-        loop.submit("r1", [1, 2, 3, 4, 7, 7], params, sink).result(10)
+        loop.submit(EngineRequest("r1", [1, 2, 3, 4, 7, 7], params), sink).result(10)
         sink.until_finished()
         long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
         held = HeldAtFirstToken()
-        loop.submit("long", [9, 8, 7, 6, 5], long, held).result(10)
+        loop.submit(EngineRequest("long", [9, 8, 7, 6, 5], long), held).result(10)
         assert held.chunks.get(timeout=30).token_ids  # it runs, and stays open until aborted
         before = reports.until(lambda r: "long" in r.admitted_request_ids)
         # Each request is listed once, in the first report after the engine took it.
@@ -180,7 +182,7 @@ def test_reports_list_the_requests_taken_and_a_snapshot_replaces_the_stream(
         assert view_pages(*(r.events for r in stream[:-1])) == view_pages(snap.events)
         loop.abort("long")
         held.until_finished()
-        loop.submit("r2", [1, 2, 3, 4, 5, 6, 6, 6], params, sink).result(10)
+        loop.submit(EngineRequest("r2", [1, 2, 3, 4, 5, 6, 6, 6], params), sink).result(10)
         sink.until_finished()  # reports go out before the chunks: all of them are in
         after = []
         while not reports.queue.empty():

@@ -1,0 +1,39 @@
+"""What a worker streams for one request (`GenerateChunk`) and how a request ends
+(`FinishReason`). Plain dataclasses: they cross the worker → ingress boundary (Ray pickles them)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended. The first four are a request's own end, what a client sees; the
+    last two are control signals between a worker and the ingress, never shown to a client."""
+
+    STOP = "stop"  # a stop token (or EOS) was sampled
+    LENGTH = "length"  # max_new_tokens (or the model's context) reached
+    ABORT = "abort"
+    ERROR = "error"  # the step that ran it failed; the chunk's `error` says why
+    WORKER_LOST = "worker_lost"  # the worker died: the ingress migrates the request
+    MISROUTED = "misrouted"  # a replica that was not the one chosen got the call: route again
+
+    @property
+    def is_control(self) -> bool:
+        return self in (FinishReason.WORKER_LOST, FinishReason.MISROUTED)
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """A request's new tokens since its previous chunk.
+
+    `finish_reason` is set on the last chunk; `error` says why for ERROR, WORKER_LOST and
+    MISROUTED. A worker's first chunk for a request is empty: it took the request."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+    worker_id: str = ""  # set by the cluster: the group that served it
