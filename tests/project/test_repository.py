@@ -160,3 +160,13 @@ def test_proto_imports_nothing_of_the_other_packages() -> None:
             r"^\s*(import|from)\s+(torch|ray|swaserve\.(worker|router|cluster))\b", text, flags=re.M
         ), path
 
+
+def test_the_host_side_of_the_engine_touches_no_device_code() -> None:
+    """worker/engine/ holds host policy: it never imports models/ or attention/ and never calls
+    torch.cuda (the runner owns the device)."""
+    for path in (REPO / "worker" / "engine").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(
+            r"^\s*(import|from)\s+swaserve\.worker\.(models|attention)\b", text, flags=re.M
+        ), path
+        assert "torch.cuda" not in text, path

@@ -13,41 +13,25 @@ import numpy as np
 import torch
 
 from swaserve.proto.kv_events import KVCleared, KVEvent, KVTombstoned
-from swaserve.proto.kv_rules import (
-    max_swa_extend_tokens,
-    page_ceil,
-    page_floor,
-    window_repair_tokens,
-)
+from swaserve.proto.kv_rules import page_floor
 from swaserve.proto.messages import Headroom
-from swaserve.proto.request_limits import RequestLimits
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import FinishReason
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.worker.config import EngineConfig
-from swaserve.worker.engine.kv_manager import KVCacheManager, is_hybrid
+from swaserve.worker.engine.builder import build_host_state
 from swaserve.worker.engine.request import Request, RequestStatus
-from swaserve.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
-from swaserve.worker.engine.stats import EngineStats
-from swaserve.worker.kv.memory import build_kv_allocator, plan_kv_memory
-from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
-from swaserve.worker.kv.slot_table import RequestSlotTable
-from swaserve.worker.models.config import load_model_config
-from swaserve.worker.runner.executor import RankHandles, RankSpec, TPLauncher, rank_device
+from swaserve.worker.engine.scheduler import ScheduledBatch
+from swaserve.worker.runner.executor import RankHandles, TPLauncher
+from swaserve.worker.runner.model_executor import ModelExecutor
 from swaserve.worker.runner.model_input import (
     ModelInput,
     build_model_input,
     padding_decode_input,
     padding_prefill_input,
 )
-from swaserve.worker.runner.model_runner import (
-    ModelRunner,
-    default_kv_cache_bytes,
-    resolve_device,
-    resolve_dtype,
-    shard_weight_bytes,
-)
-from swaserve.worker.runner.parallel import TensorParallelError, TPGroup
+from swaserve.worker.runner.model_runner import ModelRunner
+from swaserve.worker.runner.parallel import TensorParallelError
 from swaserve.worker.runner.sampler import Sampler, make_generator, reseed
 
 logger = logging.getLogger(__name__)
@@ -91,95 +75,40 @@ class Engine:
         """`tp_ranks`: how ranks 1..tp-1 run (default: spawned processes; the cluster passes
         Ray actors)."""
         self.config = config
-        self.model_config = mc = load_model_config(config.model)
-        mc.check_tp_size(config.tp_size)  # ShardingError before any rank starts
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        # The KV budget comes from what the weights really hold: loaded first at TP = 1; a TP
-        # group's ranks get the plan when they start, so there it counts their exact bytes.
-        runner: ModelRunner | None = None
-        if config.tp_size == 1:
-            runner = ModelRunner(config, mc, None, device=device, dtype=dtype)
-            weight_bytes = runner.weight_bytes
-        else:
-            weight_bytes = shard_weight_bytes(config, mc, dtype, config.tp_size)
-        kv_config = config.kv_memory_config(
-            kv_cache_bytes=default_kv_cache_bytes(
-                config, device, weight_bytes=weight_bytes, weights_loaded=runner is not None
-            )
+        # The device side loads the weights first (at TP = 1): the KV budget is what is left.
+        self.executor = executor = ModelExecutor(config, tp_ranks=tp_ranks)
+        self.model_config = executor.model_config
+        host = build_host_state(
+            config, self.model_config, executor.kv_cache_bytes(), executor.dtype
         )
-        # Each rank's KV budget holds its shard of the KV heads: token counts are the group's.
-        self.plan = plan_kv_memory(mc.kv_spec(config.tp_size), kv_config, dtype)
-        self.allocator = build_kv_allocator(self.plan)  # host state: rank 0's, whatever the device
+        self.plan, self.allocator, self.tree, self.kv = (
+            host.plan,
+            host.allocator,
+            host.tree,
+            host.kv,
+        )
+        self.window, self.hybrid = host.window, host.hybrid
+        self.window_repair_tokens = host.window_repair_tokens  # R; 0: no repair (architecture §6)
+        self.scheduler, self.stats = host.scheduler, host.stats
+        self.request_limits, self.max_model_len = host.request_limits, host.max_model_len
         self.page_size = config.page_size
-        self.window = mc.sliding_window_size if mc.swa_layer_ids else None
-        self.stats = EngineStats()
-        self.tree = self._make_tree() if config.enable_prefix_cache else None
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-        slot_table = RequestSlotTable(
-            config.max_running_requests,
-            page_ceil(min(self.max_model_len, self.plan.full_tokens), config.page_size),
-        )
-        self.kv = KVCacheManager(
-            self.allocator,
-            self.tree,
-            slot_table,
-            page_size=config.page_size,
-            sliding_window_size=self.window,
-            stats=self.stats,
-        )
-        chunk = self._chunk_size()
-        self.request_limits = RequestLimits(
-            max_model_len=self.max_model_len,
-            full_pool_tokens=self.plan.full_tokens,
-            page_size=config.page_size,
-            sliding_window_size=self.window or 0,
-            swa_pool_tokens=self.plan.swa_tokens if self.hybrid else 0,
-            chunked_prefill_size=chunk,
-        )
-        limits = SchedulerLimits(
-            page_size=config.page_size,
-            max_running_requests=config.max_running_requests,
-            max_prefill_tokens=config.max_prefill_tokens,
-            chunked_prefill_size=chunk,
-            max_model_len=self.max_model_len,
-            swa_eviction_interval=config.swa_eviction_interval,
-            sliding_window_size=self.window,
-            schedule_policy=config.schedule_policy,
-            schedule_conservativeness=config.schedule_conservativeness,
-        )
-        self.scheduler = Scheduler(limits, self.kv, self.stats, frozenset(mc.eos_token_ids))
-        shape = (slot_table.num_rows, slot_table.max_len)
-        self.launcher: TPLauncher | None = None
-        tp = TPGroup.single(device)
-        if config.tp_size > 1:
-            device = rank_device(device, 0)
-            self.launcher = TPLauncher(RankSpec(config, self.plan, shape), device, tp_ranks)
-            tp = self.launcher.tp
-        try:
-            if runner is None:
-                runner = ModelRunner(
-                    config, mc, self.plan, device=device, dtype=dtype, slot_table_shape=shape, tp=tp
-                )
-            else:
-                runner.allocate_kv(self.plan, shape)
-            self.runner = runner
-            if self.launcher is not None:
-                self.launcher.wait_ready()
-        except BaseException:
-            if self.launcher is not None:
-                self.launcher.close()
-            raise
+        executor.start(self.plan, host.slot_table_shape)
         self._broken: str | None = None  # why the TP group can no longer run
         self._warm_up_decode_step()
-        self._measure_prefill(min(CALIBRATION_TOKENS, slot_table.max_len), mc.vocab_size)
-        self.sampler = Sampler(device, config.seed)
+        self._measure_prefill(min(CALIBRATION_TOKENS, host.slot_table.max_len))
+        self.sampler = Sampler(executor.device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._events: list[KVEvent] = []
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.executor.runner
+
+    @property
+    def launcher(self) -> TPLauncher | None:
+        return self.executor.launcher
 
     # ---- setup ---------------------------------------------------------------------------
     def _warm_up_decode_step(self) -> None:
@@ -205,7 +134,7 @@ class Engine:
             time.perf_counter() - start,
         )
 
-    def _measure_prefill(self, num_tokens: int, vocab_size: int) -> None:
+    def _measure_prefill(self, num_tokens: int) -> None:
         """Time a prefill of `num_tokens` padding tokens (after one untimed run: first calls
         pay one-time costs) and count it in the prefill counters, so that the first report
         already carries this worker's prefill speed (`Headroom.prefill_s_total`) and a router
@@ -216,7 +145,7 @@ class Engine:
             return  # pools smaller than the measurement: the first requests measure it
         try:
             model_input = padding_prefill_input(
-                torch.arange(num_tokens) % vocab_size,
+                torch.arange(num_tokens) % self.model_config.vocab_size,
                 slots,
                 self.kv.translate if self.hybrid else None,
                 sliding_window_size=self.window,
@@ -233,38 +162,7 @@ class Engine:
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold in memory on rank 0 (parameters and buffers; its
         shard under TP, each rank about as much): quantized checkpoints count as stored."""
-        return self.runner.weight_bytes
-
-    @property
-    def hybrid(self) -> bool:
-        return is_hybrid(self.allocator, self.window)
-
-    @property
-    def window_repair_tokens(self) -> int:
-        """R of a window repair (architecture §6), the prefix cache's; 0 when this engine does not
-        repair (no prefix cache, or see `_make_tree`)."""
-        return self.tree.window_repair_tokens if self.tree is not None else 0
-
-    def _make_tree(self) -> SWARadixCache:
-        """The prefix cache; it repairs windows (R = L_swa · W page-rounded) on two pools with
-        full layers to read a prefix from, unless `enable_window_repair` is off."""
-        mc = self.model_config
-        window = self.window if self.hybrid and self.window else 1
-        cls = PureSWARadixCache if self.hybrid and not mc.full_layer_ids else SWARadixCache
-        repair = 0
-        if self.hybrid and self.window and self.config.enable_window_repair and mc.full_layer_ids:
-            repair = window_repair_tokens(len(mc.swa_layer_ids), self.window, self.page_size)
-        return cls(self.allocator, window, self.page_size, window_repair_tokens=repair)  # type: ignore[arg-type]
-
-    def _chunk_size(self) -> int | None:
-        """Chunked-prefill size, capped so that a chunk plus the window fits the SWA pool (the
-        planners made the pool hold at least one request: `pool_plan.check_swa_pool`)."""
-        chunk = self.config.chunked_prefill_size
-        if not self.hybrid or self.window is None or chunk is None:
-            return chunk
-        p = self.page_size
-        longest = max_swa_extend_tokens(self.plan.swa_tokens, self.window, p)
-        return max(p, min(chunk, page_floor(longest, p)))
+        return self.executor.weight_bytes
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -301,7 +199,7 @@ class Engine:
             prompt_ids,
             params,
             arrival=next(self._arrivals),
-            generator=make_generator(params, self.runner.device),
+            generator=make_generator(params, self.executor.device),
         )
 
     def abort(self, request_id: str) -> bool:
@@ -378,30 +276,25 @@ class Engine:
         return failed + outputs if failed else outputs
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
-        """Every rank runs the step: rank 0 broadcasts the input, then runs its own shard."""
-        if self.launcher is not None:
-            return self.launcher.run_step(model_input, self.runner.forward)
-        return self.runner.forward(model_input)
+        return self.executor.forward(model_input)
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
         decode, nd = batch.decode, batch.num_decodes
         prefix_lens: Sequence[int] | np.ndarray = batch.prefix_lens
-        repairs: list[tuple[int, int]] | None = None
         if decode is not None and batch.pure_decode:  # the batch's arrays as they are
             tokens, rows = decode.last_tokens.copy(), decode.rows.copy()  # [B] int64 each
             prefix_lens = decode.seq_lens.copy()  # [B] int64
         else:
             tokens = [] if decode is None else decode.last_tokens.tolist()
             rows = [] if decode is None else decode.rows.tolist()
-            for i, (req, start, n) in enumerate(
-                zip(batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True)
+            for req, start, n in zip(
+                batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True
             ):
                 tokens += req.token_slice(start, start + n)
                 rows.append(req.row)
-                if req.repair_end > start:  # this chunk recomputes a window (architecture §6)
-                    if repairs is None:
-                        repairs = [(0, 0)] * len(batch.reqs)
-                    repairs[nd + i] = (req.repair_start, req.repair_end)
+        repairs = None  # the window repairs of this step's chunks (architecture §6)
+        if batch.repairs is not None:
+            repairs = [(0, 0) if r is None else (r.start, r.end) for r in batch.repairs]
         return build_model_input(
             token_ids=tokens,
             prefix_lens=prefix_lens,
@@ -649,10 +542,7 @@ class Engine:
                 self.tree.reset()
             self._requests.clear()
         finally:
-            if self.launcher is not None:
-                self.launcher.close()
-            if hasattr(self, "runner"):
-                del self.runner
+            self.executor.close()
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         req = self._requests.get(request_id)

@@ -51,14 +51,24 @@ def is_hybrid(
 
 
 @dataclass(frozen=True, slots=True)
+class WindowRepair:
+    """A repaired hit recomputes positions `[start, end)` for their SWA KV only (architecture
+    §6): the full KV there is the tree's; the request resumes at `start`."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Admission's match: `num_tokens` not computed (a repaired hit's match less its repair);
     the tokens the lock moved from evictable to protected in each pool (admission takes them
-    off its budgets in the same pass)."""
+    off its budgets in the same pass); the window repair it needs, if any."""
 
     num_tokens: int
     full_newly_protected: int
     swa_newly_protected: int
+    repair: WindowRepair | None = None
 
 
 class KVCacheManager:
@@ -72,6 +82,7 @@ class KVCacheManager:
         *,
         page_size: int,
         sliding_window_size: int | None,
+        window_repair_tokens: int = 0,
         stats: EngineStats,
     ) -> None:
         self.allocator = allocator
@@ -81,11 +92,13 @@ class KVCacheManager:
         self.sliding_window_size = sliding_window_size
         self.stats = stats
         self.hybrid = is_hybrid(allocator, sliding_window_size)
-        # Admission may take a repaired match when the tree repairs windows.
-        self.window_repair = tree is not None and self.hybrid and tree.window_repair_tokens > 0
+        # Admission may take a repaired match when the engine repairs windows (R > 0: decided
+        # once, by the engine's builder, which gave the tree the same R).
+        self.window_repair = window_repair_tokens > 0
         self._writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, full slots)
         self._taken: list[tuple[int, int, torch.Tensor]] = []  # the last take_writes()
         self._no_writes = SlotWrites.empty(self.hybrid)  # immutable, shared by idle steps
+        self._repairs: dict[int, WindowRepair] = {}  # slot-table row -> its repair in progress
 
     # ---- queries -------------------------------------------------------------------------
     def available_tokens(self) -> tuple[int, int]:
@@ -118,14 +131,23 @@ class KVCacheManager:
         req.lock = PrefixLock(match.last_node, tree.inc_lock_ref(match.last_node))
         self._set_slots(req, 0, match.indices, record=True)
         n = match.saved_tokens
+        repair = None
         if match.repair_len:
-            req.repair_start, req.repair_end = n, match.indices.numel()
+            repair = self._repairs[row] = WindowRepair(n, match.indices.numel())
             req.num_slots = n  # [n, m) of the row are the tree's until the repair allocates
         req.num_computed = n
         req.swa = SWAFreeState(cache_protected_len=n)
         return PrefixHit(
-            n, full_before - tree.full_evictable_size(), swa_before - tree.swa_evictable_size()
+            n,
+            full_before - tree.full_evictable_size(),
+            swa_before - tree.swa_evictable_size(),
+            repair,
         )
+
+    def repair_of(self, req: Request) -> WindowRepair | None:
+        """The window repair `req`'s next extend (from `num_computed`) takes part in, if any."""
+        repair = self._repairs.get(req.row)
+        return repair if repair is not None and repair.end > req.num_computed else None
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_extend(self, req: Request, num_tokens: int) -> torch.Tensor | None:
@@ -236,17 +258,18 @@ class KVCacheManager:
         before = req.swa.cache_protected_len
         if self.tree is None or req.lock is None or page_floor(done, self.page_size) <= before:
             return  # nothing new fills a page
-        if req.repair_end:
-            if done < req.repair_end:
-                return  # the repaired SWA KV is exact only from repair_end - W, once it is done
-            # Only the window before repair_end is kept: the tree frees the rest of the repair
+        repair = self._repairs.get(req.row)
+        if repair is not None:
+            if done < repair.end:
+                return  # the repaired SWA KV is exact only from repair.end - W, once it is done
+            # Only the window before repair.end is kept: the tree frees the rest of the repair
             # as positions without SWA KV.
             w = self.sliding_window_size or 0
-            window_start = page_floor(max(0, req.repair_end - w), self.page_size)
+            window_start = page_floor(max(0, repair.end - w), self.page_size)
             req.swa.swa_evicted_seqlen = max(req.swa.swa_evicted_seqlen, window_start)
             self.stats.window_repairs += 1
-            self.stats.window_repair_tokens += req.repair_end - req.repair_start
-            req.repair_start = req.repair_end = 0
+            self.stats.window_repair_tokens += repair.end - repair.start
+            del self._repairs[req.row]
         slots, req.lock = self.tree.cache_unfinished_request(
             req.token_ids[:done], req.slots[:done], req.lock, req.swa
         )
@@ -283,6 +306,7 @@ class KVCacheManager:
         if req.row >= 0:
             row = req.row
             self._writes = [w for w in self._writes if w[0] != row]
+            self._repairs.pop(row, None)
             self.slot_table.release(row)
         req.reset_kv()
 

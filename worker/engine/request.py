@@ -35,10 +35,11 @@ class Request:
         # [0, swa.cache_protected_len)  owned by the prefix cache (locked by `lock`)
         # [.., num_computed)            owned by this request
 
-    A window repair (a cached prefix whose window lost its SWA KV) resumes at
-    `repair_start` and recomputes `[repair_start, repair_end)` for their SWA KV only: the full
-    KV there is the tree's (the device table keeps its slots), the request's own slots at those
-    positions only receive the step's SWA KV and go back once the prefix is re-inserted.
+    A window repair (a cached prefix whose window lost its SWA KV; the KV manager's
+    `WindowRepair`, carried by the scheduled batch) resumes at its start and recomputes
+    `[start, end)` for their SWA KV only: the full KV there is the tree's (the device table
+    keeps its slots), the request's own slots at those positions only receive the step's SWA
+    KV and go back once the prefix is re-inserted.
     """
 
     request_id: str
@@ -56,8 +57,6 @@ class Request:
     cached_tokens: int = 0  # prompt tokens not computed: a hit's, less its repair (first admission)
     num_retractions: int = 0
     error: str | None = None  # why it ended with FinishReason.ERROR
-    repair_start: int = 0  # a window repair recomputes [repair_start, repair_end); 0, 0: none
-    repair_end: int = 0
     row: int = -1  # slot-table row while the request holds KV (KVCacheManager), else -1
     row_slots: torch.Tensor = field(default_factory=lambda: _NO_SLOTS)  # [L] int64 view of the row
     # Derived once when the request is queued (`Scheduler.add`), read by every step:
@@ -115,6 +114,5 @@ class Request:
         """Forget all KV state (after its slots and row were released)."""
         self.row, self.row_slots, self.num_slots = -1, _NO_SLOTS, 0
         self.num_computed = 0
-        self.repair_start = self.repair_end = 0
         self.lock = None
         self.swa = SWAFreeState()

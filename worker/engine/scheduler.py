@@ -35,7 +35,7 @@ import torch
 from swaserve.proto.kv_rules import page_ceil, page_floor, swa_tokens_for_extend
 from swaserve.proto.stream import FinishReason
 from swaserve.worker.engine.decode_batch import DecodeBatch
-from swaserve.worker.engine.kv_manager import KVCacheManager, PrefixHit
+from swaserve.worker.engine.kv_manager import KVCacheManager, PrefixHit, WindowRepair
 from swaserve.worker.engine.request import Request, RequestStatus
 from swaserve.worker.engine.stats import EngineStats
 
@@ -62,6 +62,8 @@ class ScheduledBatch:
     # (The batch itself changes once the results are in: finished requests leave it.)
     decode: DecodeBatch | None = None
     num_decodes: int = 0
+    # One per request when a prefill of the step recomputes a window (architecture §6), else None.
+    repairs: list[WindowRepair | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -208,9 +210,13 @@ class Scheduler:
             lim.min_new_token_ratio, self.new_token_ratio - lim.new_token_ratio_decay
         )
         samples = [True] * num_decodes
-        for r, n in zip(reqs[num_decodes:], extends[num_decodes:], strict=True):
+        repairs: list[WindowRepair | None] | None = None
+        for i, (r, n) in enumerate(zip(reqs[num_decodes:], extends[num_decodes:], strict=True)):
             prefix_lens.append(r.num_computed)
             samples.append(r.num_computed + n == len(r.prompt_ids) + len(r.output_ids))
+            if (repair := self.kv.repair_of(r)) is not None:
+                repairs = repairs or [None] * len(reqs)
+                repairs[num_decodes + i] = repair
         out_full_loc = locs[0] if len(locs) == 1 else torch.cat(locs)
         return ScheduledBatch(
             reqs,
@@ -220,6 +226,7 @@ class Scheduler:
             out_full_loc,
             None if decode is None else db,
             num_decodes,
+            repairs,
         )
 
     def _leave(self, req: Request) -> None:

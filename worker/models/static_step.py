@@ -10,9 +10,17 @@ from collections.abc import Iterator
 _STATIC_SHAPES = [False]
 
 
+class NestedStaticStep(RuntimeError):
+    """A fixed-shape step was started inside another one (two engines' steps interleaved in
+    one process, or a step calling a step): the layers could not tell whose step they run."""
+
+
 @contextlib.contextmanager
 def static_shapes() -> Iterator[None]:
-    """Marks the fixed-shape step that runs inside it (see `in_static_step`)."""
+    """Marks the fixed-shape step that runs inside it (see `in_static_step`); the only writer
+    of the flag. Refuses to nest (`NestedStaticStep`)."""
+    if _STATIC_SHAPES[0]:
+        raise NestedStaticStep("a fixed-shape step is already running in this process")
     _STATIC_SHAPES[0] = True
     try:
         yield

@@ -1,6 +1,6 @@
 """Running one engine over a TP group: rank 0 is the engine's own process; ranks 1..tp-1 each
 run `run_worker_rank` wherever the `RankHandles` put them: child processes of rank 0
-(`process_ranks.ProcessRanks`, the default: `python -m swaserve.worker.runner.executor --rank r
+(`process_ranks.ProcessRanks`, the default: `python -m swaserve.worker.runner.process_ranks --rank r
 --world-size n`, which imports nothing of the user's program) or Ray actors (the cluster's
 worker groups).
 
@@ -67,7 +67,6 @@ JOIN_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 600.0  # a rank loading its shard, after rank 0 loaded its own
 POLL_S = 0.05  # how often rank 0 looks at the store and the ranks while they start
 ARRIVED, READY = "arrived", "ready"  # rank/<stage>/<r>: the store keys of start-up
-RANK_MODULE = "swaserve.worker.runner.executor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,19 +205,14 @@ class RankHandles(Protocol):
 
 # ---- rank 0 ----------------------------------------------------------------------------------
 class TPLauncher:
-    """Rank 0's side of a TP group: the store, the other ranks (`RankHandles`; `ProcessRanks` by
-    default) and their health."""
+    """Rank 0's side of a TP group: the store, the other ranks and their health. `ranks` says
+    how ranks 1..tp-1 run: child processes (`process_ranks.ProcessRanks`, what the engine builder
+    gives by default) or Ray actors (the cluster's worker groups)."""
 
-    def __init__(
-        self, spec: RankSpec, device: torch.device, ranks: RankHandles | None = None
-    ) -> None:
+    def __init__(self, spec: RankSpec, device: torch.device, ranks: RankHandles) -> None:
         config = spec.config
         self.world_size = config.tp_size
         self.timeout_s = config.tp_timeout_s
-        if ranks is None:
-            from swaserve.worker.runner.process_ranks import ProcessRanks
-
-            ranks = ProcessRanks(self.world_size)
         self.ranks: RankHandles = ranks
         self._store = create_store(self.world_size, rendezvous_timeout_s(self.timeout_s))
         self.closed = False
@@ -318,9 +312,3 @@ class TPLauncher:
                 logger.warning("TP shutdown message failed; stopping the ranks", exc_info=True)
                 graceful = False
         self.ranks.stop(JOIN_TIMEOUT_S if graceful else 0.0)
-
-
-if __name__ == "__main__":  # a rank process (`process_ranks.rank_command`)
-    from swaserve.worker.runner.process_ranks import rank_main
-
-    rank_main()

@@ -1,7 +1,7 @@
 """`ProcessRanks`: TP ranks 1..tp-1 as child processes of rank 0's process, and the rank
-process's own side (`rank_main`, run by `python -m swaserve.worker.runner.executor`).
+process's own side (`rank_main`, run by `python -m swaserve.worker.runner.process_ranks`).
 
-    rank 0                                       rank r (python -m swaserve.worker.runner.executor
+    rank 0                                       rank r (python -m swaserve.worker.runner.process_ranks
                                                           --rank r --world-size n)
     Popen(rank_command(), env=rank_env())  ──▶  stdin: one JSON line {store, RankSpec}
     RankOutput thread  ◀── stdout + stderr ───  run_worker_rank(...); a failure is reported
@@ -32,8 +32,9 @@ import weakref
 from collections.abc import Sequence
 from typing import IO, Any
 
-from swaserve.worker.runner.executor import RANK_MODULE, RankSpec, run_worker_rank
+from swaserve.worker.runner.executor import RankSpec, run_worker_rank
 
+RANK_MODULE = "swaserve.worker.runner.process_ranks"
 ERROR_MARK = "swaserve-tp-rank-error: "  # a rank's own failure report: this, then JSON, one line
 TAIL_LINES = 40  # output lines kept per rank, for the failure message of a rank that died
 EXIT_GRACE_S = 1.0  # a rank that failed may still be writing its report and exiting
@@ -245,3 +246,7 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+if __name__ == "__main__":  # a rank process (`rank_command`)
+    rank_main()

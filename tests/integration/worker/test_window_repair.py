@@ -142,7 +142,8 @@ def test_aborting_a_request_mid_repair_leaves_the_pools_whole(model_dir: Path) -
     rid = engine.add_request(PROMPTS[1], GREEDY)
     engine.step()  # the first chunk of the repair
     req = engine._requests[rid]
-    assert req.repair_end == 100 and req.num_computed < req.repair_end
+    repair = engine.kv.repair_of(req)
+    assert repair is not None and repair.end == 100 and req.num_computed < repair.end
     engine.check()
     assert engine.abort(rid)
     engine.check()

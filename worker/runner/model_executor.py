@@ -1,0 +1,128 @@
+"""`ModelExecutor`: the device side of one engine as the engine's host side sees it. It reads
+the model's config, resolves device and dtype, loads the weights (rank 0's; under TP the other
+ranks load theirs when they start), allocates the KV buffers once the host has planned the
+pools, and runs each step's forward on every rank.
+
+    ModelExecutor(config)          model config, device, dtype; weights at TP = 1
+      .kv_cache_bytes()            the KV budget when the config gives none (after the weights)
+      .start(plan, table_shape)    KV buffers; TP ranks 1.. started (`TPLauncher`) and loaded
+      .forward(model_input)        every rank runs the step; rank 0 returns the sampled rows' logits
+      .close()                     stops the ranks, drops the weights and the KV buffers
+
+The engine decides what runs (scheduler, KV manager, prefix cache) and never touches a model,
+an attention backend or a device API itself (architecture §4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swaserve.worker.config import EngineConfig
+from swaserve.worker.kv.pool_plan import PoolPlan
+from swaserve.worker.models.config import ModelConfig, load_model_config
+from swaserve.worker.runner.executor import RankHandles, RankSpec, TPLauncher, rank_device
+from swaserve.worker.runner.model_input import ModelInput
+from swaserve.worker.runner.model_runner import (
+    ModelRunner,
+    default_kv_cache_bytes,
+    resolve_device,
+    resolve_dtype,
+    shard_weight_bytes,
+)
+from swaserve.worker.runner.parallel import TPGroup
+from swaserve.worker.runner.process_ranks import ProcessRanks
+
+
+class ModelExecutor:
+    """Rank 0's model, KV buffers and TP group (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, *, tp_ranks: RankHandles | None = None) -> None:
+        """`tp_ranks`: how ranks 1..tp-1 run (default: child processes, `ProcessRanks`; the
+        cluster passes Ray actors)."""
+        self.config = config
+        self.model_config: ModelConfig = load_model_config(config.model)
+        self.model_config.check_tp_size(config.tp_size)  # ShardingError before any rank starts
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self._tp_ranks = tp_ranks
+        self.launcher: TPLauncher | None = None
+        # The KV budget comes from what the weights really hold: loaded first at TP = 1; a TP
+        # group's ranks get the plan when they start, so there it counts their exact bytes.
+        self._runner: ModelRunner | None = None
+        if config.tp_size == 1:
+            self._runner = ModelRunner(
+                config, self.model_config, None, device=self.device, dtype=self.dtype
+            )
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (loaded at TP = 1 from the start, under TP by `start`)."""
+        if self._runner is None:
+            raise RuntimeError("the model executor has not started (or has closed)")
+        return self._runner
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes rank 0's weights hold (its shard under TP; quantized checkpoints as stored)."""
+        if self._runner is not None:
+            return self._runner.weight_bytes
+        return shard_weight_bytes(self.config, self.model_config, self.dtype, self.config.tp_size)
+
+    def kv_cache_bytes(self) -> int | None:
+        """The KV budget when the config sets none: CUDA's free memory after the weights
+        (`mem_fraction_static`), CPU's default."""
+        return default_kv_cache_bytes(
+            self.config,
+            self.device,
+            weight_bytes=self.weight_bytes,
+            weights_loaded=self._runner is not None,
+        )
+
+    def start(self, plan: PoolPlan, slot_table_shape: tuple[int, int]) -> None:
+        """Allocate rank 0's KV buffers for `plan` and, under TP, start ranks 1..tp-1 and wait
+        until each loaded its shard. On failure every started rank is stopped."""
+        config, device, tp = self.config, self.device, TPGroup.single(self.device)
+        if config.tp_size > 1:
+            device = self.device = rank_device(device, 0)
+            ranks = self._tp_ranks or ProcessRanks(config.tp_size)
+            self.launcher = TPLauncher(RankSpec(config, plan, slot_table_shape), device, ranks)
+            tp = self.launcher.tp
+        try:
+            if self._runner is None:
+                self._runner = ModelRunner(
+                    config,
+                    self.model_config,
+                    plan,
+                    device=device,
+                    dtype=self.dtype,
+                    slot_table_shape=slot_table_shape,
+                    tp=tp,
+                )
+            else:
+                self._runner.allocate_kv(plan, slot_table_shape)
+            if self.launcher is not None:
+                self.launcher.wait_ready()
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.close()
+            raise
+
+    def forward(self, model_input: ModelInput) -> torch.Tensor:
+        """Every rank runs the step: rank 0 broadcasts the input, then runs its own shard.
+        Returns rank 0's logits, one row per sampled request ([S, V])."""
+        if self.launcher is not None:
+            return self.launcher.run_step(model_input, self.runner.forward)
+        return self.runner.forward(model_input)
+
+    def check_alive(self) -> None:
+        """Raise `TensorParallelError` when a TP rank has ended."""
+        if self.launcher is not None:
+            self.launcher.check_alive()
+
+    def close(self) -> None:
+        """Stop the TP ranks and drop the weights and the KV buffers."""
+        try:
+            if self.launcher is not None:
+                self.launcher.close()
+        finally:
+            self._runner = None
