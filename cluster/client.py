@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import grpc
 
-from swaserve.cluster.defaults import AUTH_TOKEN_ENV
+from swaserve.proto import environment
+from swaserve.proto.environment import AUTH_TOKEN_ENV
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -51,8 +51,8 @@ def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
     token = None
     if args.auth_token_file:
         token = Path(args.auth_token_file).read_text().strip()
-    elif os.environ.get(AUTH_TOKEN_ENV):
-        token = os.environ[AUTH_TOKEN_ENV].strip()
+    else:
+        token = environment.auth_token()
     return [("authorization", f"Bearer {token}")] if token else []
 
 

@@ -12,9 +12,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
+from swaserve.cluster.knobs import ENGINE_FLAGS, add_config_flags, config_overrides
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.models.tiny import make_tiny_model
+
+# `--seed` is the requests' sampling seed here, so the engine's own seed keeps its default.
+GENERATE_ENGINE_FLAGS = tuple(name for name in ENGINE_FLAGS if name != "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,11 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    add_config_flags(parser, EngineConfig, ENGINE_FLAGS)
+    add_config_flags(parser, EngineConfig, GENERATE_ENGINE_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = config_overrides(args, ENGINE_FLAGS)
+    overrides = config_overrides(args, GENERATE_ENGINE_FLAGS)
     prompts = args.prompt or ["Hello, swaserve!", "Sliding windows keep KV small."]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(

@@ -31,7 +31,6 @@ ADDRESS_PREFIX = "address="
 DEFAULT_AUTH_MODE = "token"
 START_TIMEOUT_S = 120.0
 LOOPBACK = "127.0.0.1"
-NODE_IP_ADDRESS_ENV = "SWASERVE_RAY_NODE_IP_ADDRESS"  # `swaserve serve`'s default for the flag
 # Ray resolves a loopback node address to the machine's reachable one, and then listens on
 # every interface, unless this switch (read when Ray is imported) says the cluster is this one
 # machine: then it keeps 127.0.0.1 and binds only that.

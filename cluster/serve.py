@@ -26,7 +26,6 @@ is routed again and drops nobody.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -38,7 +37,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from swaserve.cluster.defaults import API_KEY_ENV
 from swaserve.cluster.grpc_server import (
     UNAUTHENTICATED_DETAILS,
     BearerToken,
@@ -50,6 +48,7 @@ from swaserve.cluster.model_info import ModelInfo, WorkerInfo, model_info_of
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
 from swaserve.cluster.routed import RoutedCluster, WorkerLost
 from swaserve.cluster.router_actor import RouterActor
+from swaserve.proto import environment
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import FinishReason, GenerateChunk
@@ -125,7 +124,7 @@ class ServeAppArgs(BaseModel):
             return self.api_key
         if self.api_key_file:
             return Path(self.api_key_file).read_text().strip() or None
-        return os.environ.get(API_KEY_ENV, "").strip() or None
+        return environment.api_key()
 
     def engine_config(self) -> EngineConfig:
         from swaserve.cluster.serve_command import ensure_demo_model

@@ -24,23 +24,18 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from swaserve.cluster.defaults import (
-    API_KEY_ENV,
-    AUTH_TOKEN_ENV,
-    DEFAULT_GRPC_PORT,
-    DEFAULT_HTTP_PORT,
-)
-from swaserve.cluster.flags import ENGINE_FLAGS, add_config_flags, config_overrides
+from swaserve.cluster.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from swaserve.cluster.knobs import ENGINE_FLAGS, ROUTER_FLAGS, add_config_flags, config_overrides
 from swaserve.cluster.local_ray import (
     LOOPBACK,
-    NODE_IP_ADDRESS_ENV,
     LocalRay,
     set_auth_mode,
     set_node_address,
 )
+from swaserve.proto import environment
+from swaserve.proto.environment import API_KEY_ENV, AUTH_TOKEN_ENV, NODE_IP_ADDRESS_ENV, cache_dir
 from swaserve.router import RouterConfig
 from swaserve.worker import EngineConfig
-from swaserve.worker.cache_paths import cache_dir
 
 if TYPE_CHECKING:
     from swaserve.cluster.cluster import Cluster, ClusterConfig
@@ -48,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("swaserve.serve")
 
-ROUTER_FLAGS = tuple(RouterConfig.model_fields)
+
 DEMO_MODEL_NAME = "demo-gpt-oss"
 
 
@@ -106,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ray-node-ip-address",
-        default=os.environ.get(NODE_IP_ADDRESS_ENV, "").strip() or LOOPBACK,
+        default=environment.ray_node_ip_address() or LOOPBACK,
         metavar="ADDR",
         help=f"address of a local Ray (default ${NODE_IP_ADDRESS_ENV}, else {LOOPBACK}: it "
         "binds loopback only; another address lets other machines join it, and Ray then "
@@ -176,8 +171,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
     token = None
     if args.auth_token_file:
         token = Path(args.auth_token_file).read_text().strip()
-    elif os.environ.get(AUTH_TOKEN_ENV):
-        token = os.environ[AUTH_TOKEN_ENV].strip()
+    else:
+        token = environment.auth_token()
     grpc_config = GrpcServerConfig(
         host=args.host,
         port=args.grpc_port,
@@ -194,7 +189,7 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file:
         key = Path(args.api_key_file).read_text().strip()
     else:
-        key = os.environ.get(API_KEY_ENV, "").strip()
+        key = environment.api_key() or ""
     if args.api_key_file and not key:
         raise ValueError(f"the API key file {args.api_key_file} is empty")
     return key or None

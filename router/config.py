@@ -69,7 +69,11 @@ class RouterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: str = Field("prefix", description="routing policy: one of POLICIES")
+    policy: str = Field(
+        "prefix",
+        description="routing policy: one of POLICIES",
+        json_schema_extra={"enum": sorted(POLICIES)},  # the chart's schema offers the registry
+    )
     balance_abs_threshold: int = Field(4, ge=0, description="prefix gate: requests above least")
     balance_rel_threshold: float = Field(1.5, ge=1.0, description="prefix gate: × least load")
     report_timeout_s: float = Field(5.0, gt=0, description="older reports take a worker out")

@@ -37,7 +37,14 @@ class EngineConfig(BaseModel):
     max_total_tokens: int | None = Field(default=None, gt=0)
     kv_cache_bytes: int | None = Field(default=None, gt=0)
     mem_fraction_static: float = Field(default=0.85, gt=0.0, lt=1.0)
-    swa_full_tokens_ratio: float | Literal["auto"] = DEFAULT_SWA_FULL_TOKENS_RATIO
+    swa_full_tokens_ratio: float | Literal["auto"] = Field(
+        default=DEFAULT_SWA_FULL_TOKENS_RATIO,
+        description="SWA-pool tokens per full-pool token, in (0, 1], or 'auto' (needs expected_seq_len)",
+        json_schema_extra={
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+        },  # of a number: the validator's range
+    )
     expected_seq_len: int | None = Field(default=None, gt=0, description="for the auto ratio")
     disable_hybrid_swa_memory: bool = False
     enable_prefix_cache: bool = True

@@ -170,3 +170,16 @@ def test_the_host_side_of_the_engine_touches_no_device_code() -> None:
             r"^\s*(import|from)\s+swaserve\.worker\.(models|attention)\b", text, flags=re.M
         ), path
         assert "torch.cuda" not in text, path
+
+
+def test_environment_variables_are_read_in_one_module() -> None:
+    """proto/environment.py reads every variable swaserve reads (and lists them); elsewhere
+    the environment is only passed on to child processes or set for a library."""
+    reads = re.compile(
+        r"os\.environ\.get\(|os\.getenv\(|\bin os\.environ\b|os\.environ\[[^\]]+\](?!\s*=)"
+    )
+    for folder in ("worker", "router", "cluster", "proto"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path == REPO / "proto" / "environment.py":
+                continue
+            assert not reads.search(path.read_text()), path

@@ -16,14 +16,14 @@ the step then keeps inductor's loops, with a warning). The build runs through
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from swaserve.worker.cache_paths import cache_dir
+from swaserve.proto import environment
+from swaserve.proto.environment import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,7 @@ def _put_ninja_on_path() -> None:
         import ninja
     except ImportError:
         return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+    environment.prepend_path(ninja.BIN_DIR)
 
 
 def _decode_attention_fake(

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import types
 from collections.abc import Callable
@@ -55,9 +54,9 @@ from typing import Any, Protocol
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from swaserve.proto import environment
 from swaserve.worker.attention import cpu_kernels
 from swaserve.worker.attention.static_decode import DecodeBatch, decode_metadata
-from swaserve.worker.cache_paths import compile_cache_dir
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.runner.host_tensors import to_device
@@ -215,7 +214,7 @@ class DecodeStep:
         if mode not in ("graphs", "compile"):
             raise ValueError(f"mode must be 'graphs' or 'compile', got {mode!r}")
         if mode == "compile":
-            self.cache_dir = use_compile_cache(compile_cache_dir())
+            self.cache_dir = use_compile_cache(environment.cache_dir() / "inductor")
             if device.type == "cpu":
                 cpu_kernels.load()  # built before any trace: the graphs call it
         self.model = model
@@ -392,7 +391,7 @@ def compile_options(*, guard_modules: bool) -> tuple[dict[str, Any], dict[str, A
     whole, from `_step` down: under TP each collective breaks the graph, and the code resumed
     after a break inside a layer is one code object for every layer, told apart by its module
     guards alone. The FX graph and AOT caches (on by default) live under
-    `TORCHINDUCTOR_CACHE_DIR` (`compile_cache_dir`). `cpp_wrapper`: the graph's kernels are
+    `TORCHINDUCTOR_CACHE_DIR` (`inductor/` of the cache dir). `cpp_wrapper`: the graph's kernels are
     called from generated C++, not Python (batch 8 of the decode bench 1.2-1.3× faster, the
     same compile time)."""
     inductor: dict[str, Any] = {"cpp_wrapper": True}
@@ -405,7 +404,6 @@ def use_compile_cache(cache_dir: Path) -> Path:
     """Point inductor's on-disk caches (FX graphs, AOT graphs, compiled kernels) at
     `cache_dir` unless `TORCHINDUCTOR_CACHE_DIR` says otherwise, so that a second start loads
     the compiled step instead of compiling it again. Returns the directory in use."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    path = environment.inductor_cache_dir(cache_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +48,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from swaserve.proto import environment
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +342,7 @@ def init_tp_group(
     )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
-        for problem in nccl_env_problems(os.environ):
+        for problem in nccl_env_problems(environment.nccl_variables()):
             logger.warning("TP rank %d: %s", rank, problem)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from swaserve.cluster.local_ray import LOOPBACK, NODE_IP_ADDRESS_ENV, LocalRay
+from swaserve.cluster.local_ray import LOOPBACK, LocalRay
 from swaserve.cluster.serve_command import add_arguments
+from swaserve.proto.environment import NODE_IP_ADDRESS_ENV
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import typing
 from typing import Any
 
 import pytest
@@ -341,51 +340,59 @@ def test_values_defaults_match_the_servers() -> None:
     assert set(values) >= {"replicas", "tensorParallelSize"}
 
 
-def test_engine_and_router_keys_are_the_cli_knobs() -> None:
-    from swaserve.cluster.flags import ENGINE_FLAGS
+def test_engine_and_router_values_are_derived_from_the_config_models() -> None:
+    """The chart's schema sections are what `knobs.helm_values_schema` makes of the configs
+    (`python -m swaserve.cluster.knobs` rewrites them), and values.yaml lists every knob."""
+    from swaserve.cluster.knobs import (
+        HELM_ENGINE_VALUES,
+        ROUTER_FLAGS,
+        helm_values_schema,
+    )
     from swaserve.router import RouterConfig
-
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    engine_keys = set(schema["properties"]["engine"]["properties"])
-    assert engine_keys == set(ENGINE_FLAGS) - {"tp_size", "device"}  # from tp and demo
-    assert set(schema["properties"]["router"]["properties"]) == set(RouterConfig.model_fields)
-
-
-def literal_values(annotation: object) -> set[object]:
-    """The values a config field's annotation allows, when it is a choice (Literal, bool)."""
-    if annotation is bool:
-        return {True, False}
-    if typing.get_origin(annotation) is typing.Literal:
-        return set(typing.get_args(annotation))
-    return set().union(*(literal_values(a) for a in typing.get_args(annotation)))
-
-
-def test_the_chart_schema_offers_the_choices_the_code_has() -> None:
-    """Every enum of the engine and router values is the code's own list of choices (the
-    routing policies are `POLICIES`), so adding one to the code without the chart fails here."""
-    from swaserve.router import POLICIES, RouterConfig
     from swaserve.worker import EngineConfig
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
-    checked = []
-    for section, config in (("engine", EngineConfig), ("router", RouterConfig)):
-        for key, prop in schema[section]["properties"].items():
-            if "enum" not in prop:
-                continue
-            checked.append(key)
-            offered = set(prop["enum"]) - {None}
-            if (section, key) == ("router", "policy"):
-                assert offered == set(POLICIES)
-            else:
-                assert offered == literal_values(config.model_fields[key].annotation), key
-    assert {"policy", "compile", "dtype", "schedule_policy", "attention_backend"} <= set(checked)
+    assert schema["engine"] == helm_values_schema(EngineConfig, HELM_ENGINE_VALUES)
+    assert schema["router"] == helm_values_schema(RouterConfig, ROUTER_FLAGS)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values["engine"]) == set(HELM_ENGINE_VALUES)
+    assert set(HELM_ENGINE_VALUES) == set(EngineConfig.model_fields) - {
+        "model",
+        "tp_size",
+        "device",
+    }
+    assert set(values["router"]) == set(RouterConfig.model_fields)
+
+
+def schema_choices(prop: dict[str, object]) -> set[object]:
+    """The values a schema property allows when it is a choice (enum, const, boolean)."""
+    out: set[object] = set()
+    for option in prop.get("anyOf", [prop]):  # type: ignore[union-attr]
+        out |= set(option.get("enum", ()))
+        if "const" in option:
+            out.add(option["const"])
+        if option.get("type") == "boolean":
+            out |= {True, False}
+    return out
+
+
+def test_the_chart_schema_offers_the_choices_the_code_has() -> None:
+    """Every choice of the engine and router values is the code's own list (the routing
+    policies are `POLICIES`; `test_values_schema_rejects_nonsense` tries values outside)."""
+    from swaserve.router import POLICIES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    assert schema_choices(schema["router"]["properties"]["policy"]) == set(POLICIES)
+    engine = schema["engine"]["properties"]
+    assert schema_choices(engine["compile"]) == {True, False, "auto"}
+    assert schema_choices(engine["dtype"]) == {"auto", "float32", "bfloat16", "float16"}
+    assert schema_choices(engine["attention_backend"]) == {"auto", "torch", "flash"}
 
 
 @pytest.mark.parametrize("name", ["defaults", "plain-tp4", "plain-tls", "knobs", "demo-plain"])
 def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
     from swaserve.cluster.cli import build_parser
-    from swaserve.cluster.flags import ENGINE_FLAGS, config_overrides
-    from swaserve.cluster.serve_command import ROUTER_FLAGS
+    from swaserve.cluster.knobs import ENGINE_FLAGS, ROUTER_FLAGS, config_overrides
     from swaserve.router import RouterConfig
     from swaserve.worker import EngineConfig
 
