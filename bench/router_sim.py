@@ -74,6 +74,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from anchor_policies import ANCHORS, AnchorRouter
+from kv_event_mirror import KVEventMirror
 from router_workloads import (
     QUICK_PRESSURE,
     AgentRun,
@@ -82,7 +83,6 @@ from router_workloads import (
     skewed_requests,
 )
 
-from swaserve.proto.kv_events import KVEventMirror
 from swaserve.proto.kv_rules import cdiv, page_floor, swa_tokens_for_extend, window_repair_tokens
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.router import Outcome, Overloaded, RouteDecision, Router, RouterConfig

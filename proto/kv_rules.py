@@ -8,7 +8,7 @@
       # runs:   [live 8][tomb 4][live 2][live 3]      W = 4
       # ends:    ok at 8          no at 14  ok at 17 (5 live tokens since the tombstone)
 
-  The radix cache (`SWARadixCache._walk`), the KV-event mirror (`KVEventMirror.match_length`)
+  The radix cache (`SWARadixCache._walk`), the KV-event mirror (`bench/kv_event_mirror.py`)
   call it; the router's one-walk-for-all-workers bit-mask match is tested against it.
 - `prefix_reuse`: what a match lets a request skip once window repair is allowed (architecture §6): a
   path whose full KV is cached but whose window before the end was freed may be resumed by

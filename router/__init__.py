@@ -1,6 +1,7 @@
 """Prefix-, SWA- and headroom-aware routing (architecture §5 router). Python and numpy: no torch, no Ray."""
 
-from swaserve.router.cache_view import ApproxCacheView, CacheViewCorrupted
+from swaserve.router.approx_view import ApproxCacheView
+from swaserve.router.cache_view import CacheViewCorrupted
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
 from swaserve.router.exact_view import ExactCacheView

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from swaserve.router.cache_view import CacheViewCorrupted, mask_bits
+from swaserve.router.cache_view import CacheViewCorrupted
+from swaserve.router.window_walk import mask_bits
 
 
 @dataclass(slots=True)

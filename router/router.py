@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from swaserve.proto.messages import WorkerReport
-from swaserve.router.cache_view import ApproxCacheView, bits_mask, held_tokens, walk_runs
+from swaserve.router.approx_view import ApproxCacheView
 from swaserve.router.config import RouterConfig
 from swaserve.router.decision import Outcome, Overloaded, RouteDecision
 from swaserve.router.exact_view import ExactCacheView
@@ -31,6 +31,7 @@ from swaserve.router.inflight_view import InflightPrompts
 from swaserve.router.policies import POLICIES, Candidates, RouteRequest
 from swaserve.router.request_queue import QueuedRequest, RequestQueue
 from swaserve.router.stats import RouterStats
+from swaserve.router.window_walk import bits_mask, held_tokens, inflight_extends, walk_runs
 from swaserve.router.worker_state import RequestNeed, WorkerState
 from swaserve.router.worker_table import WorkerTable
 
@@ -368,7 +369,7 @@ class Router:
                 flying = self._inflight.match_columns(keys, exact, t.capacity)
                 if flying.any():
                     held = held_tokens(runs, self._exact.page_size, exact, t.capacity)
-                    extends = (flying > held) & ((held == 0) | (flying - held >= t.window))
+                    extends = inflight_extends(flying, held, t.window)
                     hits = np.where(extends, flying, hits)
         approx = bits_mask(among & ~t.kv_events)
         if approx and self._approx is not None:

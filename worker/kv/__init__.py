@@ -14,8 +14,6 @@ _EXPORTS = {
     "KVCleared": "swaserve.proto.kv_events",
     "KVError": "swaserve.worker.kv.errors",
     "KVEvent": "swaserve.proto.kv_events",
-    "KVEventMirror": "swaserve.proto.kv_events",
-    "KVEventMismatch": "swaserve.proto.kv_events",
     "KVLayout": "swaserve.worker.kv.kv_pool",
     "KVMemory": "swaserve.worker.kv.memory",
     "KVMemoryConfig": "swaserve.worker.kv.memory",

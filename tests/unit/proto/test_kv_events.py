@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from kv_event_mirror import KVEventMirror, KVEventMismatch
 
 from swaserve.proto.kv_events import (
     KVCleared,
-    KVEventMirror,
-    KVEventMismatch,
     KVRemoved,
     KVRevived,
     KVStored,

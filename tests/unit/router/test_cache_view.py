@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_event_mirror import KVEventMirror
 from router_scenario import P, W, pages_of, stored
 
 from swaserve.proto.kv_events import (
     KVCleared,
-    KVEventMirror,
     KVRemoved,
     KVRevived,
     KVStored,

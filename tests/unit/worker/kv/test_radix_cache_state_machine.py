@@ -21,8 +21,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from kv_event_mirror import KVEventMirror
 
-from swaserve.proto.kv_events import KVEventMirror, page_hashes
+from swaserve.proto.kv_events import page_hashes
 from swaserve.proto.kv_rules import page_floor
 from swaserve.worker.kv import (
     SWAFreeState,

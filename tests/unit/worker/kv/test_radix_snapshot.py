@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_event_mirror import KVEventMirror
 
-from swaserve.proto.kv_events import KVCleared, KVEventMirror, KVStored, page_hashes
+from swaserve.proto.kv_events import KVCleared, KVStored, page_hashes
 from swaserve.router.exact_view import ExactCacheView
 from swaserve.worker.kv import SWATokenAllocator
 from swaserve.worker.kv.radix_cache import PureSWARadixCache, SWARadixCache
