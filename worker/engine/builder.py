@@ -20,6 +20,7 @@ from swaserve.proto.kv_rules import (
     page_floor,
     window_repair_tokens,
 )
+from swaserve.proto.messages import Headroom
 from swaserve.proto.request_limits import RequestLimits
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.kv_manager import KVCacheManager, is_hybrid
@@ -64,6 +65,48 @@ class HostState:
     @property
     def slot_table_shape(self) -> tuple[int, int]:
         return (self.slot_table.num_rows, self.slot_table.max_len)
+
+    def headroom(self) -> Headroom:
+        """What this engine can still take (`proto.messages.Headroom`): free and evictable
+        tokens of each pool, queues, the prefix cache's counters, and what a router must know
+        of its rules (W, P, the chunk, R)."""
+        plan = self.plan
+        tree = self.tree
+        full_free = self.allocator.full_available_size()
+        swa_free = self.allocator.swa_available_size()
+        swa_total = plan.swa_tokens if self.hybrid else plan.full_tokens
+        full_reserved, swa_reserved = self.scheduler.reserved_tokens()
+        full_evictable = tree.full_evictable_size() if tree else 0
+        full_protected = tree.full_protected_size() if tree else 0
+        # One pool: its SWA figures are the pool's own (what eviction frees serves SWA layers too).
+        swa_evictable = tree.swa_evictable_size() if tree and self.hybrid else full_evictable
+        swa_protected = tree.swa_protected_size() if tree and self.hybrid else full_protected
+        return Headroom(
+            full_total_tokens=plan.full_tokens,
+            full_free_tokens=full_free,
+            full_evictable_tokens=full_evictable,
+            swa_total_tokens=swa_total,
+            swa_free_tokens=swa_free,
+            swa_evictable_tokens=swa_evictable,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            full_protected_tokens=full_protected,
+            swa_protected_tokens=swa_protected,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            prefilling_tokens=self.scheduler.prefilling_tokens(),
+            prompt_tokens_total=self.stats.prompt_tokens,
+            cached_tokens_total=self.stats.cached_tokens,
+            window_repair_tokens_total=self.stats.window_repair_tokens,
+            prefill_tokens_total=self.stats.prefill_tokens,
+            prefill_s_total=self.stats.prefill_s,
+            sliding_window_size=self.window or 0,
+            page_size=self.plan.page_size,
+            chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,
+            hybrid=self.hybrid,
+            full_reserved_tokens=full_reserved,
+            swa_reserved_tokens=swa_reserved,
+            window_repair_tokens=self.window_repair_tokens,
+        )
 
 
 def build_host_state(

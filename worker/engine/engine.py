@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +26,6 @@ from swaserve.worker.runner.model_executor import ModelExecutor
 from swaserve.worker.runner.model_input import (
     ModelInput,
     build_model_input,
-    padding_decode_input,
-    padding_prefill_input,
 )
 from swaserve.worker.runner.model_runner import ModelRunner
 from swaserve.worker.runner.parallel import TensorParallelError
@@ -78,7 +75,7 @@ class Engine:
         # The device side loads the weights first (at TP = 1): the KV budget is what is left.
         self.executor = executor = ModelExecutor(config, tp_ranks=tp_ranks)
         self.model_config = executor.model_config
-        host = build_host_state(
+        self.host = host = build_host_state(
             config, self.model_config, executor.kv_cache_bytes(), executor.dtype
         )
         self.plan, self.allocator, self.tree, self.kv = (
@@ -94,13 +91,29 @@ class Engine:
         self.page_size = config.page_size
         executor.start(self.plan, host.slot_table_shape)
         self._broken: str | None = None  # why the TP group can no longer run
-        self._warm_up_decode_step()
-        self._measure_prefill(min(CALIBRATION_TOKENS, host.slot_table.max_len))
+        translate = self.kv.translate if self.hybrid else None
+        executor.warm_up_decode_step(two_pools=not self.plan.single_pool, window=self.window)
+        self._measure_prefill(min(CALIBRATION_TOKENS, host.slot_table.max_len), translate)
         self.sampler = Sampler(executor.device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._events: list[KVEvent] = []
+
+    def _measure_prefill(self, num_tokens: int, translate: Callable | None) -> None:
+        """Time a prefill of `num_tokens` padding tokens on slots of the pools and count it in
+        the prefill counters, so that the first report already carries this worker's prefill
+        speed (`Headroom.prefill_s_total`) and a router need not wait for its first requests
+        to tell a slow worker."""
+        num_tokens = page_floor(num_tokens, self.page_size)
+        slots = self.allocator.alloc(num_tokens) if num_tokens else None  # [T] int64
+        if slots is None:
+            return  # pools smaller than the measurement: the first requests measure it
+        try:
+            self.stats.prefill_s += self.executor.time_prefill(slots, translate, self.window)
+            self.stats.prefill_tokens += num_tokens
+        finally:
+            self.allocator.free(slots)
 
     @property
     def runner(self) -> ModelRunner:
@@ -109,54 +122,6 @@ class Engine:
     @property
     def launcher(self) -> TPLauncher | None:
         return self.executor.launcher
-
-    # ---- setup ---------------------------------------------------------------------------
-    def _warm_up_decode_step(self) -> None:
-        """With `compile`, compile (CPU) or capture (CUDA) the decode graphs now, through the
-        same path as a step (every TP rank runs them), so that no request waits for it."""
-        step = self.runner.decode_step
-        if step is None:
-            return
-        start = time.perf_counter()
-        shapes = step.warm_up_shapes()
-        for batch_size in shapes:
-            self._forward(
-                padding_decode_input(
-                    batch_size,
-                    two_pools=not self.plan.single_pool,
-                    sliding_window_size=self.window,
-                )
-            )
-        logger.info(
-            "decode step %s: %d shapes ready in %.1f s",
-            step.mode,
-            len(shapes),
-            time.perf_counter() - start,
-        )
-
-    def _measure_prefill(self, num_tokens: int) -> None:
-        """Time a prefill of `num_tokens` padding tokens (after one untimed run: first calls
-        pay one-time costs) and count it in the prefill counters, so that the first report
-        already carries this worker's prefill speed (`Headroom.prefill_s_total`) and a router
-        need not wait for its first requests to tell a slow worker."""
-        num_tokens = page_floor(num_tokens, self.page_size)
-        slots = self.allocator.alloc(num_tokens) if num_tokens else None  # [T] int64
-        if slots is None:
-            return  # pools smaller than the measurement: the first requests measure it
-        try:
-            model_input = padding_prefill_input(
-                torch.arange(num_tokens) % self.model_config.vocab_size,
-                slots,
-                self.kv.translate if self.hybrid else None,
-                sliding_window_size=self.window,
-            )
-            self._forward(model_input)
-            start = time.perf_counter()
-            self._forward(model_input)
-            self.stats.prefill_s += time.perf_counter() - start
-            self.stats.prefill_tokens += num_tokens
-        finally:
-            self.allocator.free(slots)
 
     @property
     def weight_bytes(self) -> int:
@@ -453,43 +418,7 @@ class Engine:
 
     # ---- reports -------------------------------------------------------------------------
     def headroom(self) -> Headroom:
-        plan = self.plan
-        tree = self.tree
-        full_free = self.allocator.full_available_size()
-        swa_free = self.allocator.swa_available_size()
-        swa_total = plan.swa_tokens if self.hybrid else plan.full_tokens
-        full_reserved, swa_reserved = self.scheduler.reserved_tokens()
-        full_evictable = tree.full_evictable_size() if tree else 0
-        full_protected = tree.full_protected_size() if tree else 0
-        # One pool: its SWA figures are the pool's own (what eviction frees serves SWA layers too).
-        swa_evictable = tree.swa_evictable_size() if tree and self.hybrid else full_evictable
-        swa_protected = tree.swa_protected_size() if tree and self.hybrid else full_protected
-        return Headroom(
-            full_total_tokens=plan.full_tokens,
-            full_free_tokens=full_free,
-            full_evictable_tokens=full_evictable,
-            swa_total_tokens=swa_total,
-            swa_free_tokens=swa_free,
-            swa_evictable_tokens=swa_evictable,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            full_protected_tokens=full_protected,
-            swa_protected_tokens=swa_protected,
-            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
-            prefilling_tokens=self.scheduler.prefilling_tokens(),
-            prompt_tokens_total=self.stats.prompt_tokens,
-            cached_tokens_total=self.stats.cached_tokens,
-            window_repair_tokens_total=self.stats.window_repair_tokens,
-            prefill_tokens_total=self.stats.prefill_tokens,
-            prefill_s_total=self.stats.prefill_s,
-            sliding_window_size=self.window or 0,
-            page_size=self.page_size,
-            chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,
-            hybrid=self.hybrid,
-            full_reserved_tokens=full_reserved,
-            swa_reserved_tokens=swa_reserved,
-            window_repair_tokens=self.window_repair_tokens,
-        )
+        return self.host.headroom()
 
     def take_kv_events(self) -> list[KVEvent]:
         """KV cache events since the last call, for the router."""

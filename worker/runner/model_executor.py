@@ -15,13 +15,21 @@ an attention backend or a device API itself (architecture §4).
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
 
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.models.config import ModelConfig, load_model_config
 from swaserve.worker.runner.executor import RankHandles, RankSpec, TPLauncher, rank_device
-from swaserve.worker.runner.model_input import ModelInput
+from swaserve.worker.runner.model_input import (
+    ModelInput,
+    padding_decode_input,
+    padding_prefill_input,
+)
 from swaserve.worker.runner.model_runner import (
     ModelRunner,
     default_kv_cache_bytes,
@@ -31,6 +39,8 @@ from swaserve.worker.runner.model_runner import (
 )
 from swaserve.worker.runner.parallel import TPGroup
 from swaserve.worker.runner.process_ranks import ProcessRanks
+
+logger = logging.getLogger(__name__)
 
 
 class ModelExecutor:
@@ -113,6 +123,45 @@ class ModelExecutor:
         if self.launcher is not None:
             return self.launcher.run_step(model_input, self.runner.forward)
         return self.runner.forward(model_input)
+
+    def warm_up_decode_step(self, *, two_pools: bool, window: int | None) -> None:
+        """With `compile`, compile (CPU) or capture (CUDA) the decode graphs now, through the
+        same path as a step (every TP rank runs them), so that no request waits for it."""
+        step = self.runner.decode_step
+        if step is None:
+            return
+        start = time.perf_counter()
+        shapes = step.warm_up_shapes()
+        for batch_size in shapes:
+            self.forward(
+                padding_decode_input(batch_size, two_pools=two_pools, sliding_window_size=window)
+            )
+        logger.info(
+            "decode step %s: %d shapes ready in %.1f s",
+            step.mode,
+            len(shapes),
+            time.perf_counter() - start,
+        )
+
+    def time_prefill(
+        self,
+        slots: torch.Tensor,  # [T] int64 full slots the host allocated for the measurement
+        translate: Callable[[torch.Tensor], torch.Tensor] | None,
+        window: int | None,
+    ) -> float:
+        """Seconds of a prefill of T padding tokens written at `slots` (after one untimed run:
+        first calls pay one-time costs)."""
+        num_tokens = slots.numel()
+        model_input = padding_prefill_input(
+            torch.arange(num_tokens) % self.model_config.vocab_size,
+            slots,
+            translate,
+            sliding_window_size=window,
+        )
+        self.forward(model_input)
+        start = time.perf_counter()
+        self.forward(model_input)
+        return time.perf_counter() - start
 
     def check_alive(self) -> None:
         """Raise `TensorParallelError` when a TP rank has ended."""

@@ -24,10 +24,10 @@ import torch
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.engine.engine import CALIBRATION_TOKENS
-from swaserve.worker.runner.executor import RANK_MODULE, TPLauncher
+from swaserve.worker.runner.executor import TPLauncher
 from swaserve.worker.runner.model_input import ModelInput
 from swaserve.worker.runner.parallel import TensorParallelError
-from swaserve.worker.runner.process_ranks import ProcessRanks
+from swaserve.worker.runner.process_ranks import RANK_MODULE, ProcessRanks
 
 pytestmark = pytest.mark.slow
 
