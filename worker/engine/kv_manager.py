@@ -69,6 +69,7 @@ class PrefixHit:
     full_newly_protected: int
     swa_newly_protected: int
     repair: WindowRepair | None = None
+    lock: PrefixLock | None = None  # what the match locked in the tree (None: no prefix cache)
 
 
 class KVCacheManager:
@@ -114,10 +115,11 @@ class KVCacheManager:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     # ---- admission -----------------------------------------------------------------------
-    def match_prefix(self, req: Request) -> PrefixHit | None:
+    def attach_prefix(self, req: Request) -> PrefixHit | None:
         """Give a waiting request a slot-table row and its cached prefix, locked (all but the
         last prompt token: one token is always computed), repaired where that saves more
-        (the module docstring). None when no row is free."""
+        (the module docstring). A command: the hit names the lock it took (`PrefixHit.lock`,
+        also `req.lock` until the request releases it). None when no row is free."""
         row = self.slot_table.acquire()
         if row is None:
             return None
@@ -142,6 +144,7 @@ class KVCacheManager:
             full_before - tree.full_evictable_size(),
             swa_before - tree.swa_evictable_size(),
             repair,
+            req.lock,
         )
 
     def repair_of(self, req: Request) -> WindowRepair | None:

@@ -377,7 +377,7 @@ class Scheduler:
             if len(self.running) >= self.limits.max_running_requests or budget <= 0:
                 break
             alone = not self.running  # the pools are this request's alone: move it or end it
-            hit = self.kv.match_prefix(req)
+            hit = self.kv.attach_prefix(req)
             if hit is None:
                 break
             # The lock just moved the matched prefix from evictable to protected.
