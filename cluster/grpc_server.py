@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
@@ -35,6 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
 from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.request_checks import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BadRequest,
+    check_id,
+    check_stop_strings,
+)
 from swaserve.cluster.routed import (
     ClusterBusy,
     GenerationFailed,
@@ -52,11 +57,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "swaserve.v1.Inference"
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-MAX_ID_CHARS = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 UNAUTHENTICATED_DETAILS = "missing or wrong bearer token"
 
 
@@ -85,10 +85,6 @@ class GrpcServerConfig(BaseModel):
         return self
 
 
-class BadRequest(ValueError):
-    """A request field is invalid (INVALID_ARGUMENT)."""
-
-
 def sampling_params_from_proto(msg: pb.SamplingParams, vocab_size: int) -> SamplingParams:
     """Protobuf → `SamplingParams`; unset optional fields keep swaserve's defaults. Raises
     `BadRequest` with the field's name."""
@@ -110,23 +106,6 @@ def sampling_params_from_proto(msg: pb.SamplingParams, vocab_size: int) -> Sampl
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         raise BadRequest(f"sampling_params.{field}: {first['msg']}") from None
-
-
-def check_stop_strings(stop: list[str]) -> list[str]:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"sampling_params.stop: at most {MAX_STOP_STRINGS} stop strings")
-    for s in stop:
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise BadRequest(f"sampling_params.stop: each must have 1 to {MAX_STOP_CHARS} chars")
-    return list(stop)
-
-
-def check_id(value: str, what: str) -> str:
-    if len(value) > MAX_ID_CHARS or not _ID_PATTERN.fullmatch(value):
-        raise BadRequest(
-            f"{what} must be 1 to {MAX_ID_CHARS} characters of [A-Za-z0-9._:-], got {value[:40]!r}"
-        )
-    return value
 
 
 class RpcFailure(Exception):

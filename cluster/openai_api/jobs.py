@@ -19,7 +19,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from swaserve.cluster.grpc_server import MAX_ID_CHARS, BadRequest, check_id, check_stop_strings
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.openai_api.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -30,6 +29,7 @@ from swaserve.cluster.openai_api.protocol import (
     CompletionRequest,
     message_text,
 )
+from swaserve.cluster.request_checks import MAX_ID_CHARS, BadRequest, check_id, check_stop_strings
 from swaserve.cluster.routed import InvalidRequest, RoutedCluster
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.text.chat_template import ChatTemplate, ChatTemplateError

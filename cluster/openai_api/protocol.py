@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from swaserve.cluster.grpc_server import BadRequest
+from swaserve.cluster.request_checks import BadRequest
 from swaserve.cluster.routed import ClusterBusy, GenerationFailed, InvalidRequest, Unavailable
 from swaserve.proto.text.chat_template import ChatTemplateError
 

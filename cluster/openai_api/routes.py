@@ -24,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from swaserve.cluster.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 from swaserve.cluster.metrics import CONTENT_TYPE
 from swaserve.cluster.openai_api.protocol import (
     CHAT_UNSUPPORTED,
@@ -37,6 +36,7 @@ from swaserve.cluster.openai_api.protocol import (
     validation_error,
 )
 from swaserve.cluster.openai_api.server import OpenAIServer
+from swaserve.cluster.request_checks import DEFAULT_MAX_MESSAGE_BYTES
 from swaserve.cluster.routed import ClusterError
 
 MAX_BODY_BYTES = DEFAULT_MAX_MESSAGE_BYTES  # as the gRPC server's message limit
