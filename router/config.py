@@ -52,12 +52,17 @@ Defaults and why:
   an exact view alone learns of a prefix a report later, and on bench/router_sim.py's
   agentic fan-out (reports 0-500 ms late) its predictions matched the workers' real hits for
   only 0.53-0.55 of requests, against 1.00 with the records.
+- `cache_view="exact"`: the prefix view comes from the workers' KV events (`exact_view.py`);
+  `"approx"` records the prompts routed to each worker instead (`approx_view.py`) and ignores
+  the events: SGLang's cache_aware router works so, without knowing what a worker evicted.
 - `approx_max_tokens=2**20`: the approximate view (workers without KV events) records at most
   ~1 M prompt tokens over all such workers, about the prefix cache of a few workers. It costs
   ~40 bytes per token at P = 16 (40 MB) and ~440 at P = 1 (440 MB), measured.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -79,6 +84,12 @@ class RouterConfig(BaseModel):
     report_timeout_s: float = Field(5.0, gt=0, description="older reports take a worker out")
     max_queue_len: int = Field(1024, ge=0, description="queued requests before Overloaded")
     queue_timeout_s: float = Field(30.0, gt=0, description="default deadline of a queued request")
+    cache_view: Literal["exact", "approx"] = Field(
+        "exact",
+        description="exact: mirror each worker's prefix cache from its KV events (tombstones, "
+        "windows); approx: track only the prompts routed to each worker, as SGLang's "
+        "cache_aware router does, and ignore the events",
+    )
     approx_max_tokens: int = Field(1 << 20, ge=0, description="approximate view cap, all workers")
     seed: int = Field(0, description="seed of randomized policies (power_of_two)")
     max_hold_s: float = Field(0.05, ge=0, description="ttft: longest wait for a faster worker")

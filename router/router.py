@@ -62,9 +62,12 @@ class Router:
         self._table = WorkerTable()  # the workers' columns, by bit
 
     # ---- workers -------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, *, kv_events: bool = True) -> None:
-        """Register a worker; it takes requests once it has reported. `kv_events=False`: it
-        sends no KV events, and the router tracks its cache approximately (routed prompts)."""
+    def add_worker(self, worker_id: str, *, kv_events: bool | None = None) -> None:
+        """Register a worker; it takes requests once it has reported. `kv_events=False`: the
+        router ignores its KV events (it may send none) and tracks its cache approximately,
+        from the prompts routed to it; None: as `RouterConfig.cache_view` says."""
+        if kv_events is None:
+            kv_events = self.config.cache_view == "exact"
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already registered")
         used = {w.bit for w in self._workers.values()}

@@ -85,3 +85,30 @@ def test_serve_compile_flag(tiny_model_factory: Callable[..., Path]) -> None:
         assert config.engine.compile == want, flags
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", str(model), "--compile", "sometimes"])
+
+
+def test_every_config_field_is_a_serve_flag(tiny_model_factory: Callable[..., Path]) -> None:
+    """The flags are derived from the config models: the fields the old hand-kept list missed
+    (tokenizer, seed, schedule_conservativeness, check_on_idle) and a router field added later
+    (cache_view) reach the configs."""
+    import argparse
+
+    from swaserve.cluster.knobs import ENGINE_FLAGS, ROUTER_FLAGS
+    from swaserve.cluster.serve_command import add_arguments, build_configs
+    from swaserve.router import RouterConfig
+    from swaserve.worker import EngineConfig
+
+    assert set(ENGINE_FLAGS) == set(EngineConfig.model_fields) - {"model"}
+    assert set(ROUTER_FLAGS) == set(RouterConfig.model_fields)
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=4, hidden_size=32)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model", str(model), "--tokenizer", str(model), "--seed", "7"]
+    argv += ["--schedule-conservativeness", "0.5", "--check-on-idle", "false"]
+    config, _ = build_configs(parser.parse_args([*argv, "--router-cache-view", "approx"]))
+    engine = config.engine
+    assert (engine.tokenizer, engine.seed) == (str(model), 7)
+    assert (engine.schedule_conservativeness, engine.check_on_idle) == (0.5, False)
+    assert config.router.cache_view == "approx"
+    with pytest.raises(ValueError):  # pydantic names the choices
+        build_configs(parser.parse_args([*argv, "--router-cache-view", "fuzzy"]))

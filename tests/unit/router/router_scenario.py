@@ -39,7 +39,7 @@ class Clock:
 class Cluster:
     """A router with a settable clock, and the reports of its workers (seq counted here)."""
 
-    def __init__(self, *workers: str, kv_events: bool = True, **config: object) -> None:
+    def __init__(self, *workers: str, kv_events: bool | None = None, **config: object) -> None:
         self.clock = Clock()
         self.router = Router(RouterConfig(**config), clock=self.clock)  # type: ignore[arg-type]
         self.seq: dict[str, int] = {}

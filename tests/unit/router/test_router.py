@@ -343,6 +343,25 @@ def test_report_age_counts_from_its_receipt_on_the_routers_clock() -> None:
 # ---- rule: approximate mode (workers without KV events) under its memory cap ----------------------
 
 
+def test_cache_view_approx_tracks_routed_prompts_and_ignores_the_events() -> None:
+    """`RouterConfig(cache_view="approx")` (`--router-cache-view approx`): workers added as the
+    cluster adds them (no `kv_events` argument) are tracked by the prompts routed to them; what
+    their reports say they stored does not count."""
+    c = Cluster("a", "b", cache_view="approx")
+    assert not c.router.worker("a").kv_events and not c.router.worker("b").kv_events
+    c.report("a")
+    c.report("b", [stored(PROMPT[:16])])  # b reports the prompt cached: ignored
+    assert c.router.predict_hits(PROMPT) == {"a": 0, "b": 0}
+    assert routed(c.router.route("r1", PROMPT, 1)) == ("a", 0)  # records PROMPT for a
+    assert c.router.predict_hits(PROMPT) == {"a": 16, "b": 0}
+    exact = Cluster("a", "b")  # the default: the events count
+    exact.report("a")
+    exact.report("b", [stored(PROMPT[:16])])
+    assert exact.router.predict_hits(PROMPT) == {"a": 0, "b": 16}
+    c.router.check()
+    exact.router.check()
+
+
 def test_approximate_workers_get_affinity_from_routed_prompts_under_one_cap() -> None:
     c = Cluster("a", "b", kv_events=False, approx_max_tokens=20)
     c.report("a")
