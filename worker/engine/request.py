@@ -110,6 +110,15 @@ class Request:
     def last_loc(self) -> int:
         return int(self.row_slots[self.num_computed - 1]) if self.num_computed else -1
 
+    def end(self, reason: FinishReason, error: str | None = None) -> None:
+        """The request is over: aborted (`ABORT`) or finished for `reason`; `error` says why
+        a step or admission failed it (`ERROR`). Its KV is the caller's to release or cache."""
+        self.status = (
+            RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
+        )
+        self.finish_reason = reason
+        self.error = error
+
     def reset_kv(self) -> None:
         """Forget all KV state (after its slots and row were released)."""
         self.row, self.row_slots, self.num_slots = -1, _NO_SLOTS, 0

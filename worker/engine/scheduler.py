@@ -174,8 +174,7 @@ class Scheduler:
             self._leave(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        req.status = RequestStatus.ABORTED
-        req.finish_reason = FinishReason.ABORT
+        req.end(FinishReason.ABORT)
 
     def take_failed(self) -> list[Request]:
         """The requests ended as unservable (finish reason `error`) since the last call."""
@@ -286,8 +285,7 @@ class Scheduler:
     def _finish(self, req: Request, token: int, finished: list[Request]) -> None:
         """End a request that sampled its last token (the caller drops it from its part of
         the split)."""
-        req.finish_reason = FinishReason.STOP if token in req.stop_ids else FinishReason.LENGTH
-        req.status = RequestStatus.FINISHED
+        req.end(FinishReason.STOP if token in req.stop_ids else FinishReason.LENGTH)
         self.kv.cache_finished(req)
         self.running.remove(req)
         finished.append(req)
@@ -303,9 +301,7 @@ class Scheduler:
             self.kv.release(req)
             if req in self.running:
                 self._leave(req)
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = FinishReason.ERROR
-            req.error = message
+            req.end(FinishReason.ERROR, message)
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (only when no request is running)."""
@@ -450,7 +446,7 @@ class Scheduler:
         locked = f"{hit.full_newly_protected} full" + (
             f" and {hit.swa_newly_protected} SWA" if self.hybrid else ""
         )
-        req.error = (
+        message = (
             f"request {req.request_id!r} cannot run even alone: its next {num_tokens} tokens "
             f"(after {hit.num_tokens} cached) need {page_ceil(num_tokens, p)} new slots in each "
             f"pool, a shorter chunk at least {p}; the pools have {full} full{swa_part} tokens "
@@ -458,8 +454,7 @@ class Scheduler:
         )
         self.kv.release(req)
         self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = FinishReason.ERROR
+        req.end(FinishReason.ERROR, message)
         self._failed.append(req)
 
     def _waiting_in_order(self) -> list[Request]:
