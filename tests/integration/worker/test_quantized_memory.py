@@ -114,7 +114,7 @@ def test_kv_budget_is_sized_after_the_load_from_the_weights_bytes(
         asked.append(kw)
         return default_kv_cache_bytes(config, device, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("swaserve.worker.engine.engine.default_kv_cache_bytes", spy)
+    monkeypatch.setattr("swaserve.worker.runner.model_executor.default_kv_cache_bytes", spy)
     e = Engine(EngineConfig(model=str(model_dir)))  # no budget given: the default is asked
     assert asked == [{"weight_bytes": e.weight_bytes, "weights_loaded": True}]
     assert e.weight_bytes == resident_bytes(e.runner.model)
