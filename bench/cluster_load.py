@@ -57,6 +57,7 @@ from multiturn import (
 
 from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
+from swaserve.cluster.routed import TTFTBreakdown
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.router import POLICIES, RouterConfig
@@ -188,9 +189,10 @@ async def drive(
 
 async def run_policy(
     policy: str, model_dir: str, work: Workload, args: argparse.Namespace
-) -> tuple[list[TurnResult], float, dict[str, int]]:
+) -> tuple[list[TurnResult], float, dict[str, int], list[TTFTBreakdown]]:
     """A fresh cluster and server for one run, both stopped whatever happens; the results,
-    the wall seconds, and the router's counters over the workload (warm-up excluded)."""
+    the wall seconds, the router's counters over the workload (warm-up excluded), and where
+    each workload request's time to first token went (`RoutedCluster.breakdowns`)."""
     config = ClusterConfig(
         engine=EngineConfig(
             model=model_dir, device="cpu", max_total_tokens=args.max_total_tokens, seed=0
@@ -208,8 +210,10 @@ async def run_policy(
                 stub = pb_grpc.InferenceStub(channel)
                 await warm_up(stub)
                 before = await cluster.router_stats()
+                cluster.breakdowns.clear()
                 results, wall_s = await drive(stub, work, args.concurrency)
                 after = await cluster.router_stats()
+                breakdowns = list(cluster.breakdowns)
         finally:
             await server.stop(0)
     finally:
@@ -220,11 +224,42 @@ async def run_policy(
         "predicted_hit_tokens": after["predicted_hit_tokens"] - before["predicted_hit_tokens"],
         "queued": after["decisions"].get(queued, 0) - before["decisions"].get(queued, 0),
     }
-    return results, wall_s, router
+    return results, wall_s, router, breakdowns
+
+
+def ttft_parts(breakdowns: list[TTFTBreakdown]) -> dict:
+    """Where the time to first token went, over a run's requests: the router's answer, the
+    engine's queue, the prefill steps (ms, p50 and p99), the steps a prefill took and the
+    decode rows and prompt tokens those steps carried (means), and what held requests at
+    admission (counts; "" is admitted at once)."""
+    timed = [b.worker for b in breakdowns if b.worker is not None]
+
+    def ms(values: list[float]) -> dict[str, float]:
+        scaled = [1e3 * v for v in values]
+        return {"p50": percentile(scaled, 0.50), "p99": percentile(scaled, 0.99)}
+
+    def mean(values: list[int]) -> float:
+        return sum(values) / max(len(values), 1)
+
+    return {
+        "route_ms": ms([b.route_s for b in breakdowns]),
+        "engine_queue_ms": ms([t.queued_s for t in timed]),
+        "prefill_ms": ms([t.prefill_s for t in timed]),
+        "prefill_steps": mean([t.prefill_steps for t in timed]),
+        "decode_rows_per_prefill_step": sum(t.step_decodes for t in timed)
+        / max(sum(t.prefill_steps for t in timed), 1),
+        "prompt_tokens_per_prefill_step": sum(t.step_prefill_tokens for t in timed)
+        / max(sum(t.prefill_steps for t in timed), 1),
+        "held_by": dict(sorted(Counter(t.held_by for t in timed).items())),
+    }
 
 
 def metrics(
-    results: list[TurnResult], wall_s: float, router: dict[str, int], reference: dict | None
+    results: list[TurnResult],
+    wall_s: float,
+    router: dict[str, int],
+    reference: dict | None,
+    breakdowns: list[TTFTBreakdown],
 ) -> dict:
     """The figures of one run; `router`: the router's counters over it; `reference`:
     (session, turn) -> answer of the first run."""
@@ -256,6 +291,7 @@ def metrics(
         "router_queued": router["queued"],
         "requests_per_worker": dict(sorted(Counter(r.worker_id for r in results).items())),
         "answers_equal_first_run": agree,
+        "ttft_parts": ttft_parts(breakdowns),
     }
 
 
@@ -265,8 +301,8 @@ async def run_all(model_dir: str, work: Workload, args: argparse.Namespace) -> l
     print(HEADER, flush=True)
     for round_ in range(args.repeats):
         for policy in args.policies:
-            results, wall_s, router = await run_policy(policy, model_dir, work, args)
-            m = metrics(results, wall_s, router, reference)
+            results, wall_s, router, breakdowns = await run_policy(policy, model_dir, work, args)
+            m = metrics(results, wall_s, router, reference, breakdowns)
             if reference is None:
                 reference = {(r.session, r.turn): r.answer for r in results}
             runs.append({"round": round_ + 1, "policy": policy, **m})
@@ -287,6 +323,17 @@ def print_row(run: dict) -> None:
         f"{run['ttft_p50_ms']:>7.0f}ms {run['ttft_p99_ms']:>7.0f}ms "
         f"{run['cached_share']:>7.3f} {run['router_predicted_share']:>8.3f} "
         f"{run['same_worker_share']:>8.2f} {run['finished']:>5}  {per_worker}",
+        flush=True,
+    )
+    parts = run["ttft_parts"]
+    held = ", ".join(f"{k or 'at once'} {v}" for k, v in parts["held_by"].items())
+    print(
+        f"{'':>5} TTFT parts p50/p99: route {parts['route_ms']['p50']:.0f}/"
+        f"{parts['route_ms']['p99']:.0f} ms, engine queue {parts['engine_queue_ms']['p50']:.0f}/"
+        f"{parts['engine_queue_ms']['p99']:.0f} ms, prefill {parts['prefill_ms']['p50']:.0f}/"
+        f"{parts['prefill_ms']['p99']:.0f} ms; {parts['prefill_steps']:.1f} steps per prefill "
+        f"with {parts['decode_rows_per_prefill_step']:.1f} decode rows and "
+        f"{parts['prompt_tokens_per_prefill_step']:.0f} prompt tokens each; admitted: {held}",
         flush=True,
     )
 

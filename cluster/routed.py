@@ -16,21 +16,40 @@ methods are called as `await handle.method.remote(...)`: a Ray actor or a Serve 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason, GenerateChunk
+from swaserve.proto.stream import FinishReason, GenerateChunk, RequestTimings
 from swaserve.proto.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
+
+
+BREAKDOWNS_KEPT = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTBreakdown:
+    """One request's time to first token, in parts: `route_s` from asking the router to its
+    answer (its decision and its queue), then the worker's part (`RequestTimings`: queued in
+    the engine, then prefill steps; None from a worker that sends none). What the client saw
+    beyond their sum is transport and ingress."""
+
+    request_id: str
+    worker_id: str
+    route_s: float
+    cached_tokens: int
+    worker: RequestTimings | None
 
 
 class ClusterError(Exception):
@@ -103,6 +122,10 @@ class RoutedCluster:
         self.lost: dict[str, str] = {}  # worker id -> why it was dropped
         self._closing = False
         self._open: dict[str, str] = {}  # request id -> the worker serving it
+        # Where the time to first token of the latest requests went (`first_token_breakdown`).
+        self.breakdowns: collections.deque[TTFTBreakdown] = collections.deque(
+            maxlen=BREAKDOWNS_KEPT
+        )
         self._ids = itertools.count()
 
     # ---- what a subclass provides ----------------------------------------------------------
@@ -208,7 +231,9 @@ class RoutedCluster:
             finished = False
             generated: int | None = None  # tokens of an attempt that ran to its end
             try:
+                routing_s = time.monotonic()
                 worker = await self._route(request_id, prompt, attempt, session_id, deadline)
+                routing_s = time.monotonic() - routing_s
                 self._open[request_id] = worker
                 async for item in self._stream(worker, EngineRequest(request_id, prompt, attempt)):
                     if isinstance(item, ValueError):  # the engine refused it (RequestError)
@@ -233,6 +258,9 @@ class RoutedCluster:
                     if item.token_ids or item.finished:  # not the "taken" chunk
                         if cached is None:
                             cached = item.cached_tokens
+                            self.breakdowns.append(
+                                TTFTBreakdown(request_id, worker, routing_s, cached, item.timings)
+                            )
                         item.cached_tokens = cached
                         sent.extend(item.token_ids)
                         yield item

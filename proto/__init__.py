@@ -5,13 +5,14 @@ the text helpers (`proto.text`). Nothing here imports torch or the engine."""
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.messages import Headroom, WorkerReport
 from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason, GenerateChunk
+from swaserve.proto.stream import FinishReason, GenerateChunk, RequestTimings
 
 __all__ = [
     "EngineRequest",
     "FinishReason",
     "GenerateChunk",
     "Headroom",
+    "RequestTimings",
     "SamplingParams",
     "WorkerReport",
 ]

@@ -23,6 +23,28 @@ class FinishReason(enum.StrEnum):
         return self in (FinishReason.WORKER_LOST, FinishReason.MISROUTED)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where a request's time to first token went inside its worker (the chunk that carries
+    its first token carries these). Seconds on the worker's monotonic clock.
+
+        add ─ queued_s ─► admitted ─ prefill_s ─► first token
+
+    `held_by`: what last kept it waiting at admission ("" if it was admitted at its first
+    try): "running" (max_running_requests), "rows" (no slot-table row), "budget" (the step's
+    prefill tokens went to requests before it), "full" / "swa" (that pool's admission budget),
+    "pools" (no slots even after eviction). `prefill_steps`: the steps that computed its prompt
+    (a chunk each); `step_decodes` / `step_prefill_tokens`: those steps' decode rows and prompt
+    tokens, its own and other requests' (the mix it shared its steps with)."""
+
+    queued_s: float
+    prefill_s: float
+    held_by: str
+    prefill_steps: int
+    step_decodes: int
+    step_prefill_tokens: int
+
+
 @dataclass(slots=True)
 class GenerateChunk:
     """A request's new tokens since its previous chunk.
@@ -37,3 +59,4 @@ class GenerateChunk:
     cached_tokens: int = 0
     error: str | None = None
     worker_id: str = ""  # set by the cluster: the group that served it
+    timings: RequestTimings | None = None  # on the chunk with the request's first token

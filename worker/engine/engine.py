@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from swaserve.proto.kv_events import KVCleared, KVEvent, KVTombstoned
 from swaserve.proto.kv_rules import page_floor
 from swaserve.proto.messages import Headroom
 from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason
+from swaserve.proto.stream import FinishReason, RequestTimings
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.builder import build_host_state
@@ -51,6 +52,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason "error": why the step failed
+    timings: RequestTimings | None = None  # with the request's first token: where its TTFT went
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,10 +356,12 @@ class Engine:
                 )
             )
         outputs = []
+        now = time.monotonic()
         for req, token in zip(batch.reqs, next_tokens, strict=True):
             if token is None:
                 continue
             reason = req.finish_reason  # set in this step if it finished, else None
+            first = len(req.output_ids) == 1  # its first token (a re-prefill has more)
             outputs.append(
                 RequestOutput(
                     req.request_id,
@@ -365,6 +369,7 @@ class Engine:
                     reason is not None,
                     reason,
                     req.cached_tokens,
+                    timings=req.trace.timings(now) if first else None,
                 )
             )
         return outputs

@@ -254,6 +254,7 @@ class EngineLoop:
                     out.finish_reason,
                     out.cached_tokens,
                     out.error,
+                    timings=out.timings,
                 )
             )
 

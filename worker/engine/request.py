@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason
+from swaserve.proto.stream import FinishReason, RequestTimings
 from swaserve.worker.kv.radix_node import PrefixLock
 from swaserve.worker.kv.swa_freeing import SWAFreeState
 
@@ -21,6 +22,29 @@ class RequestStatus(enum.Enum):
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # [0] int64: the row of a request without KV
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """When a request waited and with what it shared its prefill steps, up to its first token
+    (`proto.stream.RequestTimings` is what leaves the engine). Times: `time.monotonic()`."""
+
+    arrival_s: float
+    admitted_s: float = 0.0  # its first admission
+    held_by: str = ""  # why admission last left it waiting ("": admitted at its first try)
+    prefill_steps: int = 0
+    step_decodes: int = 0
+    step_prefill_tokens: int = 0
+
+    def timings(self, first_token_s: float) -> RequestTimings:
+        return RequestTimings(
+            queued_s=self.admitted_s - self.arrival_s,
+            prefill_s=first_token_s - self.admitted_s,
+            held_by=self.held_by,
+            prefill_steps=self.prefill_steps,
+            step_decodes=self.step_decodes,
+            step_prefill_tokens=self.step_prefill_tokens,
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -47,6 +71,7 @@ class Request:
     params: SamplingParams
     arrival: int
     generator: torch.Generator | None = None
+    trace: RequestTrace = field(default_factory=lambda: RequestTrace(time.monotonic()))
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -27,6 +27,7 @@ the tree or KV contents.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -259,10 +260,16 @@ class Scheduler:
                     self._finish(db.reqs[i], tokens[i], finished)
                 db.remove(ended)
         joined: list[Request] = []
+        step_prefill = sum(batch.extend_lens[nd:])
         for req, n, token in zip(
             batch.reqs[nd:], batch.extend_lens[nd:], next_tokens[nd:], strict=True
         ):
             prefilling = n > 1 or not req.output_ids
+            if not req.output_ids:  # the steps up to its first token, and what shared them
+                trace = req.trace
+                trace.prefill_steps += 1
+                trace.step_decodes += nd
+                trace.step_prefill_tokens += step_prefill
             req.num_computed += n
             if token is None:
                 if n > 0 and req.num_computed < req.seq_len:
@@ -371,10 +378,12 @@ class Scheduler:
         rem_total, rem_swa = self._remaining_budgets()
         for req in self._waiting_in_order():
             if len(self.running) >= self.limits.max_running_requests or budget <= 0:
+                req.trace.held_by = "running" if budget > 0 else "budget"
                 break
             alone = not self.running  # the pools are this request's alone: move it or end it
             hit = self.kv.attach_prefix(req)
             if hit is None:
+                req.trace.held_by = "rows"
                 break
             # The lock just moved the matched prefix from evictable to protected.
             rem_total -= hit.full_newly_protected
@@ -392,6 +401,15 @@ class Scheduler:
                     rem_total, rem_swa = self._remaining_budgets()
                     continue
             if out is None:
+                req.trace.held_by = (
+                    "budget"
+                    if n == 0
+                    else "full"
+                    if full_need > rem_total
+                    else "swa"
+                    if swa_need > rem_swa
+                    else "pools"
+                )
                 self.kv.release(req)
                 break
             self.waiting.remove(req)
@@ -399,6 +417,7 @@ class Scheduler:
             self._prefilling.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_retractions == 0:
+                req.trace.admitted_s = time.monotonic()
                 req.cached_tokens = hit.num_tokens
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.cached_tokens += hit.num_tokens

@@ -196,3 +196,25 @@ def test_headroom_reports_the_prefill_under_way_and_the_measured_prefill(model_d
     assert head.prefill_tokens_total == CALIBRATION_TOKENS + 103
     assert head.prefill_s_total > first_s
     engine.check()
+
+
+def test_the_first_token_carries_where_its_time_went(model_dir: Path) -> None:
+    """`RequestOutput.timings` comes with a request's first token only: how it was held at
+    admission, the steps its prefill took (chunks of 32) and what shared them."""
+    engine = make_engine(model_dir, max_running_requests=1)
+    first = engine.add_request(list(range(1, 71)), GREEDY)  # 70 tokens: chunks 32, 32, 6
+    second = engine.add_request([7, 8, 9], GREEDY)  # waits: one request runs at a time
+    timings: dict[str, list] = {first: [], second: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            timings[out.request_id].append(out.timings)
+    head, *rest = timings[first]
+    assert head is not None and all(t is None for t in rest) and len(rest) == 7
+    assert (head.held_by, head.prefill_steps, head.step_prefill_tokens) == ("", 3, 70)
+    assert head.step_decodes == 0 and head.queued_s >= 0 and head.prefill_s > 0
+    late, *rest = timings[second]
+    assert late is not None and all(t is None for t in rest)
+    # It waited for `first` to finish: 3 prefill steps and 7 decodes, held by the row limit.
+    assert (late.held_by, late.prefill_steps, late.step_decodes) == ("running", 1, 0)
+    assert late.queued_s > head.prefill_s
+    engine.check()

@@ -74,6 +74,8 @@ def test_streams_the_tokens_of_generate_and_reports(engine: Engine) -> None:
             chunks = sink.until_finished()
             assert [t for c in chunks for t in c.token_ids] == expected[i]
             assert chunks[-1].finish_reason == ("length" if len(expected[i]) == 6 else "stop")
+            timed = [c for c in chunks if c.timings is not None]
+            assert len(timed) == 1 and timed[0].token_ids  # the chunk of the first token
         assert loop.num_open == 0
     finally:
         loop.stop()

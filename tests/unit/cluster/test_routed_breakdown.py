@@ -1,0 +1,62 @@
+"""`RoutedCluster.breakdowns`: one record per request, at its first token, of where its time to
+first token went (the router's answer, then the worker's own `RequestTimings`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from routed_fakes import FakeCluster
+
+from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import GenerateChunk, RequestTimings
+
+TIMINGS = RequestTimings(
+    queued_s=0.5,
+    prefill_s=0.25,
+    held_by="full",
+    prefill_steps=2,
+    step_decodes=3,
+    step_prefill_tokens=40,
+)
+
+
+class TimedCluster(FakeCluster):
+    """Workers that say where their time went, on the first token's chunk, as an engine does."""
+
+    async def _stream(
+        self, worker_id: str, request: EngineRequest
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        first = True
+        async for item in super()._stream(worker_id, request):
+            if isinstance(item, GenerateChunk) and item.token_ids and first:
+                item.timings, first = TIMINGS, False
+            yield item
+
+
+def run(cluster: FakeCluster, *request_ids: str) -> None:
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+
+    async def go() -> None:
+        for request_id in request_ids:
+            async for _ in cluster.generate(request_id, [5, 6, 7], params):
+                pass
+
+    asyncio.run(go())
+
+
+def test_one_breakdown_per_request_with_the_workers_timings(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    model_dir = tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
+    cluster = TimedCluster(model_dir, None, ["w0"])
+    run(cluster, "a", "b")
+    assert [b.request_id for b in cluster.breakdowns] == ["a", "b"]
+    assert all(b.worker_id == "w0" and b.worker == TIMINGS for b in cluster.breakdowns)
+    assert all(b.route_s >= 0 and b.cached_tokens == 0 for b in cluster.breakdowns)
+    plain = FakeCluster(model_dir, None, ["w0"])  # a worker that sends no timings
+    run(plain, "c")
+    [only] = plain.breakdowns
+    assert (only.request_id, only.worker) == ("c", None)
