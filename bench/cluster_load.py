@@ -30,7 +30,11 @@ in flight, so sticky sessions may pile up on one worker (see "requests per worke
 
     python bench/cluster_load.py [--json] [--policies round_robin,prefix] [--sessions 10]
         [--turns 6] [--concurrency 5] [--max-new-tokens 16] [--repeats 3] [--hidden 256]
-        [--layers 4] [--window 32] ...
+        [--layers 4] [--window 32] [--router-config JSON] ...
+
+Each run also prints where the time to first token went (`RoutedCluster.breakdowns`): the
+router's answer, the engine's queue, the prefill, the steps a prefill took with the decode rows
+and prompt tokens they carried, and what held requests at admission.
 """
 
 from __future__ import annotations
@@ -197,7 +201,10 @@ async def run_policy(
         engine=EngineConfig(
             model=model_dir, device="cpu", max_total_tokens=args.max_total_tokens, seed=0
         ),
-        router=RouterConfig(policy=policy),
+        router=RouterConfig(
+            policy=policy,
+            **(args.router_config if policy != args.policies[0] else {}),
+        ),
         replicas=REPLICAS,
         report_interval_s=0.1,
     )
@@ -372,6 +379,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=parse_policies,
         default=",".join(DEFAULT_POLICIES),
         help="comma-separated routing policies, the first the baseline (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router-config",
+        type=json.loads,
+        default={},
+        help="RouterConfig fields for every policy but the baseline, as JSON: "
+        "'{\"prefix_ttft_slack_tokens\": 256}'",
     )
     return parse_workload_args(parser, argv, tokens_dest="max_new_tokens", min_system=0)
 

@@ -46,6 +46,10 @@ def test_cluster_load_bench() -> None:
         assert run["prompt_tokens"] == data["workload_prompt_tokens"]
         assert 0.0 <= run["cached_share"] <= 1.0
         assert sum(run["requests_per_worker"].values()) == requests
+        # Every request's first token came back from its Ray worker with its timings.
+        parts = run["ttft_parts"]
+        assert sum(parts["held_by"].values()) == requests
+        assert parts["prefill_steps"] >= 1.0 and parts["prefill_ms"]["p50"] > 0
     # Greedy decoding: where the prefix cache hits must not change a single token.
     assert runs["prefix"]["answers_equal_first_run"] == 1.0
     assert runs["ttft"]["answers_equal_first_run"] == 1.0
