@@ -18,10 +18,6 @@ class FinishReason(enum.StrEnum):
     WORKER_LOST = "worker_lost"  # the worker died: the ingress migrates the request
     MISROUTED = "misrouted"  # a replica that was not the one chosen got the call: route again
 
-    @property
-    def is_control(self) -> bool:
-        return self in (FinishReason.WORKER_LOST, FinishReason.MISROUTED)
-
 
 @dataclass(frozen=True, slots=True)
 class RequestTimings:
