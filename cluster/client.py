@@ -48,11 +48,7 @@ def open_channel(server: str, tls_ca_file: str | None = None) -> grpc.Channel:
 
 
 def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
-    token = None
-    if args.auth_token_file:
-        token = Path(args.auth_token_file).read_text().strip()
-    else:
-        token = environment.auth_token()
+    token = environment.auth_token(args.auth_token_file)
     return [("authorization", f"Bearer {token}")] if token else []
 
 

@@ -122,7 +122,7 @@ class RoutedCluster:
         self.lost: dict[str, str] = {}  # worker id -> why it was dropped
         self._closing = False
         self._open: dict[str, str] = {}  # request id -> the worker serving it
-        # Where the time to first token of the latest requests went (`first_token_breakdown`).
+        # Where the time to first token of the latest requests went (`TTFTBreakdown`).
         self.breakdowns: collections.deque[TTFTBreakdown] = collections.deque(
             maxlen=BREAKDOWNS_KEPT
         )
@@ -231,9 +231,9 @@ class RoutedCluster:
             finished = False
             generated: int | None = None  # tokens of an attempt that ran to its end
             try:
-                routing_s = time.monotonic()
+                asked_s = time.monotonic()
                 worker = await self._route(request_id, prompt, attempt, session_id, deadline)
-                routing_s = time.monotonic() - routing_s
+                route_s = time.monotonic() - asked_s
                 self._open[request_id] = worker
                 async for item in self._stream(worker, EngineRequest(request_id, prompt, attempt)):
                     if isinstance(item, ValueError):  # the engine refused it (RequestError)
@@ -259,7 +259,7 @@ class RoutedCluster:
                         if cached is None:
                             cached = item.cached_tokens
                             self.breakdowns.append(
-                                TTFTBreakdown(request_id, worker, routing_s, cached, item.timings)
+                                TTFTBreakdown(request_id, worker, route_s, cached, item.timings)
                             )
                         item.cached_tokens = cached
                         sent.extend(item.token_ids)

@@ -122,9 +122,7 @@ class ServeAppArgs(BaseModel):
         Kubernetes Secret never has to appear in the Serve config)."""
         if self.api_key:
             return self.api_key
-        if self.api_key_file:
-            return Path(self.api_key_file).read_text().strip() or None
-        return environment.api_key()
+        return environment.api_key(self.api_key_file)
 
     def engine_config(self) -> EngineConfig:
         from swaserve.cluster.serve_command import ensure_demo_model

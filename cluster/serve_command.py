@@ -168,11 +168,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
         recreate_lost_workers=args.recreate_lost_workers,
         recreate_backoff_s=args.recreate_backoff_s,
     )
-    token = None
-    if args.auth_token_file:
-        token = Path(args.auth_token_file).read_text().strip()
-    else:
-        token = environment.auth_token()
+    token = environment.auth_token(args.auth_token_file)
+    if args.auth_token_file and not token:  # refused, never served without the token
+        raise ValueError(f"the auth token file {args.auth_token_file} is empty")
     grpc_config = GrpcServerConfig(
         host=args.host,
         port=args.grpc_port,
@@ -186,13 +184,10 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
 
 def read_api_key(args: argparse.Namespace) -> str | None:
     """The HTTP API's key from --api-key-file or $SWASERVE_API_KEY (None: no auth)."""
-    if args.api_key_file:
-        key = Path(args.api_key_file).read_text().strip()
-    else:
-        key = environment.api_key() or ""
+    key = environment.api_key(args.api_key_file)
     if args.api_key_file and not key:
         raise ValueError(f"the API key file {args.api_key_file} is empty")
-    return key or None
+    return key
 
 
 def connect_ray(

@@ -45,12 +45,22 @@ def inductor_cache_dir(default: Path) -> Path:
     return Path(os.environ[INDUCTOR_CACHE_ENV])
 
 
-def api_key() -> str | None:
-    return _stripped(API_KEY_ENV)
+def _secret(file: str | None, name: str) -> str | None:
+    """The contents of `file` when one is given (a mounted Secret; None if it holds nothing),
+    else `$name`."""
+    if file:
+        return Path(file).read_text().strip() or None
+    return _stripped(name)
 
 
-def auth_token() -> str | None:
-    return _stripped(AUTH_TOKEN_ENV)
+def api_key(file: str | None = None) -> str | None:
+    """The HTTP API key: the contents of `file` if given, else `$SWASERVE_API_KEY`."""
+    return _secret(file, API_KEY_ENV)
+
+
+def auth_token(file: str | None = None) -> str | None:
+    """The gRPC bearer token: the contents of `file` if given, else `$SWASERVE_AUTH_TOKEN`."""
+    return _secret(file, AUTH_TOKEN_ENV)
 
 
 def ray_node_ip_address() -> str | None:

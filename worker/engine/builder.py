@@ -120,7 +120,9 @@ def build_host_state(
     p = config.page_size
     window = model.sliding_window_size if model.swa_layer_ids else None
     hybrid = is_hybrid(allocator, window)
-    repairs = config.enable_prefix_cache and config.enable_window_repair and model.full_layer_ids
+    repairs = (
+        config.enable_prefix_cache and config.enable_window_repair and bool(model.full_layer_ids)
+    )
     repair = (
         window_repair_tokens(len(model.swa_layer_ids), window, p)
         if repairs and hybrid and window

@@ -233,7 +233,7 @@ class Engine:
             raise
         except Exception as exc:  # a failed step must not take the engine down
             return failed + self._fail(batch, exc)
-        if prefill := sum(batch.extend_lens[batch.num_decodes :]):
+        if prefill := batch.prefill_tokens:
             self.stats.prefill_tokens += prefill
             self.stats.prefill_s += spent
         finished = self.scheduler.process_results(batch, next_tokens)

@@ -71,6 +71,11 @@ class ScheduledBatch:
         return sum(self.extend_lens)
 
     @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the step computes (its extends past the decode batch)."""
+        return sum(self.extend_lens[self.num_decodes :])
+
+    @property
     def pure_decode(self) -> bool:
         """Only decodes: the decode batch's arrays are the step's whole input."""
         return self.decode is not None and self.num_decodes == len(self.reqs)
@@ -260,7 +265,6 @@ class Scheduler:
                     self._finish(db.reqs[i], tokens[i], finished)
                 db.remove(ended)
         joined: list[Request] = []
-        step_prefill = sum(batch.extend_lens[nd:])
         for req, n, token in zip(
             batch.reqs[nd:], batch.extend_lens[nd:], next_tokens[nd:], strict=True
         ):
@@ -269,7 +273,7 @@ class Scheduler:
                 trace = req.trace
                 trace.prefill_steps += 1
                 trace.step_decodes += nd
-                trace.step_prefill_tokens += step_prefill
+                trace.step_prefill_tokens += batch.prefill_tokens
             req.num_computed += n
             if token is None:
                 if n > 0 and req.num_computed < req.seq_len:
