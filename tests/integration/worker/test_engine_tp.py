@@ -426,7 +426,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _ranks_of(pid: int) -> list[int]:
-    """The TP rank processes among `pid`'s children: `python ... -m swaserve.worker.runner.executor`."""
+    """The TP rank processes among `pid`'s children: `python ... -m swaserve.worker.runner.process_ranks`."""
     return [kid for kid in _children(pid) if f"-m {RANK_MODULE} " in _cmdline(kid)]
 
 
