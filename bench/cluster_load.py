@@ -50,6 +50,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import grpc
+from cluster_sim import Calibration, Hop, StepCost, simulate_median
 from multiturn import (
     local_ray,
     make_model,
@@ -66,6 +67,7 @@ from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.router import POLICIES, RouterConfig
 from swaserve.worker import EngineConfig
+from swaserve.worker.engine.stats import StepRecord
 
 DEFAULT_POLICIES = ("round_robin", "prefix")  # the first: the baseline
 REPLICAS = 2
@@ -112,6 +114,7 @@ def make_workload(args: argparse.Namespace) -> Workload:
 class TurnResult:
     session: int
     turn: int
+    request_id: str
     prompt_tokens: int  # usage.prompt_tokens
     cached_tokens: int  # usage.cached_tokens
     answer: tuple[int, ...]
@@ -126,11 +129,18 @@ def sampling(max_new_tokens: int) -> pb.SamplingParams:
 
 
 async def send(
-    stub: pb_grpc.InferenceStub, prompt: list[int], session_id: str, max_new_tokens: int
+    stub: pb_grpc.InferenceStub,
+    prompt: list[int],
+    session_id: str,
+    max_new_tokens: int,
+    request_id: str = "",
 ) -> tuple[list[int], pb.GenerateResponse, float, float]:
     """One Generate stream: the answer, the last item, TTFT and end-to-end seconds."""
     request = pb.GenerateRequest(
-        token_ids=prompt, session_id=session_id, sampling_params=sampling(max_new_tokens)
+        request_id=request_id,
+        token_ids=prompt,
+        session_id=session_id,
+        sampling_params=sampling(max_new_tokens),
     )
     start = time.perf_counter()
     first_s: float | None = None
@@ -155,13 +165,15 @@ async def client(
         prompt = list(work.system)
         for k, user in enumerate(work.users[i]):
             prompt += user
+            request_id = f"s{i}-t{k}"
             answer, last, ttft_s, latency_s = await send(
-                stub, prompt, f"session-{i}", work.max_new_tokens
+                stub, prompt, f"session-{i}", work.max_new_tokens, request_id
             )
             out.append(
                 TurnResult(
                     i,
                     k,
+                    request_id,
                     last.usage.prompt_tokens,
                     last.usage.cached_tokens,
                     tuple(answer),
@@ -193,7 +205,9 @@ async def drive(
 
 async def run_policy(
     policy: str, model_dir: str, work: Workload, args: argparse.Namespace
-) -> tuple[list[TurnResult], float, dict[str, int], list[TTFTBreakdown]]:
+) -> tuple[
+    list[TurnResult], float, dict[str, int], list[TTFTBreakdown], dict[str, list[StepRecord]]
+]:
     """A fresh cluster and server for one run, both stopped whatever happens; the results,
     the wall seconds, the router's counters over the workload (warm-up excluded), and where
     each workload request's time to first token went (`RoutedCluster.breakdowns`)."""
@@ -218,9 +232,11 @@ async def run_policy(
                 await warm_up(stub)
                 before = await cluster.router_stats()
                 cluster.breakdowns.clear()
+                await take_step_logs(cluster)  # the warm-up's steps
                 results, wall_s = await drive(stub, work, args.concurrency)
                 after = await cluster.router_stats()
                 breakdowns = list(cluster.breakdowns)
+                steps = await take_step_logs(cluster)
         finally:
             await server.stop(0)
     finally:
@@ -231,7 +247,26 @@ async def run_policy(
         "predicted_hit_tokens": after["predicted_hit_tokens"] - before["predicted_hit_tokens"],
         "queued": after["decisions"].get(queued, 0) - before["decisions"].get(queued, 0),
     }
-    return results, wall_s, router, breakdowns
+    return results, wall_s, router, breakdowns, steps
+
+
+def hops_of(results: list[TurnResult], breakdowns: list[TTFTBreakdown]) -> list[Hop]:
+    """Each request's measured times outside the engine (`cluster_sim.Hop`)."""
+    ttft = {r.request_id: r.ttft_s for r in results}
+    hops = []
+    for b in breakdowns:
+        if b.worker is None or b.transport_s is None or b.request_id not in ttft:
+            continue
+        ingress = max(ttft[b.request_id] - b.first_token_s, 0.0)
+        hops.append(Hop(ingress, b.route_s, max(b.transport_s - b.worker.loop_wait_s, 0.0)))
+    return hops
+
+
+async def take_step_logs(cluster: Cluster) -> dict[str, list[StepRecord]]:
+    """Each worker's engine steps since the last call (`Engine.step_log`)."""
+    ids = sorted(cluster.groups)
+    logs = await asyncio.gather(*(cluster.groups[w].engine.take_step_log.remote() for w in ids))
+    return {w: [StepRecord(*r) for r in log] for w, log in zip(ids, logs, strict=True)}
 
 
 def ttft_parts(breakdowns: list[TTFTBreakdown]) -> dict:
@@ -252,6 +287,8 @@ def ttft_parts(breakdowns: list[TTFTBreakdown]) -> dict:
         "route_ms": ms([b.route_s for b in breakdowns]),
         "engine_queue_ms": ms([t.queued_s for t in timed]),
         "prefill_ms": ms([t.prefill_s for t in timed]),
+        "transport_ms": ms([b.transport_s for b in breakdowns if b.transport_s is not None]),
+        "loop_wait_ms": ms([t.loop_wait_s for t in timed]),
         "prefill_steps": mean([t.prefill_steps for t in timed]),
         "decode_rows_per_prefill_step": sum(t.step_decodes for t in timed)
         / max(sum(t.prefill_steps for t in timed), 1),
@@ -308,11 +345,18 @@ async def run_all(model_dir: str, work: Workload, args: argparse.Namespace) -> l
     print(HEADER, flush=True)
     for round_ in range(args.repeats):
         for policy in args.policies:
-            results, wall_s, router, breakdowns = await run_policy(policy, model_dir, work, args)
+            results, wall_s, router, breakdowns, steps = await run_policy(
+                policy, model_dir, work, args
+            )
             m = metrics(results, wall_s, router, reference, breakdowns)
             if reference is None:
                 reference = {(r.session, r.turn): r.answer for r in results}
-            runs.append({"round": round_ + 1, "policy": policy, **m})
+            hops = hops_of(results, breakdowns)
+            answers = {(r.session, r.turn): r.answer for r in results}
+            runs.append(
+                {"round": round_ + 1, "policy": policy, **m}
+                | {"steps": steps, "hops": hops, "answers": answers}
+            )
             print_row(runs[-1])
     return runs
 
@@ -338,7 +382,10 @@ def print_row(run: dict) -> None:
         f"{'':>5} TTFT parts p50/p99: route {parts['route_ms']['p50']:.0f}/"
         f"{parts['route_ms']['p99']:.0f} ms, engine queue {parts['engine_queue_ms']['p50']:.0f}/"
         f"{parts['engine_queue_ms']['p99']:.0f} ms, prefill {parts['prefill_ms']['p50']:.0f}/"
-        f"{parts['prefill_ms']['p99']:.0f} ms; {parts['prefill_steps']:.1f} steps per prefill "
+        f"{parts['prefill_ms']['p99']:.0f} ms, transport {parts['transport_ms']['p50']:.0f}/"
+        f"{parts['transport_ms']['p99']:.0f} ms (of which the step under way "
+        f"{parts['loop_wait_ms']['p50']:.0f}/{parts['loop_wait_ms']['p99']:.0f} ms); "
+        f"{parts['prefill_steps']:.1f} steps per prefill "
         f"with {parts['decode_rows_per_prefill_step']:.1f} decode rows and "
         f"{parts['prompt_tokens_per_prefill_step']:.0f} prompt tokens each; admitted: {held}",
         flush=True,
@@ -387,13 +434,106 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="RouterConfig fields for every policy but the baseline, as JSON: "
         "'{\"prefix_ttft_slack_tokens\": 256}'",
     )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="fit bench/cluster_sim.py to these runs and print its predictions beside them",
+    )
+    parser.add_argument("--sim-repeats", type=int, default=5, help="simulations per policy")
     return parse_workload_args(parser, argv, tokens_dest="max_new_tokens", min_system=0)
 
 
-def run_on_ray(work: Workload, args: argparse.Namespace) -> list[dict]:
-    """Every run, on a local Ray started here (and shut down) unless one is up already."""
+def run_on_ray(work: Workload, args: argparse.Namespace) -> tuple[list[dict], dict | None]:
+    """Every run, on a local Ray started here (and shut down) unless one is up already; with
+    `--simulate`, then the simulator's predictions (`predict`)."""
     with local_ray(), tempfile.TemporaryDirectory() as tmp:
-        return asyncio.run(run_all(str(make_model(tmp, args)), work, args))
+        model_dir = str(make_model(tmp, args))
+        runs = asyncio.run(run_all(model_dir, work, args))
+        predicted = predict(runs, model_dir, work, args) if args.simulate else None
+    for run in runs:  # the calibration's inputs; too long to print
+        for key in ("steps", "hops", "answers"):
+            run.pop(key)
+    return runs, predicted
+
+
+def calibrate(runs: list[dict]) -> Calibration:
+    """The simulator's calibration from every run: the step cost fitted to all the workers'
+    step logs, and the hops of all the requests (the same for every policy: what differs
+    between policies must come from the simulated engines and router)."""
+    logs = [log for run in runs for log in run["steps"].values()]
+    return Calibration(StepCost.fit(logs), tuple(h for run in runs for h in run["hops"]))
+
+
+def predict(runs: list[dict], model_dir: str, work: Workload, args: argparse.Namespace) -> dict:
+    """The simulator, calibrated on `runs`, on the same workload (the first run's answers)
+    and policies: per policy, the median of `--sim-repeats` simulations, and the calibration
+    and workload to rerun it (`bench/cluster_sim.py --calibration`)."""
+    calibration = calibrate(runs)
+    first = runs[0]  # greedy: every run's answers are its (cluster_load checks)
+    answers = first["answers"]
+    logs = [log for run in runs for log in run["steps"].values()]
+    out: dict = {
+        "calibration": calibration.to_json(),
+        "step_logs": {f"{run['round']}/{run['policy']}": run["steps"] for run in runs},
+        "step_cost_error": calibration.cost.error(logs),
+        "policies": {},
+    }
+    for policy in args.policies:
+        out["policies"][policy] = simulate_median(
+            args.sim_repeats,
+            policy=policy,
+            router_config=args.router_config if policy != args.policies[0] else {},
+            model_dir=model_dir,
+            max_total_tokens=args.max_total_tokens,
+            system=work.system,
+            users=work.users,
+            answers=answers,
+            concurrency=args.concurrency,
+            calibration=calibration,
+        )
+    out["workload"] = {
+        "system": work.system,
+        "users": work.users,
+        "answers": [[s, t, list(a)] for (s, t), a in answers.items()],
+    }
+    return out
+
+
+PREDICTED = ("ttft_p50_ms", "ttft_p99_ms", "tok_s")
+
+
+def prediction_errors(median: dict[str, dict], predicted: dict) -> dict[str, dict[str, float]]:
+    """Per policy and figure: predicted / measured - 1."""
+    return {
+        policy: {k: predicted["policies"][policy][k] / median[policy][k] - 1 for k in PREDICTED}
+        for policy in median
+    }
+
+
+def print_predictions(median: dict[str, dict], predicted: dict) -> None:
+    cost = predicted["calibration"]["cost"]
+    print(
+        "simulator (bench/cluster_sim.py), calibrated on these runs: step = "
+        f"{1e3 * cost['fixed_s']:.2f} ms + {1e3 * cost['decode_row_s']:.3f} ms/decode row + "
+        f"{1e3 * cost['prefill_request_s']:.2f} ms/prefill + "
+        f"{1e6 * cost['prefill_token_s']:.0f} us/prompt token + "
+        f"{1e6 * cost['context_s']:.1f} us/token/1k context; loop {1e3 * cost['loop_s']:.2f} "
+        f"ms between steps (median error per step {predicted['step_cost_error']:.0%})"
+    )
+    print(f"{'policy':<12} {'':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'cached':>7}")
+    errors = prediction_errors(median, predicted)
+    for policy, measured in median.items():
+        sim = predicted["policies"][policy]
+        for label, row in (("measured", measured), ("simulated", sim)):
+            print(
+                f"{policy:<12} {label:>9} {row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms"
+                f" {row['tok_s']:>7.1f} {row['cached_share']:>7.3f}"
+            )
+        err = errors[policy]
+        print(
+            f"{policy:<12} {'error':>9} {err['ttft_p50_ms']:>+8.0%} {err['ttft_p99_ms']:>+8.0%}"
+            f" {err['tok_s']:>+7.0%}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.hidden}, {args.layers} layers, W = {args.window}; {work.prompt_tokens} prompt "
         f"tokens per run (load average {load_before:.2f})"
     )
-    runs = run_on_ray(work, args)
+    runs, predicted = run_on_ray(work, args)
     load_after = os.getloadavg()[0]
     median = summarize(runs, args.policies)
     baseline = args.policies[0]
@@ -424,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         f"answers equal to the first run's: {agree:.0%} of requests in the worst run (load "
         f"average {load_before:.2f} before, {load_after:.2f} after)"
     )
+    if predicted is not None:
+        print_predictions(median, predicted)
     if args.json:
         report = {
             "replicas": REPLICAS,
@@ -442,6 +584,17 @@ def main(argv: list[str] | None = None) -> int:
             "answers_equal_first_run": agree,
             "runs": runs,
         }
+        if predicted is not None:
+            report |= {
+                "predicted": predicted["policies"],
+                "prediction_error": prediction_errors(median, predicted),
+                "calibration": predicted["calibration"],
+                "step_cost_error": predicted["step_cost_error"],
+                "step_logs": predicted["step_logs"],
+                "workload": predicted["workload"],
+                "model": {"layers": args.layers, "window": args.window, "hidden": args.hidden},
+                "max_total_tokens": args.max_total_tokens,
+            }
         print(json.dumps(report))
     return 0
 

@@ -42,14 +42,24 @@ BREAKDOWNS_KEPT = 10_000
 class TTFTBreakdown:
     """One request's time to first token, in parts: `route_s` from asking the router to its
     answer (its decision and its queue), then the worker's part (`RequestTimings`: queued in
-    the engine, then prefill steps; None from a worker that sends none). What the client saw
-    beyond their sum is transport and ingress."""
+    the engine, then prefill steps; None from a worker that sends none). `first_token_s`:
+    from asking the router to the first tokens here; beyond the parts' sum, that is the way
+    to the engine and back (`transport_s`). What the client saw beyond it is its ingress."""
 
     request_id: str
     worker_id: str
     route_s: float
     cached_tokens: int
     worker: RequestTimings | None
+    first_token_s: float = 0.0
+
+    @property
+    def transport_s(self) -> float | None:
+        """The first token's time not spent routing or in the engine (None without the
+        worker's timings)."""
+        if self.worker is None:
+            return None
+        return self.first_token_s - self.route_s - self.worker.queued_s - self.worker.prefill_s
 
 
 class ClusterError(Exception):
@@ -258,8 +268,11 @@ class RoutedCluster:
                     if item.token_ids or item.finished:  # not the "taken" chunk
                         if cached is None:
                             cached = item.cached_tokens
+                            first_s = time.monotonic() - asked_s
                             self.breakdowns.append(
-                                TTFTBreakdown(request_id, worker, route_s, cached, item.timings)
+                                TTFTBreakdown(
+                                    request_id, worker, route_s, cached, item.timings, first_s
+                                )
                             )
                         item.cached_tokens = cached
                         sent.extend(item.token_ids)

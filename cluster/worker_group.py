@@ -200,6 +200,11 @@ class EngineWorker:
     async def num_open(self) -> int:
         return self._loop().num_open
 
+    async def take_step_log(self) -> list[tuple[int, int, int, int, float, float]]:
+        """The engine's step records since the last call (`StepRecord`s as tuples)."""
+        records = await asyncio.wrap_future(self._loop().call(lambda e: e.step_log.take()))
+        return [tuple(r) for r in records]
+
     async def check(self) -> None:
         """The engine's invariant checks, run on its loop thread; raise on a broken one."""
         await asyncio.wrap_future(self._loop().call(lambda engine: engine.check()))

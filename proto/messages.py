@@ -38,6 +38,8 @@ class Headroom:
     window_repair_tokens_total: int = 0  # ... tokens recomputed to repair cached windows
     prefill_tokens_total: int = 0  # ... prompt tokens the model computed (prefill chunks) ...
     prefill_s_total: float = 0.0  # ... and the seconds of the steps that computed them
+    decode_steps_total: int = 0  # ... steps that only decoded ...
+    decode_s_total: float = 0.0  # ... and their seconds (a first token waits for one step)
     sliding_window_size: int = 0
     window_repair_tokens: int = 0  # R of a window repair (architecture §6); 0: it does not repair
     page_size: int = 1

@@ -24,14 +24,16 @@ class RequestTimings:
     """Where a request's time to first token went inside its worker (the chunk that carries
     its first token carries these). Seconds on the worker's monotonic clock.
 
-        add ─ queued_s ─► admitted ─ prefill_s ─► first token
+        submitted ─ loop_wait_s ─► add ─ queued_s ─► admitted ─ prefill_s ─► first token
 
     `held_by`: what last kept it waiting at admission ("" if it was admitted at its first
     try): "running" (max_running_requests), "rows" (no slot-table row), "budget" (the step's
     prefill tokens went to requests before it), "full" / "swa" (that pool's admission budget),
     "pools" (no slots even after eviction). `prefill_steps`: the steps that computed its prompt
     (a chunk each); `step_decodes` / `step_prefill_tokens`: those steps' decode rows and prompt
-    tokens, its own and other requests' (the mix it shared its steps with)."""
+    tokens, its own and other requests' (the mix it shared its steps with). `loop_wait_s`: from
+    the worker's taking the request to its engine loop adding it, which happens between steps
+    (mostly the rest of the step under way)."""
 
     queued_s: float
     prefill_s: float
@@ -39,6 +41,7 @@ class RequestTimings:
     prefill_steps: int
     step_decodes: int
     step_prefill_tokens: int
+    loop_wait_s: float = 0.0
 
 
 @dataclass(slots=True)

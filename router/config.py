@@ -79,8 +79,6 @@ class RouterConfig(BaseModel):
         description="routing policy: one of POLICIES",
         json_schema_extra={"enum": sorted(POLICIES)},  # the chart's schema offers the registry
     )
-    balance_abs_threshold: int = Field(4, ge=0, description="prefix gate: requests above least")
-    balance_rel_threshold: float = Field(1.5, ge=1.0, description="prefix gate: × least load")
     report_timeout_s: float = Field(5.0, gt=0, description="older reports take a worker out")
     max_queue_len: int = Field(1024, ge=0, description="queued requests before Overloaded")
     queue_timeout_s: float = Field(30.0, gt=0, description="default deadline of a queued request")
@@ -96,10 +94,10 @@ class RouterConfig(BaseModel):
     ttft_balance_tokens: int = Field(
         1024, ge=0, description="ttft: prefill a placement may add to go where most KV is free"
     )
-    prefix_ttft_slack_tokens: int | None = Field(
-        2048,
+    prefix_ttft_slack_tokens: int = Field(
+        128,
         ge=0,
-        description="prefix: predicted prefill wait (tokens) past the cheapest that moves a request",
+        description="prefix: predicted wait (prompt tokens) past the least that moves a request",
     )
     inflight_prefixes: bool = Field(
         True, description="count prompts routed to a worker as its hits until it reports them"

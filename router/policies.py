@@ -37,7 +37,9 @@ class Candidate:
     `free_tokens`: the unallocated full-pool KV slots of its last report: room it can fill
     without evicting cached prefixes (not less what was routed since: that is in
     `queued_prefill_tokens`, and subtracting it too lowered the chat trace's reuse), of
-    `total_tokens` in its full pool."""
+    `total_tokens` in its full pool; `decode_tokens`: its running decodes as work, the
+    seconds of its decode step in its own prompt tokens (`WorkerState.decode_tokens`: the
+    step a first token shares with them; 0 when nothing runs)."""
 
     worker_id: str
     order: int
@@ -47,6 +49,7 @@ class Candidate:
     speed: float = 1.0
     free_tokens: int = 0
     total_tokens: int = 0
+    decode_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class Candidates:
     speed: np.ndarray
     free_tokens: np.ndarray
     total_tokens: np.ndarray
+    decode_tokens: np.ndarray
 
     @classmethod
     def of(cls, candidates: Sequence[Candidate]) -> Candidates:
@@ -85,6 +89,7 @@ class Candidates:
             float(self.speed[i]),
             int(self.free_tokens[i]),
             int(self.total_tokens[i]),
+            int(self.decode_tokens[i]),
         )
 
 
@@ -131,42 +136,28 @@ class Policy(ABC):
 
 
 class PrefixPolicy(Policy):
-    """Most reusable tokens among the near-least-loaded workers, unless that worker would
-    make the request wait much longer for its first token than another would.
+    """Most reusable tokens among the workers that would give the request its first token
+    about as soon as any would.
 
-    SGLang's cache-aware gate calls the cluster imbalanced when `max - least > abs` and
-    `max > least × rel`, and then drops affinity altogether (least loaded wins). Here a worker
-    is eligible exactly when it alone would not trip that gate, `load <= max(least + abs,
-    least × rel)`, and the eligible worker with the longest hit wins (ties: lower load, then
-    add order). A balanced cluster keeps full affinity; an imbalanced one keeps it among the
-    workers close to the least loaded.
-
-    The TTFT guard (`prefix_ttft_slack_tokens`, None: off): when the chosen worker's
-    predicted prefill wait (`ttft`'s cost: its queued prefill plus this request's uncached
-    tokens, over its speed) is more than the slack above the cheapest worker's, the request
-    goes to the longest hit among the workers within the slack of the cheapest (ties: lower
-    cost, lower load, add order). A request counts requests, not tokens: a long history whose
-    cache was evicted, a worker half as fast, or one behind a long prefill all pass the load
-    gate and make the request's first token wait; the guard moves only such requests, so
-    sessions keep their workers otherwise (`ttft` moves every one its cost favours).
+    A worker's predicted wait is `ttft`'s cost: the work ahead of the request's first token
+    there (its queued prefill, its running decodes' step, the request's own uncached tokens)
+    over its speed, in prompt tokens. Eligible are the workers within
+    `prefix_ttft_slack_tokens` of the least; the longest hit among them wins (ties: lower
+    cost, lower load, add order). So a session keeps its worker while that worker's queue is
+    short, and a request moves when its worker is busier by more than the slack (plus what
+    the move recomputes): the load that balances is the work a worker has ahead, not its
+    request count. SGLang's cache-aware gate counts requests (`max - least > abs` and
+    `max > least × rel`); with few requests per worker no such gate trips, and sessions
+    whose turns arrive together pile up on one worker, where their prefills share steps and
+    each first token waits for all of them (issue: prefix routing on the real cluster).
     """
 
     name = "prefix"
 
     def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         c = candidates
-        least = int(c.load.min())
-        limit = max(
-            least + self.config.balance_abs_threshold, least * self.config.balance_rel_threshold
-        )
-        chosen = first_min((-c.hit_tokens, c.load, c.order), c.load <= limit)
-        slack = self.config.prefix_ttft_slack_tokens
-        if slack is None:
-            return chosen
         cost = _ttft(request, c)
-        near = cost <= cost.min() + slack
-        if near[chosen]:
-            return chosen
+        near = cost <= cost.min() + self.config.prefix_ttft_slack_tokens
         return first_min((-c.hit_tokens, cost, c.load, c.order), near)
 
 
@@ -185,10 +176,10 @@ HOLD_SPEEDUP = 1.25
 
 class TTFTPolicy(Policy):
     """Least predicted time to first token: a worker prefills its queue in order at its own
-    speed, so this request's first token waits for the tokens queued before it plus its own
-    uncached ones,
+    speed, in steps that also carry its running decodes, so this request's first token waits
+    for the tokens queued before it, about one decode step, and its own uncached tokens,
 
-        cost = (queued_prefill_tokens + len(prompt) − hit_tokens) / speed
+        cost = (queued_prefill_tokens + decode_tokens + len(prompt) − hit_tokens) / speed
 
     Reuse counts only as the prefill it saves, so a long hit on a busy worker loses to a cold
     idle one once the queue there is longer than the hit. No balance gate: the queue is the
@@ -227,9 +218,11 @@ class TTFTPolicy(Policy):
 
 
 def _ttft(request: RouteRequest, c: Candidate | Candidates) -> Any:
-    """The `ttft` policy's cost: tokens to prefill before the first token, over the speed
-    (one figure for a `Candidate`, an array for `Candidates`)."""
-    return (c.queued_prefill_tokens + len(request.token_ids) - c.hit_tokens) / c.speed
+    """The `ttft` policy's cost: the work before the first token (the queued prefill, the
+    running decodes' step, the uncached prompt), in prompt tokens, over the speed (one
+    figure for a `Candidate`, an array for `Candidates`)."""
+    work = c.queued_prefill_tokens + c.decode_tokens + len(request.token_ids) - c.hit_tokens
+    return work / c.speed
 
 
 class RoundRobinPolicy(Policy):

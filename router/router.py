@@ -341,6 +341,7 @@ class Router:
             speeds[rows],
             t.full_free[rows],
             t.full_total[rows],
+            t.decode[rows],
         )
 
     def _keys(self, token_ids: Sequence[int]) -> list[int]:

@@ -117,6 +117,8 @@ class WorkerState:
         self._generated_tokens = 0.0  # decayed Σ their generated tokens
         self._prefill_s = 0.0  # decayed Σ seconds of the worker's prefill steps (its reports) ...
         self._prefill_tokens = 0.0  # ... and Σ the prompt tokens they computed
+        self._decode_s = 0.0  # decayed Σ seconds of its decode-only steps (its reports) ...
+        self._decode_steps = 0.0  # ... and Σ how many
         self._table = table
         if table is not None:
             table.add(self)
@@ -259,6 +261,25 @@ class WorkerState:
             return None
         return self._prefill_s / self._prefill_tokens
 
+    @property
+    def s_per_decode_step(self) -> float | None:
+        """Seconds of the worker's recent decode-only steps (`decode_s_total`,
+        `decode_steps_total`): what its running requests cost each step, which a new
+        request's first step shares; None before any."""
+        if not self._decode_steps:
+            return None
+        return self._decode_s / self._decode_steps
+
+    @property
+    def decode_tokens(self) -> int:
+        """The worker's running decodes as work: its decode step's seconds in its own prompt
+        tokens (a first token waits for about one step besides the prefills; 0 with nothing
+        running or before both speeds are measured)."""
+        h, step, token = self.headroom, self.s_per_decode_step, self.s_per_prefill_token
+        if h is None or not h.num_running or step is None or not token:
+            return 0
+        return round(step / token)
+
     def take_report(
         self, headroom: Headroom, received_at_s: float, admitted_request_ids: Iterable[str]
     ) -> None:
@@ -283,6 +304,13 @@ class WorkerState:
         if computed > 0 and spent > 0:
             self._prefill_tokens = DECAY * self._prefill_tokens + computed
             self._prefill_s = DECAY * self._prefill_s + spent
+        steps, spent = headroom.decode_steps_total, headroom.decode_s_total
+        if previous is not None:
+            steps -= previous.decode_steps_total
+            spent -= previous.decode_s_total
+        if steps > 0 and spent > 0:
+            self._decode_steps = DECAY * self._decode_steps + steps
+            self._decode_s = DECAY * self._decode_s + spent
         self.headroom = headroom
         self.reported_at_s = received_at_s
         for request_id in admitted_request_ids:

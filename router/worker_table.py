@@ -45,6 +45,7 @@ _COLUMNS: tuple[tuple[str, type, object], ...] = (
     ("swa_total", np.int64, 0),
     ("load", np.int64, 0),
     ("queued", np.int64, 0),  # `WorkerState.queued_prefill_tokens`
+    ("decode", np.int64, 0),  # `WorkerState.decode_tokens`
     ("s_per_token", np.float64, 0.0),  # 0.0: not observed
     ("s_per_prefill", np.float64, 0.0),  # `WorkerState.s_per_prefill_token`; 0.0: not measured
 )
@@ -71,6 +72,7 @@ class WorkerTable:
     swa_total: np.ndarray
     load: np.ndarray
     queued: np.ndarray
+    decode: np.ndarray
     s_per_token: np.ndarray
     s_per_prefill: np.ndarray
 
@@ -203,6 +205,7 @@ def _derived(state: WorkerState) -> dict[str, object]:
         "swa_budget": swa,
         "load": state.load,
         "queued": state.queued_prefill_tokens,
+        "decode": state.decode_tokens,
         "s_per_token": state.s_per_token or 0.0,
         "s_per_prefill": state.s_per_prefill_token or 0.0,
     }

@@ -1,7 +1,8 @@
 """bench/cluster_load.py end to end at tiny sizes, in a subprocess (its own local Ray, shut
 down by the bench): every policy named serves every turn of every session, the usage the
 server reports adds up to the workload, and prefix routing reuses more prompt tokens than round
-robin on a multi-turn workload over 2 workers. No timing asserts."""
+robin on a multi-turn workload over 2 workers; `--simulate` fits the simulator to the runs and
+replays them. No timing asserts."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_cluster_load_bench() -> None:
         "--max-total-tokens=4096",
         "--repeats=1",
         "--policies=round_robin,prefix,ttft",
+        "--simulate",
+        "--sim-repeats=1",
     ]
     data = run_bench_script("cluster_load", argv)
 
@@ -61,6 +64,16 @@ def test_cluster_load_bench() -> None:
         "worker-0": requests // 2,
         "worker-1": requests // 2,
     }
+    # The simulator, fitted to these runs' engine steps and hops, replayed every policy on
+    # the same workload with the real answers, its engines reusing as the real ones do.
+    cost = data["calibration"]["cost"]
+    assert cost["prefill_token_s"] > 0 and cost["fixed_s"] > 0
+    assert len(data["calibration"]["hops"]) == 3 * requests
+    for policy in runs:
+        assert data["predicted"][policy]["requests"] == requests
+        assert set(data["prediction_error"][policy]) == {"ttft_p50_ms", "ttft_p99_ms", "tok_s"}
+    predicted = {p: data["predicted"][p]["cached_share"] for p in runs}
+    assert predicted["prefix"] > predicted["round_robin"]
 
 
 @pytest.mark.parametrize(

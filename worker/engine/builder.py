@@ -99,6 +99,8 @@ class HostState:
             window_repair_tokens_total=self.stats.window_repair_tokens,
             prefill_tokens_total=self.stats.prefill_tokens,
             prefill_s_total=self.stats.prefill_s,
+            decode_steps_total=self.stats.decode_steps,
+            decode_s_total=self.stats.decode_s,
             sliding_window_size=self.window or 0,
             page_size=self.plan.page_size,
             chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,

@@ -22,6 +22,7 @@ from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.builder import build_host_state
 from swaserve.worker.engine.request import Request, RequestStatus
 from swaserve.worker.engine.scheduler import ScheduledBatch
+from swaserve.worker.engine.stats import StepLog, StepRecord
 from swaserve.worker.runner.executor import RankHandles, TPLauncher
 from swaserve.worker.runner.model_executor import ModelExecutor
 from swaserve.worker.runner.model_input import (
@@ -89,6 +90,7 @@ class Engine:
         self.window, self.hybrid = host.window, host.hybrid
         self.window_repair_tokens = host.window_repair_tokens  # R; 0: no repair (architecture §6)
         self.scheduler, self.stats = host.scheduler, host.stats
+        self.step_log = StepLog()
         self.request_limits, self.max_model_len = host.request_limits, host.max_model_len
         self.page_size = config.page_size
         executor.start(self.plan, host.slot_table_shape)
@@ -137,9 +139,13 @@ class Engine:
         prompt: list[int] | str,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        submitted_s: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises `RequestError` if it can never be served."""
+        """Queue a request; returns its id. Raises `RequestError` if it can never be served.
+        `submitted_s` (`time.monotonic()`): when the caller took it, if earlier than now (its
+        `RequestTimings.loop_wait_s`)."""
         req = self._new_request(prompt, sampling_params, request_id)
+        req.trace.submitted_s = submitted_s
         self._requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
@@ -236,10 +242,24 @@ class Engine:
         if prefill := batch.prefill_tokens:
             self.stats.prefill_tokens += prefill
             self.stats.prefill_s += spent
+        elif batch.pure_decode:
+            self.stats.decode_steps += 1
+            self.stats.decode_s += spent
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
         outputs = self._outputs(batch, next_tokens, finished)
         timer.lap("postprocess")
+        nd = batch.num_decodes
+        self.step_log.add(
+            StepRecord(
+                nd,
+                len(batch.reqs) - nd,
+                prefill,
+                sum(batch.prefix_lens[nd:]),
+                timer.since_start(),
+                timer.started_s,
+            )
+        )
         return failed + outputs if failed else outputs
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:

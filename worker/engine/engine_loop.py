@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from swaserve.proto.engine_request import EngineRequest
@@ -48,6 +48,7 @@ class _Add:
     request: EngineRequest
     sink: Sink
     accepted: Future[None]
+    submitted_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -225,7 +226,9 @@ class EngineLoop:
     def _add(self, command: _Add) -> None:
         try:
             request = command.request
-            self.engine.add_request(request.token_ids, request.params, request.request_id)
+            self.engine.add_request(
+                request.token_ids, request.params, request.request_id, command.submitted_s
+            )
         except Exception as exc:
             command.accepted.set_exception(exc)
             return

@@ -30,6 +30,7 @@ class RequestTrace:
     (`proto.stream.RequestTimings` is what leaves the engine). Times: `time.monotonic()`."""
 
     arrival_s: float
+    submitted_s: float | None = None  # when its worker took it, if before `arrival_s`
     admitted_s: float = 0.0  # its first admission
     held_by: str = ""  # why admission last left it waiting ("": admitted at its first try)
     prefill_steps: int = 0
@@ -44,6 +45,7 @@ class RequestTrace:
             prefill_steps=self.prefill_steps,
             step_decodes=self.step_decodes,
             step_prefill_tokens=self.step_prefill_tokens,
+            loop_wait_s=0.0 if self.submitted_s is None else self.arrival_s - self.submitted_s,
         )
 
 

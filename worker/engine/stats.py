@@ -3,9 +3,44 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 STEP_PHASES = ("schedule", "input", "model", "sample", "postprocess")
+STEP_LOG_LEN = 8192
+"""Steps `StepLog` keeps (a few minutes of a busy engine; ~100 bytes each)."""
+
+
+class StepRecord(NamedTuple):
+    """One step as it ran: its decode rows, the prefills it carried (requests, prompt tokens,
+    and the cached or computed tokens before them, which their attention reads), its wall
+    time from scheduling to its outputs, and when it started (`time.perf_counter()`: the gaps
+    between steps are the serving loop's own time, its reports and its dispatch)."""
+
+    decode_rows: int
+    prefill_requests: int
+    prefill_tokens: int
+    prefill_context_tokens: int
+    seconds: float
+    started_s: float
+
+
+class StepLog:
+    """The engine's last `STEP_LOG_LEN` steps (`StepRecord`s): what a model of its step cost
+    is fitted to (bench/cluster_sim.py)."""
+
+    def __init__(self, maxlen: int = STEP_LOG_LEN) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=maxlen)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def take(self) -> list[StepRecord]:
+        """The records, oldest first, and forget them."""
+        out = list(self.records)
+        self.records.clear()
+        return out
 
 
 @dataclass(slots=True)
@@ -16,6 +51,8 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens the model computed (chunks, repairs, retries)
     prefill_s: float = 0.0  # wall time of the steps that computed them (forward + sample)
+    decode_steps: int = 0  # steps of decodes only ...
+    decode_s: float = 0.0  # ... and their wall time (forward + sample)
     prefill_chunks: int = 0  # chunks that ended before the prompt did
     retractions: int = 0
     swa_freed_tokens: int = 0  # out-of-window SWA slots given back by running requests
@@ -39,11 +76,20 @@ class StepTimer:
     """Adds the time since the previous lap to a phase's total (one perf_counter per lap);
     `lap` returns it."""
 
-    __slots__ = ("_last", "_totals")
+    __slots__ = ("_last", "_start", "_totals")
 
     def __init__(self, totals: dict[str, float]) -> None:
         self._totals = totals
-        self._last = time.perf_counter()
+        self._start = self._last = time.perf_counter()
+
+    @property
+    def started_s(self) -> float:
+        """When the timer was created (`time.perf_counter()`)."""
+        return self._start
+
+    def since_start(self) -> float:
+        """Seconds from the timer's creation to its last lap."""
+        return self._last - self._start
 
     def lap(self, phase: str) -> float:
         now = time.perf_counter()

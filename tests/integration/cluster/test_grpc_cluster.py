@@ -40,7 +40,7 @@ def test_concurrent_streams_two_replicas_match_one_engine(
     two_workers: ServedCluster, cluster_model: Path
 ) -> None:
     workers = run_concurrent_streams(two_workers, cluster_model)
-    assert workers == {"worker-0", "worker-1"}  # the load gate spreads the 50 over both
+    assert workers == {"worker-0", "worker-1"}  # the work gate spreads the 50 over both
     load = wait_idle(two_workers)
     assert set(load) == {"worker-0", "worker-1"}
     for w in load.values():

@@ -56,7 +56,10 @@ def test_one_breakdown_per_request_with_the_workers_timings(
     assert [b.request_id for b in cluster.breakdowns] == ["a", "b"]
     assert all(b.worker_id == "w0" and b.worker == TIMINGS for b in cluster.breakdowns)
     assert all(b.route_s >= 0 and b.cached_tokens == 0 for b in cluster.breakdowns)
+    for b in cluster.breakdowns:  # the rest of the first token's time is the way there and back
+        assert b.first_token_s >= b.route_s
+        assert b.transport_s == b.first_token_s - b.route_s - TIMINGS.queued_s - TIMINGS.prefill_s
     plain = FakeCluster(model_dir, None, ["w0"])  # a worker that sends no timings
     run(plain, "c")
     [only] = plain.breakdowns
-    assert (only.request_id, only.worker) == ("c", None)
+    assert (only.request_id, only.worker, only.transport_s) == ("c", None, None)

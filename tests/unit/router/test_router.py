@@ -54,41 +54,62 @@ def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
     assert c.router.predict_hits(PROMPT[:16])["a"] == 4
 
 
-# ---- rule: imbalance gate -----------------------------------------------------------------------
+# ---- rule: the load that balances is work -------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("loads", "expected"),
+    ("queued", "expected"),
     [
-        ({"a": 3, "b": 1, "c": 2}, ("a", 16)),  # a within least + 2: affinity kept
-        ({"a": 4, "b": 1, "c": 2}, ("c", 8)),  # a gated; c keeps the better hit of the rest
-        ({"a": 4, "b": 1, "c": 4}, ("b", 0)),  # only b is near the least loaded
-        ({"a": 12, "b": 10, "c": 11}, ("a", 16)),  # 12 <= 10 × 1.25: balanced enough
-        ({"a": 13, "b": 10, "c": 11}, ("c", 8)),  # 13 > max(12, 12.5)
+        ({"a": 0, "b": 0, "c": 0}, ("a", 16)),  # a: 1, b: 17, c: 9
+        ({"a": 20, "b": 0, "c": 0}, ("a", 16)),  # a: 21 <= c's 9 + 20
+        ({"a": 40, "b": 0, "c": 0}, ("c", 8)),  # a: 41 > 29; c keeps the better hit left
+        ({"a": 30, "b": 0, "c": 30}, ("a", 16)),  # a: 31, c: 39, b: 17: a within 20 again
+        ({"a": 40, "b": 0, "c": 40}, ("b", 0)),  # a: 41, c: 49: only b is near the least
     ],
 )
-def test_prefix_gate_keeps_affinity_among_near_least_loaded(
-    loads: dict[str, int], expected: tuple[str, int]
+def test_prefix_keeps_affinity_while_the_work_ahead_is_within_the_slack(
+    queued: dict[str, int], expected: tuple[str, int]
 ) -> None:
-    c = Cluster("a", "b", "c", balance_abs_threshold=2, balance_rel_threshold=1.25)
-    c.report("a", [stored(PROMPT)], num_running=loads["a"])
-    c.report("b", num_running=loads["b"])
-    c.report("c", [stored(PROMPT[:8])], num_running=loads["c"])
+    """Requests on a worker do not count, its queued prefill does: a with 12 running
+    requests keeps the session while its wait is within the slack of the least."""
+    c = Cluster("a", "b", "c", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
+    c.report("a", [stored(PROMPT)], queued_prefill_tokens=queued["a"], num_running=12)
+    c.report("b", queued_prefill_tokens=queued["b"])
+    c.report("c", [stored(PROMPT[:8])], queued_prefill_tokens=queued["c"])
     assert routed(c.router.route("r", PROMPT, 8)) == expected
 
 
-def test_gate_counts_requests_routed_since_the_last_report() -> None:
-    c = Cluster(  # the load rule alone: b's requests give it no in-flight hits
-        "a", "b", balance_abs_threshold=2, balance_rel_threshold=1.25, inflight_prefixes=False
-    )
+def test_prefix_counts_the_prefill_routed_since_the_last_report() -> None:
+    """Prompts sharing a's 16 cached tokens, each with 24 new ones: a costs 25 more per
+    request routed there until a report lists them, so the third goes to b."""
+    c = Cluster("a", "b", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
     c.report("a", [stored(PROMPT)])
     c.report("b")
-    hits = [routed(c.router.route(f"r{i}", PROMPT, 8)) for i in range(4)]
-    # a holds the prefix; its load grows 0, 1, 2, then 3 > 0 + 2 sends r3 to b.
-    assert hits == [("a", 16), ("a", 16), ("a", 16), ("b", 0)]
-    assert c.router.finish("r0") and not c.router.finish("r0")
-    assert routed(c.router.route("r4", PROMPT, 8)) == ("a", 16)  # a is back to load 2
+    prompts = [PROMPT[:16] + [100 * (i + 1) + t for t in range(25)] for i in range(4)]
+    # a: 25, 50, 75 (> b's 41 + 20); b: 41.
+    hits = [routed(c.router.route(f"r{i}", prompts[i], 8)) for i in range(3)]
+    assert hits == [("a", 16), ("a", 16), ("b", 0)]
+    c.report("a", admitted=["r0", "r1"], queued_prefill_tokens=0)  # a prefilled them
+    assert routed(c.router.route("r3", prompts[3], 8)) == ("a", 16)
     c.router.check()
+
+
+def test_prefix_counts_a_workers_running_decodes_as_its_decode_step() -> None:
+    """A worker's running requests cost a new one about one decode step: its measured
+    decode step's seconds in its own prompt tokens (`WorkerState.decode_tokens`)."""
+    c = Cluster("a", "b", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
+    prefill = {"prefill_tokens_total": 1000, "prefill_s_total": 0.1}  # 0.1 ms per token
+    c.report("a", [stored(PROMPT)], **prefill)
+    c.report("b", **prefill)
+    # a decodes 8 requests in 5 ms steps: 50 tokens' worth; 1 + 50 > 17 + 20.
+    c.report("a", num_running=8, decode_steps_total=10, decode_s_total=0.05, **prefill)
+    assert c.router.worker("a").decode_tokens == 50
+    assert routed(c.router.route("r1", PROMPT, 8)) == ("b", 0)
+    c.router.finish("r1")
+    # With nothing running its decode step costs nothing: a keeps its hit.
+    c.report("a", num_running=0, decode_steps_total=10, decode_s_total=0.05, **prefill)
+    assert c.router.worker("a").decode_tokens == 0
+    assert routed(c.router.route("r2", PROMPT, 8)) == ("a", 16)
 
 
 # ---- rule: admission by both pools ----------------------------------------------------------------
@@ -416,17 +437,13 @@ def test_remove_worker_forgets_its_requests_and_view() -> None:
 
 def test_config_defaults_and_validation() -> None:
     config = RouterConfig()
-    assert (config.policy, config.balance_abs_threshold, config.balance_rel_threshold) == (
-        "prefix",
-        4,
-        1.5,
-    )
+    assert (config.policy, config.prefix_ttft_slack_tokens) == ("prefix", 128)
     assert (config.report_timeout_s, config.max_queue_len, config.queue_timeout_s) == (
         5.0,
         1024,
         30.0,
     )
     assert config.approx_max_tokens == 1 << 20
-    for bad in ({"balance_rel_threshold": 0.5}, {"balance_abs_threshold": -1}, {"typo": 1}):
+    for bad in ({"prefix_ttft_slack_tokens": -1}, {"prefix_ttft_slack_tokens": None}, {"typo": 1}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ def expected_choice(router: Router, request: RouteRequest) -> tuple[str, int] | 
             speed,
             w.headroom.full_free_tokens,
             w.headroom.full_total_tokens,
+            w.decode_tokens,
         )
         if w.fits(need):
             candidates.append(c)
@@ -81,6 +82,8 @@ def random_headroom(rng: random.Random) -> dict[str, object]:
         "prefilling_tokens": rng.choice([0, 0, 50, 2000]),
         "prefill_tokens_total": rng.choice([0, rng.randint(0, 10_000)]),
         "prefill_s_total": rng.choice([0.0, 0.5, 2.0]),
+        "decode_steps_total": rng.choice([0, rng.randint(1, 1000)]),
+        "decode_s_total": rng.choice([0.0, 0.3, 5.0]),
     }
 
 
@@ -137,17 +140,12 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
     """The policies' rules as plain Python over a list (ties as documented)."""
 
     def cost(c: Candidate) -> float:
-        return (c.queued_prefill_tokens + len(request.token_ids) - c.hit_tokens) / c.speed
+        work = c.queued_prefill_tokens + c.decode_tokens + len(request.token_ids) - c.hit_tokens
+        return work / c.speed
 
     if policy == "prefix":
-        least = min(c.load for c in cands)
-        limit = max(least + 4, least * 1.5)
-        eligible = [c for c in cands if c.load <= limit]
-        chosen = max(eligible, key=lambda c: (c.hit_tokens, -c.load, -c.order))
         cheapest = min(cost(c) for c in cands)
-        if cost(chosen) <= cheapest + 2048:
-            return chosen
-        near = [c for c in cands if cost(c) <= cheapest + 2048]
+        near = [c for c in cands if cost(c) <= cheapest + 128]
         return min(near, key=lambda c: (-c.hit_tokens, cost(c), c.load, c.order))
     if policy == "least_load":
         return min(cands, key=lambda c: (c.load, -c.hit_tokens, c.order))
@@ -170,6 +168,7 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
             st.sampled_from([0, 100, 1500, 4000]),  # queued prefill
             st.sampled_from([1.0, 0.5, 0.25]),  # speed
             st.integers(0, 10),  # free (of 10)
+            st.sampled_from([0, 60, 200]),  # decode step, in prompt tokens
         ),
         min_size=1,
         max_size=12,
@@ -180,8 +179,8 @@ def test_column_picks_equal_the_rules_over_a_list(policy: str, rows: list[tuple]
     from swaserve.router import RouterConfig
 
     cands = [
-        Candidate(f"w{i}", i, load, hit, queued, speed, free, 10)
-        for i, (load, hit, queued, speed, free) in enumerate(rows)
+        Candidate(f"w{i}", i, load, hit, queued, speed, free, 10, decode)
+        for i, (load, hit, queued, speed, free, decode) in enumerate(rows)
     ]
     request = RouteRequest("r", list(range(2048 + 64)), 8)
     chosen = POLICIES[policy](RouterConfig()).choose(request, cands)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -195,6 +196,29 @@ def test_headroom_reports_the_prefill_under_way_and_the_measured_prefill(model_d
     # Every prompt token once; decode steps add none.
     assert head.prefill_tokens_total == CALIBRATION_TOKENS + 103
     assert head.prefill_s_total > first_s
+    engine.check()
+
+
+def test_the_step_log_and_the_decode_counters_record_each_step(model_dir: Path) -> None:
+    """`Engine.step_log` keeps each step's mix and wall time (what bench/cluster_sim.py fits
+    its step cost to); decode-only steps also count in the report (`decode_steps_total`)."""
+    engine = make_engine(model_dir)  # chunks of 32 tokens
+    engine.step_log.take()
+    engine.add_request(list(range(1, 71)), GREEDY)  # 70 tokens: chunks 32, 32, 6, then decodes
+    while engine.has_unfinished_requests():
+        engine.step()
+    log = engine.step_log.take()
+    assert engine.step_log.take() == []
+    prefills = [(r.decode_rows, r.prefill_requests, r.prefill_tokens) for r in log[:3]]
+    assert prefills == [(0, 1, 32), (0, 1, 32), (0, 1, 6)]
+    assert [r.prefill_context_tokens for r in log[:3]] == [0, 32, 64]
+    decodes = log[3:]
+    assert decodes and all((r.decode_rows, r.prefill_tokens) == (1, 0) for r in decodes)
+    assert all(r.seconds > 0 for r in log)
+    assert all(a.started_s + a.seconds <= b.started_s for a, b in itertools.pairwise(log))
+    head = engine.headroom()
+    assert head.decode_steps_total == len(decodes) and head.decode_s_total > 0
+    assert head.decode_s_total <= sum(r.seconds for r in decodes)
     engine.check()
 
 

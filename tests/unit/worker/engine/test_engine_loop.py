@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -108,6 +109,31 @@ def test_bad_request_fails_its_future_and_abort_ends_the_stream(engine: Engine) 
     engine.check()
     head = engine.headroom()
     assert head.full_free_tokens + head.full_evictable_tokens == head.full_total_tokens
+
+
+def test_a_request_that_waits_for_the_step_under_way_says_how_long(engine: Engine) -> None:
+    """`RequestTimings.loop_wait_s`: from `submit` to the loop's adding the request, which
+    happens between steps; here the loop is held inside a step's dispatch meanwhile."""
+    loop = EngineLoop(engine, "w0")
+    loop.start()
+    try:
+        held = HeldAtFirstToken()
+        long = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        loop.submit(EngineRequest("long", [1, 2, 3], long), held).result(10)
+        assert held.chunks.get(timeout=30).token_ids  # the loop is inside its dispatch now
+        sink = Collector()
+        taken = loop.submit(EngineRequest("late", [4, 5, 6], long), sink)
+        submitted_s = time.monotonic()
+        held.go.set()
+        released_s = time.monotonic()
+        taken.result(10)
+        first = next(c for c in sink.until_finished() if c.timings is not None)
+        assert first.timings.loop_wait_s >= released_s - submitted_s > 0
+        held.until_finished()
+    finally:
+        loop.stop()
+        loop.wait(10)
+    engine.check()
 
 
 def test_stop_ends_open_requests_and_refuses_new_ones(engine: Engine) -> None:
