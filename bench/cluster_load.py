@@ -24,17 +24,24 @@ every answer equals the first run's (greedy: cache hits must not change the toke
 
 Read the figures with two effects in mind: round robin keeps a session on its worker by
 accident when the clients move in step (4 clients on 2 workers: 0.6-0.8 of the turns; 5, the
-default: about half, as random routing would; see "same wkr"); prefix's balance gate (a
-worker stays eligible up to 4 requests above the least loaded) cannot trip with 5 requests
-in flight, so sticky sessions may pile up on one worker (see "requests per worker").
+default: 0.5-0.8; see "same wkr"), so its median turn is a hit too; and the turns of the
+sessions one worker holds tend to arrive together (their answers end in the same step), so
+their prefills share steps and each first token waits for all of them.
 
     python bench/cluster_load.py [--json] [--policies round_robin,prefix] [--sessions 10]
         [--turns 6] [--concurrency 5] [--max-new-tokens 16] [--repeats 3] [--hidden 256]
         [--layers 4] [--window 32] [--router-config JSON] ...
 
 Each run also prints where the time to first token went (`RoutedCluster.breakdowns`): the
-router's answer, the engine's queue, the prefill, the steps a prefill took with the decode rows
-and prompt tokens they carried, and what held requests at admission.
+router's answer, the engine's queue, the prefill, the way to the engine and back (and of it,
+the wait for the step under way), the steps a prefill took with the decode rows and prompt
+tokens they carried, and what held requests at admission.
+
+`--simulate` then fits bench/cluster_sim.py to the runs (the engines' step logs and the
+measured hops), replays the same workload and policies on it, and prints its TTFT p50 / p99
+and throughput next to the measured medians, with their errors; `--json` carries the
+calibration, which `bench/cluster_sim.py --calibration` replays with other policies or
+router knobs.
 """
 
 from __future__ import annotations
@@ -432,7 +439,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=json.loads,
         default={},
         help="RouterConfig fields for every policy but the baseline, as JSON: "
-        "'{\"prefix_ttft_slack_tokens\": 256}'",
+        "'{\"prefix_hit_weight\": 0.5}'",
     )
     parser.add_argument(
         "--simulate",

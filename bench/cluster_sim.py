@@ -424,10 +424,16 @@ def simulate(
     calibration: Calibration,
     replicas: int = 2,
     seed: int = 0,
+    engine_config: dict | None = None,
 ) -> dict:
     """One run of the workload (`system` prompt, `users[session][turn]`, the model's
     `answers`) on `concurrency` clients, as bench/cluster_load.py drives it: its figures."""
-    engine = EngineConfig(model=model_dir, device="cpu", max_total_tokens=max_total_tokens)
+    engine = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        max_total_tokens=max_total_tokens,
+        **(engine_config or {}),
+    )
     cluster = SimCluster(
         RouterConfig(policy=policy, **router_config), engine, calibration, replicas, seed
     )
@@ -508,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", required=True, help="cluster_load.py --simulate --json")
     parser.add_argument("--policies", default=None, help="default: the calibration run's")
     parser.add_argument("--router-config", type=json.loads, default={})
+    parser.add_argument(
+        "--engine-config",
+        type=json.loads,
+        default={},
+        help="EngineConfig fields for every policy's workers (their step cost stays the fit)",
+    )
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5, help="hop draws per policy")
     args = parser.parse_args(argv)
@@ -542,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                 answers=answers,
                 concurrency=concurrency,
                 calibration=calibration,
+                engine_config=args.engine_config,
             )
             r = results[policy]
             print(

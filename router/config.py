@@ -94,10 +94,8 @@ class RouterConfig(BaseModel):
     ttft_balance_tokens: int = Field(
         1024, ge=0, description="ttft: prefill a placement may add to go where most KV is free"
     )
-    prefix_ttft_slack_tokens: int = Field(
-        128,
-        ge=0,
-        description="prefix: predicted wait (prompt tokens) past the least that moves a request",
+    prefix_hit_weight: float = Field(
+        1.0, ge=0, description="prefix: queue tokens each cached token of the best hit outweighs"
     )
     inflight_prefixes: bool = Field(
         True, description="count prompts routed to a worker as its hits until it reports them"

@@ -136,29 +136,30 @@ class Policy(ABC):
 
 
 class PrefixPolicy(Policy):
-    """Most reusable tokens among the workers that would give the request its first token
-    about as soon as any would.
+    """Least predicted wait for the first token, where every cached token the request would
+    lose also counts against a worker: the worker with the least
 
-    A worker's predicted wait is `ttft`'s cost: the work ahead of the request's first token
-    there (its queued prefill, its running decodes' step, the request's own uncached tokens)
-    over its speed, in prompt tokens. Eligible are the workers within
-    `prefix_ttft_slack_tokens` of the least; the longest hit among them wins (ties: lower
-    cost, lower load, add order). So a session keeps its worker while that worker's queue is
-    short, and a request moves when its worker is busier by more than the slack (plus what
-    the move recomputes): the load that balances is the work a worker has ahead, not its
-    request count. SGLang's cache-aware gate counts requests (`max - least > abs` and
-    `max > least × rel`); with few requests per worker no such gate trips, and sessions
-    whose turns arrive together pile up on one worker, where their prefills share steps and
-    each first token waits for all of them (issue: prefix routing on the real cluster).
+        score = ttft cost + prefix_hit_weight × (longest hit − its hit) / speed
+
+    wins (ties: longer hit, lower load, add order). `ttft`'s cost is the work ahead of the
+    first token there (its queued prefill, its running decodes' step, the request's own
+    uncached tokens) over its speed, so it already charges a miss its recompute once; the
+    weight charges it again for the requests that will queue behind that recompute. A session
+    keeps its worker until the queue there is longer than (1 + weight) × the history it would
+    recompute elsewhere; then it moves. The load that balances is the work ahead of each
+    worker, not its request count: SGLang's cache-aware gate (`max - least > abs` and
+    `max > least × rel` requests) never trips with the few requests per worker of a small
+    cluster, where sessions whose turns arrive together pile up on one worker and each first
+    token waits for all their prefills (issue: prefix routing on the real cluster).
     """
 
     name = "prefix"
 
     def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         c = candidates
-        cost = _ttft(request, c)
-        near = cost <= cost.min() + self.config.prefix_ttft_slack_tokens
-        return first_min((-c.hit_tokens, cost, c.load, c.order), near)
+        lost = (c.hit_tokens.max() - c.hit_tokens) / c.speed
+        score = _ttft(request, c) + self.config.prefix_hit_weight * lost
+        return first_min((score, -c.hit_tokens, c.load, c.order))
 
 
 BALANCE_FREE_SHARE = 0.5

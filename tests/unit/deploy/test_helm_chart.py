@@ -60,7 +60,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "enable_prefix_cache": False,
             "schedule_policy": "lpm",
         },
-        "router": {"policy": "least_load", "prefix_ttft_slack_tokens": 8, "queue_timeout_s": 2.5},
+        "router": {"policy": "least_load", "prefix_hit_weight": 0.5, "queue_timeout_s": 2.5},
     },
 }
 
@@ -409,9 +409,9 @@ def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
             1_000_000,
             False,
         )
-        assert (router.policy, router.prefix_ttft_slack_tokens, router.queue_timeout_s) == (
+        assert (router.policy, router.prefix_hit_weight, router.queue_timeout_s) == (
             "least_load",
-            8,
+            0.5,
             2.5,
         )
 

@@ -78,36 +78,38 @@ def test_session_key_reaches_the_policy_through_route() -> None:
     assert len(picks) == 1
 
 
-def test_prefix_keeps_the_longest_hit_unless_its_prefill_wait_passes_the_slack() -> None:
-    """A request leaves its longest hit only when that worker's predicted wait is more than
-    the slack above the cheapest one's, and then for the longest hit within the slack."""
+def test_prefix_weighs_the_wait_against_the_hit_it_would_lose() -> None:
+    """score = queued + uncached (+ decode step) + weight × (longest hit − hit), over the
+    speed: a request leaves its longest hit once the queue there outweighs what the move
+    would recompute, counted (1 + weight) times."""
     long_prompt = list(range(1, 65))  # 64 tokens
-    c = Cluster("a", "b", "c", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
+    c = Cluster("a", "b", "c", inflight_prefixes=False)
     c.report("a", [stored(long_prompt[:48])], queued_prefill_tokens=30)  # 30 + 16 = 46
-    c.report("b", [stored(long_prompt[:16])])  # 0 + 48 = 48
-    c.report("c")  # 0 + 64 = 64
-    # a (hit 48) costs 46, the cheapest: it keeps the request.
+    c.report("b", [stored(long_prompt[:16])])  # 48 + 32 lost = 80
+    c.report("c")  # 64 + 48 lost = 112
     assert c.router.route("r1", long_prompt, 1).worker_id == "a"
     c.router.finish("r1")
-    # a's queue grows to 60 (76 > 48 + 20): within the slack of b (48) are b itself and
-    # nothing else that saves more, so the longest hit there, b (16), wins over c.
-    c.report("a", queued_prefill_tokens=60)
+    c.report("a", queued_prefill_tokens=70)  # 86 > 80: b, the better of the rest
     assert c.router.route("r2", long_prompt, 1).worker_id == "b"
     c.router.finish("r2")
-    # At 40 queued a costs 56, within 20 of b's 48: the longest hit stays.
-    c.report("a", queued_prefill_tokens=40)
+    c.report("a", queued_prefill_tokens=60)  # 76 < 80: the history stays where it is
     assert c.router.route("r3", long_prompt, 1).worker_id == "a"
     c.router.finish("r3")
-    # A worker at half speed doubles its cost: a's 16 uncached tokens cost 32 on an empty
-    # queue, within the slack; a 64-token history it lost costs 128 there, against c's 64.
+    # A worker at half speed doubles its score: a's 16 uncached tokens cost 32 on an empty
+    # queue; a 64-token prompt none holds costs 128 there, against b's and c's 64.
     c.report("a", [], prefill_tokens_total=256, prefill_s_total=0.02, queued_prefill_tokens=0)
     c.report("b", [], prefill_tokens_total=256, prefill_s_total=0.01)
     c.report("c", [], prefill_tokens_total=256, prefill_s_total=0.01)
     assert c.router.route("r4", long_prompt, 1).worker_id == "a"
     c.router.finish("r4")
     other = list(range(200, 264))
-    assert c.router.route("r5", other, 1).worker_id == "b"  # the slow a is 64 over
+    assert c.router.route("r5", other, 1).worker_id == "b"
     c.router.check()
+    # Weight 0: the least predicted wait alone (a 56 against b's 48).
+    plain = Cluster("a", "b", prefix_hit_weight=0.0, inflight_prefixes=False)
+    plain.report("a", [stored(long_prompt[:48])], queued_prefill_tokens=40)
+    plain.report("b", [stored(long_prompt[:16])])
+    assert plain.router.route("r", long_prompt, 1).worker_id == "b"
 
 
 def test_ttft_takes_the_shortest_queue_plus_uncached_prefill() -> None:

@@ -60,19 +60,21 @@ def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
 @pytest.mark.parametrize(
     ("queued", "expected"),
     [
-        ({"a": 0, "b": 0, "c": 0}, ("a", 16)),  # a: 1, b: 17, c: 9
-        ({"a": 20, "b": 0, "c": 0}, ("a", 16)),  # a: 21 <= c's 9 + 20
-        ({"a": 40, "b": 0, "c": 0}, ("c", 8)),  # a: 41 > 29; c keeps the better hit left
-        ({"a": 30, "b": 0, "c": 30}, ("a", 16)),  # a: 31, c: 39, b: 17: a within 20 again
-        ({"a": 40, "b": 0, "c": 40}, ("b", 0)),  # a: 41, c: 49: only b is near the least
+        # score = queued + uncached + (16 - hit): a 1, b 17 + 16, c 9 + 8
+        ({"a": 0, "b": 0, "c": 0}, ("a", 16)),
+        ({"a": 16, "b": 0, "c": 0}, ("a", 16)),  # a 17 = c 17: the longer hit
+        ({"a": 17, "b": 0, "c": 0}, ("c", 8)),  # a 18 > c 17
+        ({"a": 40, "b": 0, "c": 30}, ("b", 0)),  # a 41, c 47, b 33
+        ({"a": 40, "b": 20, "c": 20}, ("c", 8)),  # a 41, b 53, c 37
     ],
 )
-def test_prefix_keeps_affinity_while_the_work_ahead_is_within_the_slack(
+def test_prefix_keeps_a_session_until_the_work_ahead_outweighs_its_hit(
     queued: dict[str, int], expected: tuple[str, int]
 ) -> None:
-    """Requests on a worker do not count, its queued prefill does: a with 12 running
-    requests keeps the session while its wait is within the slack of the least."""
-    c = Cluster("a", "b", "c", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
+    """The requests on a worker do not count, the work queued there does: a, with 12
+    running requests, keeps the session while its queue is shorter than what a move would
+    recompute, counted twice (`prefix_hit_weight` = 1)."""
+    c = Cluster("a", "b", "c", inflight_prefixes=False)
     c.report("a", [stored(PROMPT)], queued_prefill_tokens=queued["a"], num_running=12)
     c.report("b", queued_prefill_tokens=queued["b"])
     c.report("c", [stored(PROMPT[:8])], queued_prefill_tokens=queued["c"])
@@ -80,14 +82,13 @@ def test_prefix_keeps_affinity_while_the_work_ahead_is_within_the_slack(
 
 
 def test_prefix_counts_the_prefill_routed_since_the_last_report() -> None:
-    """Prompts sharing a's 16 cached tokens, each with 24 new ones: a costs 25 more per
-    request routed there until a report lists them, so the third goes to b."""
-    c = Cluster("a", "b", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
+    """Prompts sharing a's 16 cached tokens, each with 25 new ones: a scores 26 more per
+    request routed there until a report lists them, b 42 + 16 = 58, so the third goes to b."""
+    c = Cluster("a", "b", inflight_prefixes=False)
     c.report("a", [stored(PROMPT)])
     c.report("b")
-    prompts = [PROMPT[:16] + [100 * (i + 1) + t for t in range(25)] for i in range(4)]
-    # a: 25, 50, 75 (> b's 41 + 20); b: 41.
-    hits = [routed(c.router.route(f"r{i}", prompts[i], 8)) for i in range(3)]
+    prompts = [PROMPT[:16] + [100 * (i + 1) + t for t in range(26)] for i in range(4)]
+    hits = [routed(c.router.route(f"r{i}", prompts[i], 8)) for i in range(3)]  # a: 26, 52, 78
     assert hits == [("a", 16), ("a", 16), ("b", 0)]
     c.report("a", admitted=["r0", "r1"], queued_prefill_tokens=0)  # a prefilled them
     assert routed(c.router.route("r3", prompts[3], 8)) == ("a", 16)
@@ -97,11 +98,11 @@ def test_prefix_counts_the_prefill_routed_since_the_last_report() -> None:
 def test_prefix_counts_a_workers_running_decodes_as_its_decode_step() -> None:
     """A worker's running requests cost a new one about one decode step: its measured
     decode step's seconds in its own prompt tokens (`WorkerState.decode_tokens`)."""
-    c = Cluster("a", "b", prefix_ttft_slack_tokens=20, inflight_prefixes=False)
+    c = Cluster("a", "b", inflight_prefixes=False)
     prefill = {"prefill_tokens_total": 1000, "prefill_s_total": 0.1}  # 0.1 ms per token
     c.report("a", [stored(PROMPT)], **prefill)
     c.report("b", **prefill)
-    # a decodes 8 requests in 5 ms steps: 50 tokens' worth; 1 + 50 > 17 + 20.
+    # a decodes 8 requests in 5 ms steps, 50 tokens' worth: 1 + 50 > b's 17 + 16.
     c.report("a", num_running=8, decode_steps_total=10, decode_s_total=0.05, **prefill)
     assert c.router.worker("a").decode_tokens == 50
     assert routed(c.router.route("r1", PROMPT, 8)) == ("b", 0)
@@ -437,13 +438,13 @@ def test_remove_worker_forgets_its_requests_and_view() -> None:
 
 def test_config_defaults_and_validation() -> None:
     config = RouterConfig()
-    assert (config.policy, config.prefix_ttft_slack_tokens) == ("prefix", 128)
+    assert (config.policy, config.prefix_hit_weight) == ("prefix", 1.0)
     assert (config.report_timeout_s, config.max_queue_len, config.queue_timeout_s) == (
         5.0,
         1024,
         30.0,
     )
     assert config.approx_max_tokens == 1 << 20
-    for bad in ({"prefix_ttft_slack_tokens": -1}, {"prefix_ttft_slack_tokens": None}, {"typo": 1}):
+    for bad in ({"prefix_hit_weight": -1}, {"prefix_hit_weight": None}, {"typo": 1}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)  # type: ignore[arg-type]

@@ -144,9 +144,12 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
         return work / c.speed
 
     if policy == "prefix":
-        cheapest = min(cost(c) for c in cands)
-        near = [c for c in cands if cost(c) <= cheapest + 128]
-        return min(near, key=lambda c: (-c.hit_tokens, cost(c), c.load, c.order))
+        best = max(c.hit_tokens for c in cands)
+
+        def score(c: Candidate) -> float:
+            return cost(c) + (best - c.hit_tokens) / c.speed
+
+        return min(cands, key=lambda c: (score(c), -c.hit_tokens, c.load, c.order))
     if policy == "least_load":
         return min(cands, key=lambda c: (c.load, -c.hit_tokens, c.order))
     assert policy == "ttft"
