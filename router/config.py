@@ -75,7 +75,7 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: str = Field(
-        "prefix",
+        "ttft",
         description="routing policy: one of POLICIES",
         json_schema_extra={"enum": sorted(POLICIES)},  # the chart's schema offers the registry
     )
@@ -94,8 +94,10 @@ class RouterConfig(BaseModel):
     ttft_balance_tokens: int = Field(
         1024, ge=0, description="ttft: prefill a placement may add to go where most KV is free"
     )
-    prefix_hit_weight: float = Field(
-        1.0, ge=0, description="prefix: queue tokens each cached token of the best hit outweighs"
+    prefix_load_weight: float = Field(
+        1.0,
+        ge=0,
+        description="prefix: weight of the delay a prefill adds to each request on its worker",
     )
     inflight_prefixes: bool = Field(
         True, description="count prompts routed to a worker as its hits until it reports them"

@@ -136,19 +136,21 @@ class Policy(ABC):
 
 
 class PrefixPolicy(Policy):
-    """Least predicted wait for the first token, where every cached token the request would
-    lose also counts against a worker: the worker with the least
+    """Least time the request costs everyone on a worker: its own wait for the first token
+    plus what its prefill delays the requests already there,
 
-        score = ttft cost + prefix_hit_weight × (longest hit − its hit) / speed
+        score = (queued_prefill + decode step + uncached × (1 + prefix_load_weight × load))
+                / speed
 
-    wins (ties: longer hit, lower load, add order). `ttft`'s cost is the work ahead of the
-    first token there (its queued prefill, its running decodes' step, the request's own
-    uncached tokens) over its speed, so it already charges a miss its recompute once; the
-    weight charges it again for the requests that will queue behind that recompute. A session
-    keeps its worker until the queue there is longer than (1 + weight) × the history it would
-    recompute elsewhere; then it moves. The load that balances is the work ahead of each
-    worker, not its request count: SGLang's cache-aware gate (`max - least > abs` and
-    `max > least × rel` requests) never trips with the few requests per worker of a small
+    (ties: longer hit, lower load, add order). The first three terms are `ttft`'s cost; the
+    last charges each of the worker's `load` requests (running, waiting, routed since) the
+    step time this request's uncached prompt adds to theirs. A hit is worth its tokens
+    times the worker's load, so a session keeps its worker while that worker is about as
+    busy as the others, and a worker with nothing on it costs a request only its own wait:
+    a history, or a shared system prompt that only one worker holds yet, does not keep every
+    new session away from an idle worker. The load that balances is work, the delay a
+    placement adds, not a request count: SGLang's cache-aware gate (`max - least > abs` and
+    `max > least × rel` requests) never trips at the few requests per worker of a small
     cluster, where sessions whose turns arrive together pile up on one worker and each first
     token waits for all their prefills (issue: prefix routing on the real cluster).
     """
@@ -157,8 +159,8 @@ class PrefixPolicy(Policy):
 
     def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         c = candidates
-        lost = (c.hit_tokens.max() - c.hit_tokens) / c.speed
-        score = _ttft(request, c) + self.config.prefix_hit_weight * lost
+        uncached = len(request.token_ids) - c.hit_tokens
+        score = _ttft(request, c) + self.config.prefix_load_weight * uncached * c.load / c.speed
         return first_min((score, -c.hit_tokens, c.load, c.order))
 
 

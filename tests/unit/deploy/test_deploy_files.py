@@ -162,7 +162,7 @@ def test_rayservice_args_are_what_build_app_takes() -> None:
     assert (parsed.replicas, parsed.use_gpu, parsed.max_ongoing_requests) == (2, True, 256)
     assert (engine.model, engine.tp_size, engine.device) == ("/models/gpt-oss-120b", 2, "cuda")
     assert (engine.chunked_prefill_size, engine.max_running_requests) == (2048, 256)
-    assert (router.policy, router.max_queue_len, router.queue_timeout_s) == ("prefix", 1024, 30)
+    assert (router.policy, router.max_queue_len, router.queue_timeout_s) == ("ttft", 1024, 30)
 
 
 def ray_cluster() -> dict[str, Any]:

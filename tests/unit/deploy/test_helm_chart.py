@@ -60,7 +60,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "enable_prefix_cache": False,
             "schedule_policy": "lpm",
         },
-        "router": {"policy": "least_load", "prefix_hit_weight": 0.5, "queue_timeout_s": 2.5},
+        "router": {"policy": "least_load", "prefix_load_weight": 0.5, "queue_timeout_s": 2.5},
     },
 }
 
@@ -409,7 +409,7 @@ def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
             1_000_000,
             False,
         )
-        assert (router.policy, router.prefix_hit_weight, router.queue_timeout_s) == (
+        assert (router.policy, router.prefix_load_weight, router.queue_timeout_s) == (
             "least_load",
             0.5,
             2.5,
@@ -430,4 +430,4 @@ def test_serve_config_is_what_build_app_takes(name: str, tmp_path, monkeypatch) 
     engine = parsed.engine_config()
     router = parsed.router_config()
     assert engine.tp_size == VALUE_SETS[name].get("tensorParallelSize", 1)
-    assert router.policy == VALUE_SETS[name].get("router", {}).get("policy", "prefix")
+    assert router.policy == VALUE_SETS[name].get("router", {}).get("policy", "ttft")

@@ -24,9 +24,11 @@ def routed(decision: RouteDecision) -> tuple[str | None, int]:
 
 
 def fan_out(**config: object) -> Cluster:
+    """Two cold workers, b with 10 prompt tokens queued: a request goes where it waits least
+    (the default policy), so a sibling goes to a only if a's hit saves it more than that."""
     c = Cluster("a", "b", **config)
     c.report("a")
-    c.report("b")
+    c.report("b", queued_prefill_tokens=10)
     return c
 
 
@@ -37,7 +39,7 @@ def test_a_sibling_follows_the_shared_prompt_in_flight() -> None:
     # 24 system tokens there (the pages t0's prompt holds whole: 28 tokens, 14 pages).
     assert c.router.predict_hits(TASKS[1][:-1]) == {"a": 24, "b": 0}
     assert routed(c.router.route("t1", TASKS[1], 8)) == ("a", 24)
-    # Without the rule the sibling sees two cold workers and the gate's lower load wins.
+    # Without the rule the sibling sees two cold workers, a behind t0's 28 tokens: b.
     off = fan_out(inflight_prefixes=False)
     assert routed(off.router.route("t0", TASKS[0], 8)) == ("a", 0)
     assert routed(off.router.route("t1", TASKS[1], 8)) == ("b", 0)

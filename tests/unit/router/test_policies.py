@@ -78,38 +78,34 @@ def test_session_key_reaches_the_policy_through_route() -> None:
     assert len(picks) == 1
 
 
-def test_prefix_weighs_the_wait_against_the_hit_it_would_lose() -> None:
-    """score = queued + uncached (+ decode step) + weight × (longest hit − hit), over the
-    speed: a request leaves its longest hit once the queue there outweighs what the move
-    would recompute, counted (1 + weight) times."""
+def test_prefix_charges_a_prefill_to_every_request_it_delays() -> None:
+    """score = queued + uncached × (1 + load), over the speed: a history stays where it is
+    cached while that worker is about as busy as the others, and an idle worker costs a
+    request only its own wait."""
     long_prompt = list(range(1, 65))  # 64 tokens
-    c = Cluster("a", "b", "c", inflight_prefixes=False)
-    c.report("a", [stored(long_prompt[:48])], queued_prefill_tokens=30)  # 30 + 16 = 46
-    c.report("b", [stored(long_prompt[:16])])  # 48 + 32 lost = 80
-    c.report("c")  # 64 + 48 lost = 112
+    c = Cluster("a", "b", "c", policy="prefix", inflight_prefixes=False)
+    c.report("a", [stored(long_prompt[:48])], queued_prefill_tokens=40, num_running=1)
+    c.report("b", [stored(long_prompt[:16])], num_running=1)
+    c.report("c", num_running=1)
+    # a: 40 + 16 × 2 = 72; b: 48 × 2 = 96; c: 64 × 2 = 128.
     assert c.router.route("r1", long_prompt, 1).worker_id == "a"
     c.router.finish("r1")
-    c.report("a", queued_prefill_tokens=70)  # 86 > 80: b, the better of the rest
-    assert c.router.route("r2", long_prompt, 1).worker_id == "b"
+    # c idle: 64 < 72; a history is worth no more than the waits it saves.
+    c.report("c", num_running=0)
+    assert c.router.route("r2", long_prompt, 1).worker_id == "c"
     c.router.finish("r2")
-    c.report("a", queued_prefill_tokens=60)  # 76 < 80: the history stays where it is
-    assert c.router.route("r3", long_prompt, 1).worker_id == "a"
-    c.router.finish("r3")
-    # A worker at half speed doubles its score: a's 16 uncached tokens cost 32 on an empty
-    # queue; a 64-token prompt none holds costs 128 there, against b's and c's 64.
-    c.report("a", [], prefill_tokens_total=256, prefill_s_total=0.02, queued_prefill_tokens=0)
-    c.report("b", [], prefill_tokens_total=256, prefill_s_total=0.01)
-    c.report("c", [], prefill_tokens_total=256, prefill_s_total=0.01)
-    assert c.router.route("r4", long_prompt, 1).worker_id == "a"
-    c.router.finish("r4")
-    other = list(range(200, 264))
-    assert c.router.route("r5", other, 1).worker_id == "b"
+    # a at half speed doubles its score: 144 > b's 96.
+    c.report("c", num_running=1)
+    c.report("a", prefill_tokens_total=256, prefill_s_total=0.02, queued_prefill_tokens=40)
+    c.report("b", prefill_tokens_total=256, prefill_s_total=0.01)
+    c.report("c", prefill_tokens_total=256, prefill_s_total=0.01)
+    assert c.router.route("r3", long_prompt, 1).worker_id == "b"
     c.router.check()
-    # Weight 0: the least predicted wait alone (a 56 against b's 48).
-    plain = Cluster("a", "b", prefix_hit_weight=0.0, inflight_prefixes=False)
-    plain.report("a", [stored(long_prompt[:48])], queued_prefill_tokens=40)
+    # Weight 0: the least predicted wait alone (a 46 against b's 48).
+    plain = Cluster("a", "b", policy="prefix", prefix_load_weight=0.0, inflight_prefixes=False)
+    plain.report("a", [stored(long_prompt[:48])], queued_prefill_tokens=30, num_running=5)
     plain.report("b", [stored(long_prompt[:16])])
-    assert plain.router.route("r", long_prompt, 1).worker_id == "b"
+    assert plain.router.route("r", long_prompt, 1).worker_id == "a"
 
 
 def test_ttft_takes_the_shortest_queue_plus_uncached_prefill() -> None:

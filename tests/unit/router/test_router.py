@@ -58,39 +58,42 @@ def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
 
 
 @pytest.mark.parametrize(
-    ("queued", "expected"),
+    ("a_running", "queued", "expected"),
     [
-        # score = queued + uncached + (16 - hit): a 1, b 17 + 16, c 9 + 8
-        ({"a": 0, "b": 0, "c": 0}, ("a", 16)),
-        ({"a": 16, "b": 0, "c": 0}, ("a", 16)),  # a 17 = c 17: the longer hit
-        ({"a": 17, "b": 0, "c": 0}, ("c", 8)),  # a 18 > c 17
-        ({"a": 40, "b": 0, "c": 30}, ("b", 0)),  # a 41, c 47, b 33
-        ({"a": 40, "b": 20, "c": 20}, ("c", 8)),  # a 41, b 53, c 37
+        # score = queued + uncached × (1 + load): a 1 × (1 + running), b 17, c 9
+        (2, {"a": 0, "b": 0, "c": 0}, ("a", 16)),  # a 3
+        (2, {"a": 6, "b": 0, "c": 0}, ("a", 16)),  # a 9 = c 9: the longer hit
+        (2, {"a": 7, "b": 0, "c": 0}, ("c", 8)),  # a 10 > c 9
+        (2, {"a": 40, "b": 0, "c": 30}, ("b", 0)),  # a 43, c 39, b 17
+        (12, {"a": 0, "b": 0, "c": 0}, ("c", 8)),  # a 13: its 12 requests wait for it too
     ],
 )
-def test_prefix_keeps_a_session_until_the_work_ahead_outweighs_its_hit(
-    queued: dict[str, int], expected: tuple[str, int]
+def test_prefix_keeps_a_session_while_its_worker_is_about_as_busy_as_the_rest(
+    a_running: int, queued: dict[str, int], expected: tuple[str, int]
 ) -> None:
-    """The requests on a worker do not count, the work queued there does: a, with 12
-    running requests, keeps the session while its queue is shorter than what a move would
-    recompute, counted twice (`prefix_hit_weight` = 1)."""
-    c = Cluster("a", "b", "c", inflight_prefixes=False)
-    c.report("a", [stored(PROMPT)], queued_prefill_tokens=queued["a"], num_running=12)
+    """The work queued on a worker and the delay the request's own prefill adds to each
+    request there (`prefix_load_weight` = 1), against the idle b and c."""
+    c = Cluster("a", "b", "c", policy="prefix", inflight_prefixes=False)
+    c.report("a", [stored(PROMPT)], queued_prefill_tokens=queued["a"], num_running=a_running)
     c.report("b", queued_prefill_tokens=queued["b"])
     c.report("c", [stored(PROMPT[:8])], queued_prefill_tokens=queued["c"])
     assert routed(c.router.route("r", PROMPT, 8)) == expected
 
 
-def test_prefix_counts_the_prefill_routed_since_the_last_report() -> None:
-    """Prompts sharing a's 16 cached tokens, each with 25 new ones: a scores 26 more per
-    request routed there until a report lists them, b 42 + 16 = 58, so the third goes to b."""
-    c = Cluster("a", "b", inflight_prefixes=False)
+def test_prefix_counts_the_requests_and_prefill_routed_since_the_last_report() -> None:
+    """Prompts sharing a's 16 cached tokens, each with 26 new ones (42 in all): a scores
+    26 on its own, then 26 + 26 × 2 with the first routed there, against the idle b's 42;
+    b then scores 42 + 42 × 2 = 126, a 78."""
+    c = Cluster("a", "b", policy="prefix", inflight_prefixes=False)
     c.report("a", [stored(PROMPT)])
     c.report("b")
     prompts = [PROMPT[:16] + [100 * (i + 1) + t for t in range(26)] for i in range(4)]
-    hits = [routed(c.router.route(f"r{i}", prompts[i], 8)) for i in range(3)]  # a: 26, 52, 78
-    assert hits == [("a", 16), ("a", 16), ("b", 0)]
-    c.report("a", admitted=["r0", "r1"], queued_prefill_tokens=0)  # a prefilled them
+    hits = [routed(c.router.route(f"r{i}", prompts[i], 8)) for i in range(3)]
+    assert hits == [("a", 16), ("b", 0), ("a", 16)]
+    for request_id in ("r0", "r1", "r2"):
+        c.router.finish(request_id)
+    c.report("a", admitted=["r0", "r2"], queued_prefill_tokens=0)
+    c.report("b", admitted=["r1"], queued_prefill_tokens=0)
     assert routed(c.router.route("r3", prompts[3], 8)) == ("a", 16)
     c.router.check()
 
@@ -98,11 +101,11 @@ def test_prefix_counts_the_prefill_routed_since_the_last_report() -> None:
 def test_prefix_counts_a_workers_running_decodes_as_its_decode_step() -> None:
     """A worker's running requests cost a new one about one decode step: its measured
     decode step's seconds in its own prompt tokens (`WorkerState.decode_tokens`)."""
-    c = Cluster("a", "b", inflight_prefixes=False)
+    c = Cluster("a", "b", policy="prefix", inflight_prefixes=False)
     prefill = {"prefill_tokens_total": 1000, "prefill_s_total": 0.1}  # 0.1 ms per token
     c.report("a", [stored(PROMPT)], **prefill)
     c.report("b", **prefill)
-    # a decodes 8 requests in 5 ms steps, 50 tokens' worth: 1 + 50 > b's 17 + 16.
+    # a decodes 8 requests in 5 ms steps, 50 tokens' worth: 50 + 1 × 9 > b's 17.
     c.report("a", num_running=8, decode_steps_total=10, decode_s_total=0.05, **prefill)
     assert c.router.worker("a").decode_tokens == 50
     assert routed(c.router.route("r1", PROMPT, 8)) == ("b", 0)
@@ -217,7 +220,7 @@ def test_full_queue_raises_overloaded() -> None:
     with pytest.raises(Overloaded) as raised:
         c.router.route("r2", PROMPT, 1)
     assert (raised.value.request_id, raised.value.queue_len) == ("r2", 2)
-    assert c.router.stats.decisions == {("prefix", "queued"): 2, ("prefix", "overloaded"): 1}
+    assert c.router.stats.decisions == {("ttft", "queued"): 2, ("ttft", "overloaded"): 1}
     assert c.router.finish("r0") and c.router.queue_len == 1  # cancelled while queued
     assert c.router.route("r3", PROMPT, 1).outcome == Outcome.QUEUED
 
@@ -245,13 +248,13 @@ def test_queued_request_expires_at_its_deadline() -> None:
     c.clock.now = 9.5
     assert c.router.poll() == []
     c.clock.now = 10.0
-    assert c.router.poll() == [RouteDecision("soon", Outcome.EXPIRED, None, "prefix", 0, 10.0)]
+    assert c.router.poll() == [RouteDecision("soon", Outcome.EXPIRED, None, "ttft", 0, 10.0)]
     c.clock.now = 11.0
     c.report("a")
-    assert c.router.poll() == [RouteDecision("later", Outcome.ROUTED, "a", "prefix", 0, 11.0)]
+    assert c.router.poll() == [RouteDecision("later", Outcome.ROUTED, "a", "ttft", 0, 11.0)]
     stats = c.router.stats
     assert (stats.queue_waits, stats.queue_wait_s_total, stats.queue_wait_s_max) == (2, 21.0, 11.0)
-    assert stats.decisions[("prefix", "expired")] == 2
+    assert stats.decisions[("ttft", "expired")] == 2
 
 
 # ---- rule: stale worker skipped -------------------------------------------------------------------
@@ -438,13 +441,13 @@ def test_remove_worker_forgets_its_requests_and_view() -> None:
 
 def test_config_defaults_and_validation() -> None:
     config = RouterConfig()
-    assert (config.policy, config.prefix_hit_weight) == ("prefix", 1.0)
+    assert (config.policy, config.prefix_load_weight) == ("ttft", 1.0)
     assert (config.report_timeout_s, config.max_queue_len, config.queue_timeout_s) == (
         5.0,
         1024,
         30.0,
     )
     assert config.approx_max_tokens == 1 << 20
-    for bad in ({"prefix_hit_weight": -1}, {"prefix_hit_weight": None}, {"typo": 1}):
+    for bad in ({"prefix_load_weight": -1}, {"prefix_load_weight": None}, {"typo": 1}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)  # type: ignore[arg-type]

@@ -144,10 +144,9 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
         return work / c.speed
 
     if policy == "prefix":
-        best = max(c.hit_tokens for c in cands)
 
         def score(c: Candidate) -> float:
-            return cost(c) + (best - c.hit_tokens) / c.speed
+            return cost(c) + (len(request.token_ids) - c.hit_tokens) * c.load / c.speed
 
         return min(cands, key=lambda c: (score(c), -c.hit_tokens, c.load, c.order))
     if policy == "least_load":
