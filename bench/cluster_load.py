@@ -57,7 +57,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import grpc
-from cluster_sim import Calibration, Hop, StepCost, simulate_median
+from cluster_predict import predict, prediction_errors, print_predictions
 from multiturn import (
     local_ray,
     make_model,
@@ -66,6 +66,7 @@ from multiturn import (
     percentile,
     workload_parser,
 )
+from sim_calibration import hops_of
 
 from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
@@ -257,18 +258,6 @@ async def run_policy(
     return results, wall_s, router, breakdowns, steps
 
 
-def hops_of(results: list[TurnResult], breakdowns: list[TTFTBreakdown]) -> list[Hop]:
-    """Each request's measured times outside the engine (`cluster_sim.Hop`)."""
-    ttft = {r.request_id: r.ttft_s for r in results}
-    hops = []
-    for b in breakdowns:
-        if b.worker is None or b.transport_s is None or b.request_id not in ttft:
-            continue
-        ingress = max(ttft[b.request_id] - b.first_token_s, 0.0)
-        hops.append(Hop(ingress, b.route_s, max(b.transport_s - b.worker.loop_wait_s, 0.0)))
-    return hops
-
-
 async def take_step_logs(cluster: Cluster) -> dict[str, list[StepRecord]]:
     """Each worker's engine steps since the last call (`Engine.step_log`)."""
     ids = sorted(cluster.groups)
@@ -358,7 +347,7 @@ async def run_all(model_dir: str, work: Workload, args: argparse.Namespace) -> l
             m = metrics(results, wall_s, router, reference, breakdowns)
             if reference is None:
                 reference = {(r.session, r.turn): r.answer for r in results}
-            hops = hops_of(results, breakdowns)
+            hops = hops_of({r.request_id: r.ttft_s for r in results}, breakdowns)
             answers = {(r.session, r.turn): r.answer for r in results}
             runs.append(
                 {"round": round_ + 1, "policy": policy, **m}
@@ -461,86 +450,6 @@ def run_on_ray(work: Workload, args: argparse.Namespace) -> tuple[list[dict], di
         for key in ("steps", "hops", "answers"):
             run.pop(key)
     return runs, predicted
-
-
-def calibrate(runs: list[dict]) -> Calibration:
-    """The simulator's calibration from every run: the step cost fitted to all the workers'
-    step logs, and the hops of all the requests (the same for every policy: what differs
-    between policies must come from the simulated engines and router)."""
-    logs = [log for run in runs for log in run["steps"].values()]
-    return Calibration(StepCost.fit(logs), tuple(h for run in runs for h in run["hops"]))
-
-
-def predict(runs: list[dict], model_dir: str, work: Workload, args: argparse.Namespace) -> dict:
-    """The simulator, calibrated on `runs`, on the same workload (the first run's answers)
-    and policies: per policy, the median of `--sim-repeats` simulations, and the calibration
-    and workload to rerun it (`bench/cluster_sim.py --calibration`)."""
-    calibration = calibrate(runs)
-    first = runs[0]  # greedy: every run's answers are its (cluster_load checks)
-    answers = first["answers"]
-    logs = [log for run in runs for log in run["steps"].values()]
-    out: dict = {
-        "calibration": calibration.to_json(),
-        "step_logs": {f"{run['round']}/{run['policy']}": run["steps"] for run in runs},
-        "step_cost_error": calibration.cost.error(logs),
-        "policies": {},
-    }
-    for policy in args.policies:
-        out["policies"][policy] = simulate_median(
-            args.sim_repeats,
-            policy=policy,
-            router_config=args.router_config if policy != args.policies[0] else {},
-            model_dir=model_dir,
-            max_total_tokens=args.max_total_tokens,
-            system=work.system,
-            users=work.users,
-            answers=answers,
-            concurrency=args.concurrency,
-            calibration=calibration,
-        )
-    out["workload"] = {
-        "system": work.system,
-        "users": work.users,
-        "answers": [[s, t, list(a)] for (s, t), a in answers.items()],
-    }
-    return out
-
-
-PREDICTED = ("ttft_p50_ms", "ttft_p99_ms", "tok_s")
-
-
-def prediction_errors(median: dict[str, dict], predicted: dict) -> dict[str, dict[str, float]]:
-    """Per policy and figure: predicted / measured - 1."""
-    return {
-        policy: {k: predicted["policies"][policy][k] / median[policy][k] - 1 for k in PREDICTED}
-        for policy in median
-    }
-
-
-def print_predictions(median: dict[str, dict], predicted: dict) -> None:
-    cost = predicted["calibration"]["cost"]
-    print(
-        "simulator (bench/cluster_sim.py), calibrated on these runs: step = "
-        f"{1e3 * cost['fixed_s']:.2f} ms + {1e3 * cost['decode_row_s']:.3f} ms/decode row + "
-        f"{1e3 * cost['prefill_request_s']:.2f} ms/prefill + "
-        f"{1e6 * cost['prefill_token_s']:.0f} us/prompt token + "
-        f"{1e6 * cost['context_s']:.1f} us/token/1k context; loop {1e3 * cost['loop_s']:.2f} "
-        f"ms between steps (median error per step {predicted['step_cost_error']:.0%})"
-    )
-    print(f"{'policy':<12} {'':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'cached':>7}")
-    errors = prediction_errors(median, predicted)
-    for policy, measured in median.items():
-        sim = predicted["policies"][policy]
-        for label, row in (("measured", measured), ("simulated", sim)):
-            print(
-                f"{policy:<12} {label:>9} {row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms"
-                f" {row['tok_s']:>7.1f} {row['cached_share']:>7.3f}"
-            )
-        err = errors[policy]
-        print(
-            f"{policy:<12} {'error':>9} {err['ttft_p50_ms']:>+8.0%} {err['ttft_p99_ms']:>+8.0%}"
-            f" {err['tok_s']:>+7.0%}"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

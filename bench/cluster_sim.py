@@ -32,11 +32,11 @@ import random
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from multiturn import make_model, percentile
+from sim_calibration import Calibration, Hop, StepCost
 
 from swaserve.proto.messages import WorkerReport
 from swaserve.proto.sampling_params import SamplingParams
@@ -46,137 +46,11 @@ from swaserve.worker.engine.builder import HostState, build_host_state
 from swaserve.worker.engine.engine import CALIBRATION_TOKENS
 from swaserve.worker.engine.request import Request
 from swaserve.worker.engine.scheduler import ScheduledBatch
-from swaserve.worker.engine.stats import StepRecord
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.runner.model_runner import resolve_dtype
 
 REPORT_DELAY_S = 0.001
 """A report's way from the engine loop to the router actor (one Ray call, not awaited)."""
-
-NOISE_SAMPLES = 2000
-"""Measured / fitted step times kept in a calibration (`StepCost.noise`)."""
-
-BUSY_GAP_S = 0.05
-"""Gaps between steps longer than this are idle waits, not the loop's own time."""
-
-
-def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat
-    (enough for a handful of terms)."""
-    keep = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while keep:
-        sol = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[keep] = sol
-            break
-        keep.pop(int(np.argmin(sol)))
-    return coef
-
-
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    """Seconds of one engine step,
-
-        fixed + decode_row × rows + prefill_request × prefills + prefill_token × tokens
-              + context × tokens × (tokens before them) / 1000,
-
-    fitted (least squares, no term negative) to the real engine's `StepRecord`s; `loop_s`: the
-    serving loop's own time between two busy steps (report, dispatch), their gaps' median.
-    `noise`: the measured steps' seconds over the fitted ones (a sample of up to
-    `NOISE_SAMPLES`): a simulated step takes its fitted time times one of them, drawn at
-    random. Steps alike in the model differ by tens of percent on a shared machine, and
-    that spread keeps requests that arrive together on one worker from staying in step."""
-
-    fixed_s: float
-    decode_row_s: float
-    prefill_request_s: float
-    prefill_token_s: float
-    context_s: float
-    loop_s: float
-    noise: tuple[float, ...] = (1.0,)
-
-    @staticmethod
-    def features(records: Sequence[Sequence[float]]) -> np.ndarray:
-        r = np.asarray(records, np.float64).reshape(-1, len(StepRecord._fields))
-        rows, prefills, tokens, context = r[:, 0], r[:, 1], r[:, 2], r[:, 3]
-        ctx = np.divide(tokens * context, 1000.0 * np.maximum(prefills, 1))
-        return np.c_[np.ones(len(r)), rows, prefills, tokens, ctx]
-
-    @classmethod
-    def fit(cls, logs: Sequence[Sequence[StepRecord]]) -> StepCost:
-        """From each worker's step log (a list of logs: gaps count within one log only)."""
-        records = [r for log in logs for r in log]
-        if len(records) < 8:
-            raise ValueError(f"{len(records)} steps are too few to fit a step cost")
-        seconds = np.array([r[4] for r in records])
-        coef = nonnegative_lstsq(cls.features(records), seconds)
-        gaps = []
-        for log in logs:
-            for a, b in itertools.pairwise(log):
-                gap = b[5] - (a[5] + a[4])
-                if b[0] and 0 <= gap < BUSY_GAP_S:  # decodes ran on: the loop was busy
-                    gaps.append(gap)
-        loop_s = statistics.median(gaps) if gaps else 0.0
-        fitted = cls.features(records) @ coef
-        ratios = seconds[fitted > 0] / fitted[fitted > 0]
-        rng = np.random.default_rng(0)
-        if len(ratios) > NOISE_SAMPLES:
-            ratios = rng.choice(ratios, NOISE_SAMPLES, replace=False)
-        noise = tuple(float(r) for r in ratios) or (1.0,)
-        return cls(*(float(c) for c in coef), loop_s=loop_s, noise=noise)
-
-    def seconds(self, batch: ScheduledBatch, rng: random.Random | None = None) -> float:
-        """The fitted seconds of `batch`; with `rng`, times a drawn `noise` factor."""
-        return self.fitted(batch) * (rng.choice(self.noise) if rng is not None else 1.0)
-
-    def fitted(self, batch: ScheduledBatch) -> float:
-        nd = batch.num_decodes
-        prefills = len(batch.reqs) - nd
-        tokens = batch.prefill_tokens
-        context = sum(batch.prefix_lens[nd:])
-        return (
-            self.fixed_s
-            + self.decode_row_s * nd
-            + self.prefill_request_s * prefills
-            + self.prefill_token_s * tokens
-            + self.context_s * tokens * context / (1000.0 * max(prefills, 1))
-        )
-
-    def error(self, logs: Sequence[Sequence[StepRecord]]) -> float:
-        """Median relative error of the fitted seconds over `logs`' steps."""
-        records = [r for log in logs for r in log]
-        terms = (self.fixed_s, self.decode_row_s, self.prefill_request_s, self.prefill_token_s)
-        coef = np.array([*terms, self.context_s])
-        seconds = np.array([r[4] for r in records])
-        return float(np.median(np.abs(self.features(records) @ coef - seconds) / seconds))
-
-
-@dataclass(frozen=True, slots=True)
-class Hop:
-    """One request's times outside the engine, as measured: `ingress_s` (client ↔ the
-    cluster's front), `route_s` (asking the router to its answer), `wire_s` (to the engine
-    loop and back, less the wait for the step under way, which the simulation makes)."""
-
-    ingress_s: float
-    route_s: float
-    wire_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Calibration:
-    """What the simulator takes from the real cluster: the step cost and the hops."""
-
-    cost: StepCost
-    hops: tuple[Hop, ...]
-
-    def to_json(self) -> dict:
-        return {"cost": asdict(self.cost), "hops": [asdict(h) for h in self.hops]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Calibration:
-        cost = data["cost"] | {"noise": tuple(data["cost"].get("noise", (1.0,)))}
-        return cls(StepCost(**cost), tuple(Hop(**h) for h in data["hops"]))
 
 
 @dataclass(slots=True)
@@ -526,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.calibration) as f:
         report = json.loads(next(line for line in f if line.startswith("{")))
     calibration = Calibration.from_json(report["calibration"])
+    if "step_logs" in report:  # refit: the step cost as this version models it
+        logs = [log for per_run in report["step_logs"].values() for log in per_run.values()]
+        calibration = Calibration(StepCost.fit(logs), calibration.hops)
     workload = report["workload"]
     answers = {(s, t): a for s, t, a in workload["answers"]}
     policies = args.policies.split(",") if args.policies else report["policies"]

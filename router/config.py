@@ -2,17 +2,14 @@
 
 Defaults and why:
 
-- `policy="prefix"`: route to the worker that reuses the most prompt tokens under the SWA
-  window rule; the load gate below keeps it balanced.
-- `balance_abs_threshold=4`, `balance_rel_threshold=1.5` (requests): a worker keeps its prefix
-  affinity while its load is at most `max(least + 4, 1.5 × least)`, `least` being the lowest
-  load among the workers that fit. SGLang's gate uses 32 and 1.0001, sized for workers that
-  each run hundreds of requests; a hybrid-SWA worker runs tens, where 32 never trips. Moving a
-  multi-turn session recomputes its whole history, while a few extra requests on a worker cost
-  it little step time. On the bench/router_sim.py chat workload (4 and 8 workers, ~4-5
-  running each) these values reuse 0.84 / 0.82 of prompt tokens at a time-averaged imbalance
-  of 1.02 / 1.03; (1, 1.1) keeps the imbalance as low but reuses only 0.69 / 0.64, and (8, 2.0)
-  gains 3 points of reuse at 4 workers for an imbalance of 1.11.
+- `policy="ttft"`: send each request where its first token comes soonest, by the work ahead
+  of it there (queued prefill, one step of the running decodes, its own uncached tokens) over
+  the worker's speed; a hit counts as the prefill it saves. On bench/cluster_load.py (2
+  workers, 5 and 12 chat clients; README, "On the real cluster") it has the lowest TTFT of our
+  policies, and on bench/router_sim.py's fleet traces it is within 8 % of the best
+  (docs/benchmarks.md). `prefix`, the default before, balanced by a request-count gate
+  (SGLang's rule, `max(least + 4, 1.5 × least)` requests): with 5 clients on 2 workers it
+  never tripped and one worker took 45-60 of the 60 turns, TTFT p50 1.3-2.3× round robin's.
 - `report_timeout_s=5.0`: workers report every ~0.1-1 s; five seconds of silence means a dead or
   wedged worker, well before the client's own timeout.
 - `max_queue_len=1024`, `queue_timeout_s=30.0`: bursts of a few seconds wait in the router
@@ -34,18 +31,16 @@ Defaults and why:
   hits (reuse 0.74 / 0.68 / 0.43). A slack
   relative to the cost (×1.2-1.5) does not help: it is the short requests, whose cost is
   small, that must be free to move.
-- `prefix_ttft_slack_tokens=2048`: `prefix` keeps the longest hit unless that worker's
-  predicted prefill wait (queued prefill plus this request's uncached tokens, over its speed)
-  is more than 2048 tokens (about 0.1 s at 20k tokens/s) above the cheapest worker's; then
-  the longest hit among the workers within that slack wins. The load gate counts requests,
-  so without the guard a session whose history was evicted recomputes it on a worker half
-  as fast, or behind another long prefill. On bench/router_sim.py (one slow worker of 4,
-  reports 0 / 100 / 500 ms late, medians over seeds 0-2) it moves `prefix`'s TTFT p99 on
-  chat from 219 / 262 / 225 ms to 188 / 185 / 188 (reuse 0.77-0.80 → 0.78-0.80), skewed
-  128-196 → 123-125 ms, agentic 270 / 518 / 518 → 263 / 306 / 309 ms. 1536 does as well;
-  512 / 1024 move too many sessions (chat reuse 0.68-0.79), 3072 / 4096 too few (chat p99
-  195-262 ms). None turns the guard off (on the command line, a slack longer than any prompt
-  does the same).
+- `prefix_load_weight=1.0`: `prefix` adds to `ttft`'s cost the delay the request's own prefill
+  adds to each request already on the worker (its uncached tokens × the worker's load ×
+  the weight, over its speed). Two rules were measured before it on the calibrated
+  simulator (bench/cluster_sim.py) and bench/router_sim.py: the least cost within a slack,
+  then the longest hit, needs a slack small enough to split 5 clients over 2 workers (128
+  tokens) and then moves fleet sessions off their caches (chat reuse 0.80 → 0.66), or one
+  large enough for the fleet (2048) and then puts every session of the small cluster on one
+  worker; charging the cached tokens a worker lacks (× 1) kept the fleet's reuse but sent all
+  60 turns of the 5-client cluster to one worker, which alone held the shared system prompt.
+  With the load as the multiplier an idle worker costs only the request's own wait.
 - `inflight_prefixes=True`: a prompt routed to an event-sending worker counts as that worker's
   hit until its report shows the prompt cached (`router/inflight_view.py`). SGLang's and Ray
   Serve's text trees insert a prompt when they route it, so they have this by construction;

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cluster_sim import Calibration, Hop, StepCost, simulate
+from cluster_sim import simulate
+from sim_calibration import Calibration, Hop, StepCost
 
 from swaserve.worker.engine.stats import StepRecord
 
@@ -45,7 +46,8 @@ def test_the_fit_recovers_a_step_cost_and_the_loop_gap() -> None:
     assert terms == pytest.approx(truth, rel=1e-6)
     assert fitted.loop_s == pytest.approx(0.0003, rel=1e-6)
     assert fitted.error([log]) < 1e-6
-    assert all(r == pytest.approx(1.0) for r in fitted.noise)
+    assert len(fitted.noise) + len(fitted.prefill_noise) == len(log)  # decode-only, prefill
+    assert all(r == pytest.approx(1.0) for r in fitted.noise + fitted.prefill_noise)
     with pytest.raises(ValueError, match="too few"):
         StepCost.fit([log[:3]])
 
