@@ -1,7 +1,7 @@
 """Multi-turn chat over gRPC against a local cluster (2 replicas × TP 1): routing policies
 against a baseline, in the same process (`--policies`, the first is the baseline; default
-`round_robin,prefix`; e.g. `power_of_two,prefix,ttft` sets Ray Serve's default router, power
-of two choices, against ours).
+`round_robin,ttft`, ttft being the router's default; e.g. `power_of_two,ttft,prefix` sets Ray
+Serve's default router, power of two choices, against ours).
 
 Workload (drawn once per seed, replayed for every run): S sessions share a system prompt;
 turn 1 of a session is the system prompt + a user message, turn k the prompt of turn k-1 +
@@ -28,7 +28,7 @@ default: 0.5-0.8; see "same wkr"), so its median turn is a hit too; and the turn
 sessions one worker holds tend to arrive together (their answers end in the same step), so
 their prefills share steps and each first token waits for all of them.
 
-    python bench/cluster_load.py [--json] [--policies round_robin,prefix] [--sessions 10]
+    python bench/cluster_load.py [--json] [--policies round_robin,ttft] [--sessions 10]
         [--turns 6] [--concurrency 5] [--max-new-tokens 16] [--repeats 3] [--hidden 256]
         [--layers 4] [--window 32] [--router-config JSON] ...
 
@@ -77,7 +77,7 @@ from swaserve.router import POLICIES, RouterConfig
 from swaserve.worker import EngineConfig
 from swaserve.worker.engine.stats import StepRecord
 
-DEFAULT_POLICIES = ("round_robin", "prefix")  # the first: the baseline
+DEFAULT_POLICIES = ("round_robin", "ttft")  # the first: the baseline
 REPLICAS = 2
 WORKLOAD_TOKENS = range(1, 256)  # byte tokens of the tiny tokenizer; warm-ups use 0 only
 RPC_TIMEOUT_S = 600.0

@@ -233,9 +233,9 @@ def test_metrics_list_the_names_and_follow_the_requests(serve_app: ServeApp) -> 
         "swaserve:prefix_cache_queries_total",
     ):
         assert total(after, name) > total(before, name), name
-    routed = total(after, "swaserve:router_decisions_total", policy="prefix", outcome="routed")
+    routed = total(after, "swaserve:router_decisions_total", policy="ttft", outcome="routed")
     assert routed > total(
-        before, "swaserve:router_decisions_total", policy="prefix", outcome="routed"
+        before, "swaserve:router_decisions_total", policy="ttft", outcome="routed"
     )
     workers = {dict(ls)["worker"] for n, ls in after if n == "swaserve:num_requests_running"}
     assert len(workers) == 2
@@ -250,7 +250,7 @@ def test_serve_yaml_parses_and_names_the_builder_with_args_it_accepts() -> None:
     args = ServeAppArgs(**app.args)
     args.check_extra()
     assert args.replicas == 2
-    assert args.router_config().policy == "prefix"
+    assert args.router_config().policy == "ttft"
 
 
 def test_build_app_rejects_bad_arguments() -> None:
