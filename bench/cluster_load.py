@@ -428,7 +428,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=json.loads,
         default={},
         help="RouterConfig fields for every policy but the baseline, as JSON: "
-        "'{\"prefix_hit_weight\": 0.5}'",
+        "'{\"prefix_load_weight\": 0.5}'",
     )
     parser.add_argument(
         "--simulate",

@@ -42,7 +42,7 @@ class StepCost:
     """Seconds of one engine step,
 
         fixed + decode_row × rows + prefill_request × prefills + prefill_token × tokens
-              + context × tokens × (tokens before them) / 1000,
+              + context × tokens × (tokens before each prefill, their mean) / 1000,
 
     fitted (least squares, no term negative) to the real engine's `StepRecord`s; `loop_s`: the
     serving loop's own time between two busy steps (report, dispatch), their gaps' median.

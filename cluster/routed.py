@@ -44,7 +44,9 @@ class TTFTBreakdown:
     answer (its decision and its queue), then the worker's part (`RequestTimings`: queued in
     the engine, then prefill steps; None from a worker that sends none). `first_token_s`:
     from asking the router to the first tokens here; beyond the parts' sum, that is the way
-    to the engine and back (`transport_s`). What the client saw beyond it is its ingress."""
+    to the engine and back, with the wait for the engine loop to take the request
+    (`transport_s`, of which `RequestTimings.loop_wait_s`). What the client saw beyond it is
+    its ingress."""
 
     request_id: str
     worker_id: str
@@ -55,8 +57,9 @@ class TTFTBreakdown:
 
     @property
     def transport_s(self) -> float | None:
-        """The first token's time not spent routing or in the engine (None without the
-        worker's timings)."""
+        """The first token's time not spent routing or in the engine's queue and prefill: the
+        way there and back and the wait for the loop (`loop_wait_s`); None without the
+        worker's timings."""
         if self.worker is None:
             return None
         return self.first_token_s - self.route_s - self.worker.queued_s - self.worker.prefill_s

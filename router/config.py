@@ -6,7 +6,7 @@ Defaults and why:
   of it there (queued prefill, one step of the running decodes, its own uncached tokens) over
   the worker's speed; a hit counts as the prefill it saves. On bench/cluster_load.py (2
   workers, 5 and 12 chat clients; README, "On the real cluster") it has the lowest TTFT of our
-  policies, and on bench/router_sim.py's fleet traces it is within 8 % of the best
+  policies, and on bench/router_sim.py's fleet traces its median TTFT p99 is within 4 % of the best
   (docs/benchmarks.md). `prefix`, the default before, balanced by a request-count gate
   (SGLang's rule, `max(least + 4, 1.5 × least)` requests): with 5 clients on 2 workers it
   never tripped and one worker took 45-60 of the 60 turns, TTFT p50 1.3-2.3× round robin's.
@@ -33,7 +33,7 @@ Defaults and why:
   small, that must be free to move.
 - `prefix_load_weight=1.0`: `prefix` adds to `ttft`'s cost the delay the request's own prefill
   adds to each request already on the worker (its uncached tokens × the worker's load ×
-  the weight, over its speed). Two rules were measured before it on the calibrated
+  the weight, over its speed). Three other rules were measured before it on the calibrated
   simulator (bench/cluster_sim.py) and bench/router_sim.py: the least cost within a slack,
   then the longest hit, needs a slack small enough to split 5 clients over 2 workers (128
   tokens) and then moves fleet sessions off their caches (chat reuse 0.80 → 0.66), or one

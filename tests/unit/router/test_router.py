@@ -1,5 +1,5 @@
 """Router rules, one test each, with exact workers, hits, budgets and times: the window rule
-and window repair in the hit, the imbalance gate, two-pool admission, the queue bound and
+and window repair in the hit, the work that balances (`prefix`), two-pool admission, the queue bound and
 deadlines, stale workers, restarts, lost reports and snapshot resyncs, report ages on the
 router's clock, pending requests covered by the ids a report lists."""
 
