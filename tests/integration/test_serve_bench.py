@@ -8,7 +8,7 @@ Sizes: the margin comes from the turns Serve sends to the worker without the ses
 history (about half of them), each losing that history; so the history must outweigh the
 shared system message (16 tokens against 32 per user turn, 4 turns) and there must be enough
 follow-up turns (6 sessions × 3) that Serve cannot keep them all together by chance. Three
-runs gave 0.64 / 0.65 / 0.59 against 0.50 / 0.46 / 0.44."""
+runs gave 0.64 / 0.65 / 0.59 against 0.50 / 0.46 / 0.44 (with `prefix` the default)."""
 
 from __future__ import annotations
 
@@ -47,15 +47,15 @@ def test_serve_load_bench() -> None:
         assert 0.0 <= run["history_hit_share"] <= 1.0
         assert sum(run["requests_per_worker"].values()) == requests
     assert len(runs["serve"]["requests_per_worker"]) == 2
-    # Every session shares the system prompt, and at 3 concurrent requests no worker's load
-    # passes the prefix gate: once the first prompt is in flight on a worker, later sessions
-    # may all follow it there.
+    # Every session shares the system prompt: once the first prompt is in flight on a worker,
+    # later sessions may all follow it there while its queue stays short.
     assert 1 <= len(runs["swaserve"]["requests_per_worker"]) <= 2
     # Greedy decoding: the routing and the cache hits must not change a single answer, so
     # both runs send the same prompts.
     assert runs["swaserve"]["answers_equal_first_run"] == 1.0
     assert runs["swaserve"]["prompt_tokens"] == runs["serve"]["prompt_tokens"]
-    # swaserve's router keeps a session on the worker holding its history; Serve's
-    # power-of-two routing moves about half the turns to the other one.
-    assert runs["swaserve"]["history_hit_share"] == 1.0
+    # swaserve's router (`ttft`) keeps a turn on the worker holding its history unless the
+    # queue there is longer than the history; Serve's power-of-two routing moves about half
+    # the turns to the other one.
+    assert runs["swaserve"]["history_hit_share"] > runs["serve"]["history_hit_share"]
     assert runs["swaserve"]["cached_share"] > runs["serve"]["cached_share"]
