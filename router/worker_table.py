@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 NO_CHUNK = np.iinfo(np.int64).max
 """`chunk` of a worker without chunked prefill: a prompt is one chunk, however long."""
 
+SAME_SPEED = 0.75
+"""Workers measured at least this share of the fastest one's prefill speed count as equally
+fast: alike workers on a shared CPU measure tens of percent apart from step to step, and a
+turn whose history one of them caches must not move to a cold one for that (a worker at half
+speed still counts as slow)."""
+
 _COLUMNS: tuple[tuple[str, type, object], ...] = (
     ("present", np.bool_, False),  # a registered worker has this bit
     ("reported", np.bool_, False),  # it has reported (has a headroom)
@@ -147,13 +153,14 @@ class WorkerTable:
 
     def speeds(self, among: np.ndarray) -> np.ndarray:
         """By bit: the fastest seconds per token of the workers of `among` over each one's
-        own (1.0: as fast as the fastest, or not known yet). The prefill speed the workers'
-        reports measure when any of `among` has one (TTFT is prefill), else the speed observed
-        from routing to finish."""
+        own (1.0: as fast as the fastest, within `SAME_SPEED` of it, or not known yet). The
+        prefill speed the workers' reports measure when any of `among` has one (TTFT is
+        prefill), else the speed observed from routing to finish."""
         for s in (self.s_per_prefill, self.s_per_token):
             known = among & (s != 0)
             if known.any():
-                return np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0)
+                speed = np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0)
+                return np.where(speed >= SAME_SPEED, 1.0, speed)
         return np.ones(self.capacity)
 
     def check(self, states: Iterable[WorkerState]) -> None:

@@ -14,6 +14,7 @@ from router_scenario import Cluster, P, stored
 
 from swaserve.router import POLICIES, Candidate, Outcome, Router, RouteRequest, request_need
 from swaserve.router.policies import BALANCE_FREE_SHARE, Candidates
+from swaserve.router.worker_table import SAME_SPEED
 
 SYSTEMS = [[100 * s + j for j in range(12)] for s in range(3)]
 
@@ -34,6 +35,7 @@ def expected_choice(router: Router, request: RouteRequest) -> tuple[str, int] | 
         hit = hits[w.worker_id]
         need = request_need(w.headroom, len(request.token_ids), hit, request.max_new_tokens)
         speed = fastest / observed[w.bit] if w.bit in observed else 1.0
+        speed = 1.0 if speed >= SAME_SPEED else speed
         c = Candidate(
             w.worker_id,
             w.order,
