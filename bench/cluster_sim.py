@@ -155,12 +155,7 @@ class SimWorker:
         for req, samples in zip(batch.reqs, batch.samples, strict=True):
             answer = self.turns[req.request_id].answer
             tokens.append(answer[len(req.output_ids)] if samples else None)
-        if prefill := batch.prefill_tokens:  # the engine's counters (`Engine.step`)
-            stats.prefill_tokens += prefill
-            stats.prefill_s += seconds
-        elif batch.pure_decode:
-            stats.decode_steps += 1
-            stats.decode_s += seconds
+        stats.count_step(batch.prefill_tokens, batch.pure_decode, seconds)  # as `Engine.step`
         firsts = [
             r for r, t in zip(batch.reqs, tokens, strict=True) if t is not None and not r.output_ids
         ]

@@ -239,12 +239,8 @@ class Engine:
             raise
         except Exception as exc:  # a failed step must not take the engine down
             return failed + self._fail(batch, exc)
-        if prefill := batch.prefill_tokens:
-            self.stats.prefill_tokens += prefill
-            self.stats.prefill_s += spent
-        elif batch.pure_decode:
-            self.stats.decode_steps += 1
-            self.stats.decode_s += spent
+        prefill = batch.prefill_tokens
+        self.stats.count_step(prefill, batch.pure_decode, spent)
         finished = self.scheduler.process_results(batch, next_tokens)
         self.stats.steps += 1
         outputs = self._outputs(batch, next_tokens, finished)

@@ -65,6 +65,16 @@ class EngineStats:
     step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
     """Wall time spent in each phase of `Engine.step` (see `StepTimer`)."""
 
+    def count_step(self, prefill_tokens: int, pure_decode: bool, seconds: float) -> None:
+        """A step's forward and sampling seconds: to the prefill counters when it computed
+        prompt tokens, to the decode ones when it only decoded."""
+        if prefill_tokens:
+            self.prefill_tokens += prefill_tokens
+            self.prefill_s += seconds
+        elif pure_decode:
+            self.decode_steps += 1
+            self.decode_s += seconds
+
     def timer(self) -> StepTimer:
         return StepTimer(self.step_time_s)
 
