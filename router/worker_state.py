@@ -262,6 +262,13 @@ class WorkerState:
         return self._prefill_s / self._prefill_tokens
 
     @property
+    def prefill_sample(self) -> tuple[float, float]:
+        """(seconds, prompt tokens) of the worker's recent prefill steps, decayed as
+        `s_per_prefill_token` weighs them: how much evidence its speed rests on
+        (`WorkerTable.speeds` weighs it against the fleet's)."""
+        return self._prefill_s, self._prefill_tokens
+
+    @property
     def s_per_decode_step(self) -> float | None:
         """Seconds of the worker's recent decode-only steps (`decode_s_total`,
         `decode_steps_total`): what its running requests cost each step, which a new

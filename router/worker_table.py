@@ -28,10 +28,18 @@ NO_CHUNK = np.iinfo(np.int64).max
 """`chunk` of a worker without chunked prefill: a prompt is one chunk, however long."""
 
 SAME_SPEED = 0.75
-"""Workers measured at least this share of the fastest one's prefill speed count as equally
+"""Workers estimated at least this share of the fastest one's prefill speed count as equally
 fast: alike workers on a shared CPU measure tens of percent apart from step to step, and a
 turn whose history one of them caches must not move to a cold one for that (a worker at half
 speed still counts as slow)."""
+
+SPEED_PRIOR_TOKENS = 1024
+"""How many prompt tokens of the fleet's pooled prefill speed each worker's own measure is
+blended with (`WorkerTable.speeds`). A few hundred measured tokens are a handful of steps, and
+one step stalled by the host (a loaded CPU, a collection pause) then makes a worker look
+several times slower than its twin: its own speed counts in full only once it rests on many
+more tokens than this. The start-up prefill (256 tokens) alone tells a worker 10x slower, not
+one 4x slower."""
 
 _COLUMNS: tuple[tuple[str, type, object], ...] = (
     ("present", np.bool_, False),  # a registered worker has this bit
@@ -53,7 +61,8 @@ _COLUMNS: tuple[tuple[str, type, object], ...] = (
     ("queued", np.int64, 0),  # `WorkerState.queued_prefill_tokens`
     ("decode", np.int64, 0),  # `WorkerState.decode_tokens`
     ("s_per_token", np.float64, 0.0),  # 0.0: not observed
-    ("s_per_prefill", np.float64, 0.0),  # `WorkerState.s_per_prefill_token`; 0.0: not measured
+    ("prefill_s", np.float64, 0.0),  # `WorkerState.prefill_sample`: decayed Σ seconds ...
+    ("prefill_tokens", np.float64, 0.0),  # ... and Σ prompt tokens; 0.0: not measured
 )
 
 
@@ -80,7 +89,8 @@ class WorkerTable:
     queued: np.ndarray
     decode: np.ndarray
     s_per_token: np.ndarray
-    s_per_prefill: np.ndarray
+    prefill_s: np.ndarray
+    prefill_tokens: np.ndarray
 
     def __init__(self, capacity: int = 64) -> None:
         for name, dtype, default in _COLUMNS:
@@ -152,15 +162,22 @@ class WorkerTable:
         )
 
     def speeds(self, among: np.ndarray) -> np.ndarray:
-        """By bit: the fastest seconds per token of the workers of `among` over each one's
-        own (1.0: as fast as the fastest, within `SAME_SPEED` of it, or not known yet). The
-        prefill speed the workers' reports measure when any of `among` has one (TTFT is
-        prefill), else the speed observed from routing to finish."""
-        for s in (self.s_per_prefill, self.s_per_token):
-            known = among & (s != 0)
-            if known.any():
-                speed = np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0)
-                return np.where(speed >= SAME_SPEED, 1.0, speed)
+        """By bit: the fastest estimated seconds per token of the workers of `among` over each
+        one's own (1.0: as fast as the fastest, within `SAME_SPEED` of it, or not known yet).
+        The prefill speed the workers' reports measure when any of `among` has one (TTFT is
+        prefill), each blended with `SPEED_PRIOR_TOKENS` tokens at the pooled speed of those
+        measured, so that a worker measured on few tokens stays near the fleet's speed; else
+        the speed observed from routing to finish."""
+        seconds, tokens = self.prefill_s, self.prefill_tokens
+        known = among & (tokens > 0)
+        if known.any():
+            pooled = seconds[known].sum() / tokens[known].sum()
+            s = (seconds + SPEED_PRIOR_TOKENS * pooled) / (tokens + SPEED_PRIOR_TOKENS)
+            return _same_speed(np.where(known, s[known].min() / s, 1.0))
+        known = among & (self.s_per_token != 0)
+        if known.any():
+            s = self.s_per_token
+            return _same_speed(np.where(known, s[known].min() / np.where(known, s, 1.0), 1.0))
         return np.ones(self.capacity)
 
     def check(self, states: Iterable[WorkerState]) -> None:
@@ -204,6 +221,11 @@ def need_tokens(
     return uncached + max_new_tokens, np.where(hybrid, swa, 0)
 
 
+def _same_speed(speed: np.ndarray) -> np.ndarray:
+    """`speed` with those within `SAME_SPEED` of the fastest as 1.0."""
+    return np.where(speed >= SAME_SPEED, 1.0, speed)
+
+
 def _derived(state: WorkerState) -> dict[str, object]:
     """The columns that `state`'s own methods derive from its report and requests."""
     full, swa = state.budgets()
@@ -214,7 +236,8 @@ def _derived(state: WorkerState) -> dict[str, object]:
         "queued": state.queued_prefill_tokens,
         "decode": state.decode_tokens,
         "s_per_token": state.s_per_token or 0.0,
-        "s_per_prefill": state.s_per_prefill_token or 0.0,
+        "prefill_s": state.prefill_sample[0],
+        "prefill_tokens": state.prefill_sample[1],
     }
 
 

@@ -285,21 +285,27 @@ def test_ttft_counts_the_rest_of_the_prefills_under_way_whole() -> None:
 
 
 def test_ttft_scales_by_the_prefill_speed_the_reports_measure_before_any_finish() -> None:
+    # First reports: each engine timed a prefill at start. 256 tokens tell a worker 10x
+    # slower: blended with SPEED_PRIOR_TOKENS at the pooled speed, a runs at 0.72 of b,
+    # 17 / 0.72 > 5 + 17.
     c = Cluster("a", "b", policy="ttft")
-    # First reports: each engine timed a prefill at start (256 tokens in 0.04 / 0.01 s).
+    c.report("a", prefill_tokens_total=256, prefill_s_total=0.1)
+    c.report("b", prefill_tokens_total=256, prefill_s_total=0.01, queued_prefill_tokens=5)
+    assert c.router.route("r0", PROMPT, 100).worker_id == "b"
+    # ... not one 4x slower: that is within what a few stalled steps make of alike workers.
+    c = Cluster("a", "b", policy="ttft")
     c.report("a", prefill_tokens_total=256, prefill_s_total=0.04)
-    c.report("b", prefill_tokens_total=256, prefill_s_total=0.01, queued_prefill_tokens=20)
-    assert c.router.route("r0", PROMPT, 100).worker_id == "b"  # 17 / 0.25 > 20 + 17
-    c.router.finish("r0")
+    c.report("b", prefill_tokens_total=256, prefill_s_total=0.01, queued_prefill_tokens=5)
+    assert c.router.route("r0", PROMPT, 100).worker_id == "a"
     c = Cluster("a", "b", policy="ttft")
     c.report("a")
     c.report("b")
     # Since their previous reports, a computed 1000 prompt tokens in 0.2 s, b in 0.05 s.
     c.report("a", prefill_tokens_total=1000, prefill_s_total=0.2)
-    c.report("b", prefill_tokens_total=1000, prefill_s_total=0.05, queued_prefill_tokens=20)
+    c.report("b", prefill_tokens_total=1000, prefill_s_total=0.05, queued_prefill_tokens=10)
     assert c.router.worker("a").s_per_prefill_token == 0.2 / 1000
     assert c.router.worker("a").s_per_token is None  # nothing finished yet
-    # a runs at a quarter of b's speed: 17 / 0.25 = 68 > (20 + 17) / 1.
+    # Blended, a runs at 0.54 of b's speed: 17 / 0.54 = 31 > 10 + 17.
     assert c.router.route("r1", PROMPT, 100).worker_id == "b"
     # A restarted instance's first report counts from its start, not from the old counters.
     c.report("a", instance="i1", prefill_tokens_total=100, prefill_s_total=0.02)
@@ -307,10 +313,29 @@ def test_ttft_scales_by_the_prefill_speed_the_reports_measure_before_any_finish(
     c.report("a", instance="i1", prefill_tokens_total=100, prefill_s_total=0.02)  # no growth
     assert c.router.worker("a").s_per_prefill_token == (0.9 * 0.2 + 0.02) / (0.9 * 1000 + 100)
     # A finish observed on b (slow: 0.1 s per generated token) does not outrank the
-    # measured prefill speeds: b stays 4x as fast as a.
+    # measured prefill speeds: b stays more than twice as fast as a.
     c.clock.now += 10.0
     c.router.finish("r1", generated_tokens=100)
     assert c.router.worker("b").s_per_token == 0.1
-    c.report("b", prefill_tokens_total=1000, prefill_s_total=0.05, queued_prefill_tokens=20)
+    c.report("b", prefill_tokens_total=1000, prefill_s_total=0.05, queued_prefill_tokens=10)
     assert c.router.route("r2", PROMPT, 100).worker_id == "b"
     c.router.check()
+
+
+def test_ttft_keeps_a_turn_on_its_history_when_one_stalled_step_slowed_a_short_measure() -> None:
+    """Two alike workers timed 256 tokens at start; then a computed a 48-token prompt in a step
+    the host stalled for 0.3 s. On its own that measure makes a 15x slower than b and moves
+    the next turn (48 of its 96 tokens cached on a) to b; blended with the pooled speed over
+    SPEED_PRIOR_TOKENS, a runs at 0.70 of b: 48 / 0.70 < 96. Measured over many tokens, the
+    gap measured over many tokens on both is real and moves the turn."""
+    history = list(range(1, 49))
+    turn = [*history, *range(100, 148)]
+    for a, b, worker in (((48, 0.3), (0, 0.0), "a"), ((10_000, 5.0), (10_000, 0.8), "b")):
+        c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+        c.report("a", [stored(history)], prefill_tokens_total=256, prefill_s_total=0.02)
+        c.report("b", prefill_tokens_total=256, prefill_s_total=0.02)
+        c.report("a", prefill_tokens_total=256 + a[0], prefill_s_total=0.02 + a[1])
+        c.report("b", prefill_tokens_total=256 + b[0], prefill_s_total=0.02 + b[1])
+        assert c.router.predict_hits(turn) == {"a": 48, "b": 0}
+        assert c.router.route("r", turn, 4).worker_id == worker
+        c.router.check()

@@ -14,7 +14,7 @@ from router_scenario import Cluster, P, stored
 
 from swaserve.router import POLICIES, Candidate, Outcome, Router, RouteRequest, request_need
 from swaserve.router.policies import BALANCE_FREE_SHARE, Candidates
-from swaserve.router.worker_table import SAME_SPEED
+from swaserve.router.worker_table import SAME_SPEED, SPEED_PRIOR_TOKENS
 
 SYSTEMS = [[100 * s + j for j in range(12)] for s in range(3)]
 
@@ -25,8 +25,12 @@ def expected_choice(router: Router, request: RouteRequest) -> tuple[str, int] | 
     now = router.clock()
     fresh = [w for w in router._workers.values() if w.is_fresh(now, router.config.report_timeout_s)]
     hits = router.predict_hits(request.token_ids[:-1])
-    observed = {w.bit: w.s_per_prefill_token for w in fresh if w.s_per_prefill_token}
-    if not observed:  # no report measured a prefill: the speeds observed per finish
+    measured = {w.bit: w.prefill_sample for w in fresh if w.prefill_sample[1]}
+    if measured:  # each blended with SPEED_PRIOR_TOKENS at the pooled speed
+        pooled = sum(s for s, _ in measured.values()) / sum(t for _, t in measured.values())
+        prior = SPEED_PRIOR_TOKENS
+        observed = {b: (s + prior * pooled) / (t + prior) for b, (s, t) in measured.items()}
+    else:  # no report measured a prefill: the speeds observed per finish
         observed = {w.bit: w.s_per_token for w in fresh if w.s_per_token}
     fastest = min(observed.values(), default=1.0)
     candidates, waiting = [], []
