@@ -49,9 +49,11 @@ from swaserve.cluster.routed import (
     Unavailable,
 )
 from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.stream import TokenLogprob
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
+from swaserve.proto.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +91,28 @@ def sampling_params_from_proto(msg: pb.SamplingParams, vocab_size: int) -> Sampl
     """Protobuf → `SamplingParams`; unset optional fields keep swaserve's defaults. Raises
     `BadRequest` with the field's name."""
     values: dict[str, Any] = {}
-    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+    optional = (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+    )
+    for name in optional:
         if msg.HasField(name):
             values[name] = getattr(msg, name)
+    if msg.logit_bias:
+        values["logit_bias"] = dict(msg.logit_bias)
+    if msg.stop:
+        values["stop"] = tuple(msg.stop)
+    if msg.HasField("structured_outputs"):
+        values["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     if msg.stop_token_ids:
         bad = [t for t in msg.stop_token_ids if t >= vocab_size]
         if bad:
@@ -106,6 +127,37 @@ def sampling_params_from_proto(msg: pb.SamplingParams, vocab_size: int) -> Sampl
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         raise BadRequest(f"sampling_params.{field}: {first['msg']}") from None
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> dict[str, Any]:
+    """The `StructuredOutputs` fields of the message's one set kind (`BadRequest` if none)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise BadRequest("sampling_params.structured_outputs: set one of its fields")
+    if kind == "choice":
+        return {"choice": tuple(msg.choice.choices)}
+    return {kind: getattr(msg, kind)}
+
+
+def logprobs_to_proto(
+    entries: list[TokenLogprob], tokenizer: TextTokenizer | None
+) -> list[pb.TokenLogprob]:
+    """`TokenLogprob`s as messages, with each token's text (empty without a tokenizer)."""
+
+    def text(token_id: int) -> str:
+        if tokenizer is None:
+            return ""
+        return tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            token=text(e.token_id),
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in e.top],
+        )
+        for e in entries
+    ]
 
 
 class RpcFailure(Exception):
@@ -186,6 +238,7 @@ class InferenceService:
                     finish_reason=reason,
                     cached_tokens=chunk.cached_tokens,
                     worker_id=worker_id,
+                    logprobs=logprobs_to_proto(chunk.logprobs or [], tokenizer),
                 )
                 if reason:
                     response.usage.CopyFrom(

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import re
 
+from swaserve.proto.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_ID_CHARS = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 _ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.grammar import check_grammar
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import FinishReason, GenerateChunk, RequestTimings
 from swaserve.proto.text.tokenizer import TextTokenizer
@@ -113,9 +114,12 @@ def check_request(info: ModelInfo, token_ids: list[int], params: SamplingParams)
     refused = info.limits.check(len(token_ids), params.max_new_tokens)
     if refused is not None:
         raise InvalidRequest(refused.message)
-    bad_stop = next((t for t in params.stop_token_ids if t >= info.vocab_size), None)
-    if bad_stop is not None:
-        raise InvalidRequest(f"stop token id {bad_stop} is outside the vocabulary")
+    try:
+        params.check_vocab(info.vocab_size)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)  # syntax and keywords; workers compile
+    except ValueError as exc:  # GrammarError too
+        raise InvalidRequest(str(exc)) from None
 
 
 class RoutedCluster:
@@ -248,7 +252,8 @@ class RoutedCluster:
                 worker = await self._route(request_id, prompt, attempt, session_id, deadline)
                 route_s = time.monotonic() - asked_s
                 self._open[request_id] = worker
-                async for item in self._stream(worker, EngineRequest(request_id, prompt, attempt)):
+                request = EngineRequest(request_id, prompt, attempt, len(sent))
+                async for item in self._stream(worker, request):
                     if isinstance(item, ValueError):  # the engine refused it (RequestError)
                         finished = True
                         if sent:

@@ -4,8 +4,8 @@ the text helpers (`proto.text`). Nothing here imports torch or the engine."""
 
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.messages import Headroom, WorkerReport
-from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason, GenerateChunk, RequestTimings
+from swaserve.proto.sampling_params import SamplingParams, StructuredOutputs
+from swaserve.proto.stream import FinishReason, GenerateChunk, RequestTimings, TokenLogprob
 
 __all__ = [
     "EngineRequest",
@@ -14,5 +14,7 @@ __all__ = [
     "Headroom",
     "RequestTimings",
     "SamplingParams",
+    "StructuredOutputs",
+    "TokenLogprob",
     "WorkerReport",
 ]

@@ -44,6 +44,18 @@ class RequestTimings:
     loop_wait_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the distribution it was drawn from (after the
+    grammar mask, `min_tokens`, `logit_bias`, the penalties and the temperature; before top-k,
+    top-p and min-p cut it), and the `top` most likely tokens of that distribution, best
+    first, as (token id, log-probability) pairs (as many as `SamplingParams.logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class GenerateChunk:
     """A request's new tokens since its previous chunk.
@@ -59,3 +71,4 @@ class GenerateChunk:
     error: str | None = None
     worker_id: str = ""  # set by the cluster: the group that served it
     timings: RequestTimings | None = None  # on the chunk with the request's first token
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over a `RoutedCluster` (FastAPI): `POST /v1/completions`,
 `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`.
 
-    body  →  fields: unknown → 400, unsupported (logprobs, penalties, tools, ...) → 400 naming
+    body  →  fields: unknown → 400, unsupported (tools, audio, echo, ...) → 400 naming
              them  →  pydantic  →  prompt ids (text: tokenizer, with BOS; messages: the chat
              template, which places BOS itself; ids: as given)  →  SamplingParams, limits
           →  n choices, each its own cluster request (id `<id>`, or `<id>-<i>` when n > 1)

@@ -31,7 +31,8 @@ from swaserve.cluster.openai_api.protocol import (
 )
 from swaserve.cluster.request_checks import MAX_ID_CHARS, BadRequest, check_id, check_stop_strings
 from swaserve.cluster.routed import InvalidRequest, RoutedCluster
-from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.grammar import check_grammar
+from swaserve.proto.sampling_params import SamplingParams, StructuredOutputs
 from swaserve.proto.text.chat_template import ChatTemplate, ChatTemplateError
 from swaserve.proto.text.tokenizer import encode_text
 
@@ -162,7 +163,7 @@ class JobBuilder:
             model=self.info.model_name,
             prompt_ids=ids,
             params=params,
-            stop=self._stop(req.stop),
+            stop=list(params.stop),
             session_id=self._session(req),
             n=req.n,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -191,9 +192,36 @@ class JobBuilder:
         self, req: BaseGenerateRequest, max_new: int, max_tokens_field: str
     ) -> SamplingParams:
         values: dict[str, Any] = {"max_new_tokens": max_new, "ignore_eos": req.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        names = (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_tokens",
+        )
+        for name in names:
             if getattr(req, name) is not None:
                 values[name] = getattr(req, name)
+        if req.logit_bias:
+            values["logit_bias"] = self._logit_bias(req.logit_bias)
+        logprobs = self._logprobs(req)
+        if logprobs is not None:
+            values["logprobs"] = logprobs
+        structured = structured_outputs(req)
+        if structured is not None:
+            source, spec = structured
+            try:
+                values["structured_outputs"] = spec = StructuredOutputs(**spec)
+                check_grammar(spec)
+            except ValueError as exc:  # ValidationError and GrammarError
+                raise APIError(400, f"{source}: {_reason(exc)}", param=source) from None
+        stop = self._stop(req.stop)
+        if stop:
+            values["stop"] = tuple(stop)
         if req.stop_token_ids:
             bad = [t for t in req.stop_token_ids if not 0 <= t < self.info.vocab_size]
             if bad:
@@ -209,7 +237,38 @@ class JobBuilder:
             first = exc.errors()[0]
             name = str(first["loc"][0]) if first["loc"] else "sampling parameters"
             name = max_tokens_field if name == "max_new_tokens" else name
+            name = "top_logprobs" if name == "logprobs" and isinstance(req.logprobs, bool) else name
             raise APIError(400, f"{name}: {first['msg']}", param=name) from None
+
+    def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        """OpenAI's `logit_bias` (token ids as JSON object keys) with int keys; a key that is
+        not a token id of this model is a 400 naming it."""
+        vocab = self.info.vocab_size
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab or str(token) != key.strip():
+                raise APIError(
+                    400,
+                    f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})",
+                    param="logit_bias",
+                )
+            out[token] = value
+        return out
+
+    def _logprobs(self, req: BaseGenerateRequest) -> int | None:
+        """`SamplingParams.logprobs`: chat's `logprobs` (bool) with `top_logprobs`, or the
+        completions API's `logprobs` (int)."""
+        if isinstance(req, ChatCompletionRequest):
+            if req.top_logprobs is not None and not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return (req.top_logprobs or 0) if req.logprobs else None
+        if isinstance(req, CompletionRequest):
+            return req.logprobs
+        return None
 
     def _stop(self, stop: Any) -> list[str]:
         if stop is None:
@@ -240,3 +299,53 @@ class JobBuilder:
             return check_id(key, "user")
         except BadRequest:
             return "user-" + hashlib.sha256(key.encode()).hexdigest()[: MAX_ID_CHARS // 4]
+
+
+VLLM_NAMES = {"json": "json_schema"}
+"""vLLM's `structured_outputs` keys that `StructuredOutputs` spells otherwise."""
+
+
+def structured_outputs(req: BaseGenerateRequest) -> tuple[str, dict[str, Any]] | None:
+    """(the field it came from, `StructuredOutputs` fields) of the one way the request
+    constrains its output: `response_format` (chat), vLLM's `structured_outputs`, or its
+    earlier `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; None when it
+    does not. Two at once are a 400."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        else:
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(
+                    400,
+                    "response_format: json_schema.schema is required for type json_schema",
+                    param="response_format",
+                )
+            found.append(("response_format", {"json_schema": fmt.json_schema.schema_}))
+    if req.structured_outputs:
+        spec = {VLLM_NAMES.get(k, k): v for k, v in req.structured_outputs.items()}
+        found.append(("structured_outputs", spec))
+    guided = {
+        "guided_json": "json_schema",
+        "guided_regex": "regex",
+        "guided_choice": "choice",
+        "guided_grammar": "grammar",
+    }
+    for field_name, kind in guided.items():
+        value = getattr(req, field_name)
+        if value is not None:
+            found.append((field_name, {kind: value}))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(400, f"constrain the output one way only, not {names}", param=found[1][0])
+    return found[0] if found else None
+
+
+def _reason(exc: ValueError) -> str:
+    """A pydantic or grammar error as one line."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    return str(exc)

@@ -1,7 +1,7 @@
 """The OpenAI wire protocol as swaserve speaks it: request bodies, the fields it refuses, and
 errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`).
 
-    body  →  fields: unknown → 400, unsupported (logprobs, penalties, tools, ...) → 400 naming
+    body  →  fields: unknown → 400, unsupported (tools, audio, echo, ...) → 400 naming
              them (values that leave a feature off are accepted; none is ignored)  →  pydantic
              (a bad field is a 400 naming it)
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from swaserve.cluster.request_checks import BadRequest
 from swaserve.cluster.routed import ClusterBusy, GenerationFailed, InvalidRequest, Unavailable
+from swaserve.proto.sampling_params import MAX_TOP_LOGPROBS
 from swaserve.proto.text.chat_template import ChatTemplateError
 
 logger = logging.getLogger(__name__)
@@ -47,25 +48,18 @@ def _off(*neutral: object) -> Callable[[Any], bool]:
 
 # Fields of OpenAI's API that swaserve does not implement: a request that turns one on gets a
 # 400 naming it (none is ignored). Values that leave the feature off are accepted.
-COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _off(),
-    "logit_bias": _off(),
-    "presence_penalty": _off(),
-    "frequency_penalty": _off(),
-}
+COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {}
 COMPLETION_UNSUPPORTED = COMMON_UNSUPPORTED | {
     "best_of": _off(1),
     "echo": _off(),
     "suffix": _off(),
 }
 CHAT_UNSUPPORTED = COMMON_UNSUPPORTED | {
-    "top_logprobs": _off(),
     "tools": _off(),
     "tool_choice": _off("none"),
     "parallel_tool_calls": _off(True),
     "functions": _off(),
     "function_call": _off("none"),
-    "response_format": _off({"type": "text"}),
     "audio": _off(),
     "modalities": _off(["text"]),
     "prediction": _off(),
@@ -193,10 +187,23 @@ class BaseGenerateRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     session_id: str | None = None
     return_token_ids: bool = False  # vLLM's: each choice gets token_ids and prompt_token_ids
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: a string) → bias
+    repetition_penalty: float | None = None  # vLLM's extras from here on
+    min_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = (
+        None  # json | json_object | regex | grammar | choice
+    )
+    guided_json: Any = None  # vLLM's earlier names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(BaseGenerateRequest):
     prompt: Any  # a string, a list of token ids, or a list of one of those
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -207,9 +214,30 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(BaseGenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
 
 def message_text(content: Any, index: int) -> str:

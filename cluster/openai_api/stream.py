@@ -28,7 +28,9 @@ from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.openai_api.jobs import Job
 from swaserve.cluster.openai_api.protocol import api_error
 from swaserve.cluster.routed import ClusterError, RoutedCluster, Unavailable
+from swaserve.proto.stream import TokenLogprob
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
+from swaserve.proto.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None
     cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 @dataclass(slots=True)
@@ -103,7 +106,7 @@ class Responder:
                 if reason == "abort":
                     raise Unavailable(f"request {request_id} was aborted on the server")
                 outcome = reason or outcome
-                yield Delta(index, text, chunk.token_ids, reason, cached)
+                yield Delta(index, text, chunk.token_ids, reason, cached, chunk.logprobs)
                 if reason:
                     return
         except ClusterError as exc:
@@ -151,12 +154,27 @@ class Responder:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice |= {"logprobs": None, "finish_reason": deltas[-1].finish_reason}
+            logprobs = [e for d in deltas for e in d.logprobs or ()]
+            choice |= {
+                "logprobs": self._logprobs(job, logprobs, 0),
+                "finish_reason": deltas[-1].finish_reason,
+            }
             if job.return_token_ids:
                 choice["token_ids"] = [t for d in deltas for t in d.token_ids]
                 choice["prompt_token_ids"] = job.prompt_ids
             out.append(choice)
         return JSONResponse(self._envelope(job, job.kind, out) | {"usage": usage.body()})
+
+    def _logprobs(
+        self, job: Job, entries: list[TokenLogprob], text_offset: int
+    ) -> dict[str, Any] | None:
+        """A choice's `logprobs` in OpenAI's shape for the endpoint (None when not asked)."""
+        if job.params.logprobs is None:
+            return None
+        tokenizer = self.cluster.tokenizer
+        if job.kind == "chat.completion":
+            return chat_logprobs(entries, tokenizer)
+        return completion_logprobs(entries, tokenizer, text_offset)
 
     def _envelope(self, job: Job, kind: str, choices: list[Any]) -> dict[str, Any]:
         return {
@@ -173,10 +191,13 @@ class Responder:
         chat = job.kind == "chat.completion"
         kind = "chat.completion.chunk" if chat else "text_completion"
         usage = Usage(len(job.prompt_ids))
+        offsets = [0] * job.n  # text so far of each choice (completions' text_offset)
 
         def event(d: Delta, first: bool) -> str | None:
             usage.add(d)
-            if not (first or d.text or d.finish_reason or job.return_token_ids):
+            offset = offsets[d.index]
+            offsets[d.index] += len(d.text)
+            if not (first or d.text or d.finish_reason or job.return_token_ids or d.logprobs):
                 return None
             choice: dict[str, Any] = {"index": d.index}
             if chat:
@@ -184,7 +205,10 @@ class Responder:
                 choice["delta"] = delta | ({"content": d.text} if d.text or first else {})
             else:
                 choice["text"] = d.text
-            choice |= {"logprobs": None, "finish_reason": d.finish_reason}
+            choice |= {
+                "logprobs": self._logprobs(job, d.logprobs or [], offset),
+                "finish_reason": d.finish_reason,
+            }
             if job.return_token_ids:
                 choice["token_ids"] = d.token_ids
                 if first:
@@ -210,6 +234,45 @@ class Responder:
         finally:
             await merged.aclose()  # closes the choices it merges
             await _close(done_early)
+
+
+def token_text(tokenizer: TextTokenizer | None, token_id: int) -> str:
+    """One token's text (special tokens included; without a tokenizer, "token_id:N")."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(entries: list[TokenLogprob], tokenizer: TextTokenizer | None) -> dict[str, Any]:
+    """Chat's shape: `{"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal"}`."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [
+        one(e.token_id, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob], tokenizer: TextTokenizer | None, text_offset: int
+) -> dict[str, Any]:
+    """The completions API's shape: parallel lists of tokens, their log-probabilities, their
+    top alternatives as {token: logprob}, and where each token's text starts."""
+    tokens = [token_text(tokenizer, e.token_id) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(tokenizer, t): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -118,6 +118,7 @@ def test_section_references_resolve_in_docs_architecture() -> None:
 
 INGRESS_MODULES = [
     "swaserve.proto",
+    "swaserve.proto.grammar",
     "swaserve.proto.text.chat_template",
     "swaserve.proto.text.detokenizer",
     "swaserve.proto.text.tokenizer",

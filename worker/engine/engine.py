@@ -7,23 +7,29 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from swaserve.proto.grammar import GrammarError
 from swaserve.proto.kv_events import KVCleared, KVEvent, KVTombstoned
 from swaserve.proto.kv_rules import page_floor
 from swaserve.proto.messages import Headroom
 from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason, RequestTimings
+from swaserve.proto.stream import FinishReason, RequestTimings, TokenLogprob
+from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.builder import build_host_state
-from swaserve.worker.engine.request import Request, RequestStatus
+from swaserve.worker.engine.grammar import GrammarCompiler, GrammarMatcher, bitmask_width
+from swaserve.worker.engine.request import Request, RequestSampling, RequestStatus
 from swaserve.worker.engine.scheduler import ScheduledBatch
 from swaserve.worker.engine.stats import StepLog, StepRecord
 from swaserve.worker.runner.executor import RankHandles, TPLauncher
+from swaserve.worker.runner.host_tensors import to_device
+from swaserve.worker.runner.logits import PenaltyState, process_logits, token_logprobs
 from swaserve.worker.runner.model_executor import ModelExecutor
 from swaserve.worker.runner.model_input import (
     ModelInput,
@@ -34,6 +40,9 @@ from swaserve.worker.runner.parallel import TensorParallelError
 from swaserve.worker.runner.sampler import Sampler, make_generator, reseed
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005
+"""How long an idle `step()` waits for a grammar being compiled (then it returns)."""
 
 CALIBRATION_TOKENS = 256
 """Padding tokens of the prefill an engine times at start (`Engine._measure_prefill`)."""
@@ -54,6 +63,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason "error": why the step failed
     timings: RequestTimings | None = None  # with the request's first token: where its TTFT went
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,7 @@ class GenerateOutput:
     text: str
     finish_reason: FinishReason
     cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked
 
 
 class Engine:
@@ -101,6 +112,9 @@ class Engine:
         self.sampler = Sampler(executor.device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
+        self._compiling: dict[Request, Future] = {}  # waiting for their grammar
+        self._grammar: GrammarCompiler | None = None  # made at the first constrained request
+        self._masks: ThreadPoolExecutor | None = None  # fills grammar masks during forwards
         self._arrivals = itertools.count()
         self._events: list[KVEvent] = []
 
@@ -140,21 +154,66 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         submitted_s: float | None = None,
+        *,
+        resumed_tokens: int = 0,
     ) -> str:
         """Queue a request; returns its id. Raises `RequestError` if it can never be served.
         `submitted_s` (`time.monotonic()`): when the caller took it, if earlier than now (its
-        `RequestTimings.loop_wait_s`)."""
-        req = self._new_request(prompt, sampling_params, request_id)
+        `RequestTimings.loop_wait_s`). `resumed_tokens`: how many of the prompt's last tokens
+        the request generated already (`EngineRequest.resumed_tokens`)."""
+        req = self._new_request(prompt, sampling_params, request_id, resumed_tokens)
         req.trace.submitted_s = submitted_s
+        spec = req.params.structured_outputs
+        future = None if spec is None else self.grammar.submit(spec)
         self._requests[req.request_id] = req
-        self.scheduler.add(req)
+        if future is None:
+            self.scheduler.add(req)
+        else:  # queued once its grammar is compiled (off this thread): `_admit_compiled`
+            self._compiling[req] = future
+            self._admit_compiled()
         return req.request_id
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The grammar compiler for this engine's tokenizer (made at first use)."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise RequestError("structured_outputs needs the model's tokenizer.json")
+            eos = sorted(self.scheduler.eos_token_ids)
+            self._grammar = GrammarCompiler(
+                self.tokenizer.tokenizer.to_str(), self.model_config.vocab_size, eos
+            )
+        return self._grammar
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is compiled; end those whose grammar failed."""
+        failed = []
+        for req, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[req]
+            try:
+                matcher = GrammarMatcher(future.result())
+            except Exception as exc:
+                self._requests.pop(req.request_id, None)
+                req.end(FinishReason.ERROR, str(exc))
+                failed.append(
+                    RequestOutput(req.request_id, [], True, FinishReason.ERROR, 0, str(exc))
+                )
+                continue
+            assert req.sampling is not None
+            for token in req.sampling.resumed:  # a migrated request's output so far
+                matcher.accept(token)
+            req.sampling.matcher = matcher
+            self.scheduler.add(req)
+        return failed
 
     def _new_request(
         self,
         prompt: list[int] | str,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        resumed_tokens: int = 0,
     ) -> Request:
         """A validated `Request`, not queued yet (raises `RequestError`)."""
         params = sampling_params or SamplingParams()
@@ -163,6 +222,11 @@ class Engine:
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
         prompt_ids = self._prompt_ids(prompt)
+        if not 0 <= resumed_tokens < len(prompt_ids):
+            raise RequestError("resumed_tokens must be less than the prompt's length")
+        if resumed_tokens and params.min_tokens:
+            left = max(0, params.min_tokens - resumed_tokens)
+            params = params.model_copy(update={"min_tokens": left})
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -173,19 +237,52 @@ class Engine:
             params,
             arrival=next(self._arrivals),
             generator=make_generator(params, self.executor.device),
+            sampling=self._request_sampling(prompt_ids, params, resumed_tokens),
+            logprobs=None if params.logprobs is None else [],
         )
+
+    def _request_sampling(
+        self, prompt_ids: list[int], params: SamplingParams, resumed_tokens: int = 0
+    ) -> RequestSampling | None:
+        """The state a request's sampling options need (None when they need none); raises
+        `RequestError` for options this engine cannot serve."""
+        try:
+            params.check_vocab(self.model_config.vocab_size, stop_token_ids=False)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        if not (params.stop or params.structured_outputs or params.penalized):
+            return None
+        resumed = prompt_ids[len(prompt_ids) - resumed_tokens :] if resumed_tokens else []
+        sampling = RequestSampling(resumed=resumed)
+        if params.stop:
+            if self.tokenizer is None:
+                raise RequestError(
+                    "stop strings need the model's tokenizer.json: use stop_token_ids"
+                )
+            sampling.stop_text = IncrementalDetokenizer(
+                self.tokenizer.tokenizer, prompt_ids, params.stop
+            )
+        if params.structured_outputs is not None:
+            try:
+                self.grammar.check(params.structured_outputs)
+            except GrammarError as exc:
+                raise RequestError(str(exc)) from None
+        return sampling
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release all it holds; False if it is unknown or already done."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.abort(req)
+        if self._compiling.pop(req, None) is not None:
+            req.end(FinishReason.ABORT)
+        else:
+            self.scheduler.abort(req)
         self.stats.aborted_requests += 1
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def _prompt_ids(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
@@ -220,18 +317,23 @@ class Engine:
         if self._broken is not None:
             raise TensorParallelError(f"the engine's TP group is down: {self._broken}")
         timer = self.stats.timer()
+        failed = self._admit_compiled() if self._compiling else []
         batch = self.scheduler.schedule()
         timer.lap("schedule")
-        failed = self._unservable_outputs()
+        failed += self._unservable_outputs()
         if batch is None:
+            if self._compiling:  # nothing to run but grammars to wait for
+                wait(list(self._compiling.values()), GRAMMAR_WAIT_S, FIRST_COMPLETED)
             self._on_idle()
             return failed
         model_input = self._model_input(batch)
+        sampled = self._sampled_reqs(batch)
+        masks = self._start_masks(sampled)
         timer.lap("input")
         try:
             logits = self._forward(model_input)
             spent = timer.lap("model")
-            next_tokens = self._sample(batch, logits)
+            next_tokens, logprobs = self._sample(batch, sampled, logits, masks)
             spent += timer.lap("sample")
         except TensorParallelError as exc:  # the group is gone: fail cleanly, then say so
             self._broken = str(exc)
@@ -241,9 +343,10 @@ class Engine:
             return failed + self._fail(batch, exc)
         prefill = batch.prefill_tokens
         self.stats.count_step(prefill, batch.pure_decode, spent)
-        finished = self.scheduler.process_results(batch, next_tokens)
+        stopped = self._accept(batch, next_tokens)
+        finished = self.scheduler.process_results(batch, next_tokens, stopped)
         self.stats.steps += 1
-        outputs = self._outputs(batch, next_tokens, finished)
+        outputs = self._outputs(batch, next_tokens, finished, logprobs)
         timer.lap("postprocess")
         nd = batch.num_decodes
         self.step_log.add(
@@ -291,35 +394,134 @@ class Engine:
             window_repair=repairs,
         )
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
-        """`logits` has one row per sampling request, in batch order."""
+    def _sampled_reqs(self, batch: ScheduledBatch) -> list[Request]:
+        """The requests that sample this step, in batch order (one logits row each)."""
+        if batch.decode is not None and batch.pure_decode:
+            return batch.reqs
+        return [r for r, s in zip(batch.reqs, batch.samples, strict=True) if s]
+
+    def _start_masks(self, sampled: list[Request]) -> Future | None:
+        """Start filling the grammar masks of the constrained rows on a thread, to overlap the
+        forward (llguidance drops the GIL); None when no row is constrained."""
+        rows = [
+            (i, r.sampling.matcher)
+            for i, r in enumerate(sampled)
+            if r.sampling is not None and r.sampling.matcher is not None
+        ]
+        if not rows:
+            return None
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._masks.submit(self._fill_masks, rows)
+
+    def _fill_masks(self, rows: list[tuple[int, GrammarMatcher]]) -> tuple[list[int], torch.Tensor]:
+        """(rows, bitmask [m, words] int32 on the host) of the constrained rows."""
+        width = bitmask_width(self.model_config.vocab_size)
+        pinned = self.executor.device.type == "cuda"
+        bitmask = torch.empty((len(rows), width), dtype=torch.int32, pin_memory=pinned)
+        for j, (_, matcher) in enumerate(rows):
+            matcher.fill(bitmask, j)
+        return [i for i, _ in rows], bitmask
+
+    def _sample(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[Request],
+        logits: torch.Tensor,
+        masks: Future | None,
+    ) -> tuple[list[int | None], dict[int, TokenLogprob]]:
+        """`logits` has one row per sampling request, in batch order. Returns the token of
+        each request of the batch (None: it did not sample) and, by batch index, the
+        log-probabilities of those that asked for them."""
         if batch.decode is not None and batch.pure_decode:
             self.stats.generated_tokens += len(batch.reqs)
-            out: list[int | None] = self._sample_rows(  # type: ignore[assignment]
-                logits, batch.reqs, all_greedy=batch.decode.all_greedy
-            )
-            return out
+            tokens, logprobs = self._sample_rows(logits, sampled, batch.decode.all_greedy, masks)
+            return tokens, {i: e for i, e in enumerate(logprobs) if e is not None}  # type: ignore[return-value]
         rows = [i for i, s in enumerate(batch.samples) if s]
-        out = [None] * len(batch.reqs)
+        out: list[int | None] = [None] * len(batch.reqs)
+        by_index: dict[int, TokenLogprob] = {}
         if rows:
-            reqs = [batch.reqs[i] for i in rows]
-            tokens = self._sample_rows(logits, reqs, all(r.params.greedy for r in reqs))
-            for i, token in zip(rows, tokens, strict=True):
+            tokens, logprobs = self._sample_rows(
+                logits, sampled, all(r.params.greedy for r in sampled), masks
+            )
+            for j, (i, token) in enumerate(zip(rows, tokens, strict=True)):
                 out[i] = token
+                entry = logprobs[j] if logprobs else None
+                if entry is not None:
+                    by_index[i] = entry
             self.stats.generated_tokens += len(rows)
-        return out
+        return out, by_index
 
     def _sample_rows(
-        self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool
-    ) -> list[int]:
+        self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool, masks: Future | None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row (and, where asked, its log-probabilities). Rows with a grammar,
+        `min_tokens`, a bias or penalties are processed first (`runner.logits`); the others
+        go to the draw as the forward left them."""
+        processed = masks is not None or any(r.params.processed for r in reqs)
+        if processed:
+            logits = self._process(logits, reqs, masks)
         if all_greedy:
             tokens = self.sampler.greedy(logits)
-            return (tokens.numpy() if tokens.device.type == "cpu" else tokens).tolist()
+            out = (tokens.numpy() if tokens.device.type == "cpu" else tokens).tolist()
+        else:
+            for r in reqs:
+                if r.generator is not None:  # the draw at this position, wherever it runs
+                    reseed(r.generator, r.params, len(r.prompt_ids) + len(r.output_ids))
+            drawn = self.sampler.sample(
+                logits, [r.params for r in reqs], [r.generator for r in reqs]
+            )
+            out = drawn.tolist()
+        asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not asked:
+            return out, []
+        lp: list[TokenLogprob | None] = [None] * len(reqs)
+        index = to_device(torch.tensor(asked, dtype=torch.int64), logits.device)
+        computed = token_logprobs(
+            logits[index].float(), [reqs[j].params for j in asked], [out[j] for j in asked]
+        )
+        for j, entry in zip(asked, computed, strict=True):
+            lp[j] = entry
+        return out, lp
+
+    def _process(
+        self, logits: torch.Tensor, reqs: list[Request], masks: Future | None
+    ) -> torch.Tensor:
+        """The rows' logits after their grammar masks, `min_tokens`, biases and penalties
+        (float32; a copy: the forward's buffer is not written)."""
+        logits = logits.float().clone()
+        vocab, device = logits.shape[1], logits.device
+        penalties: list[PenaltyState | None] = []
         for r in reqs:
-            if r.generator is not None:  # the draw at this position, wherever it runs
-                reseed(r.generator, r.params, len(r.prompt_ids) + len(r.output_ids))
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        return tokens.tolist()
+            state = None
+            if r.params.penalized:
+                assert r.sampling is not None
+                if r.sampling.penalty is None:
+                    r.sampling.penalty = PenaltyState.of(r, r.sampling.resumed, vocab, device)
+                state = r.sampling.penalty
+            penalties.append(state)
+        bitmask, masked = None, []
+        if masks is not None:
+            masked, host_mask = masks.result()
+            bitmask = to_device(host_mask, device)
+        process_logits(logits, reqs, penalties, bitmask, masked)
+        return logits
+
+    def _accept(self, batch: ScheduledBatch, next_tokens: list[int | None]) -> list[int]:
+        """Advance the sampling state of the requests that sampled (grammar, stop strings,
+        penalty counters, log-probabilities kept for `generate`); returns the batch indices
+        of those that it ends (finish reason "stop")."""
+        stopped = []
+        for i, (req, token) in enumerate(zip(batch.reqs, next_tokens, strict=True)):
+            sampling = req.sampling
+            if token is None or sampling is None:
+                continue
+            if sampling.penalty is not None:
+                sampling.penalty.add(token)
+            sampling.accept(token, len(req.output_ids) + 1, req.params.min_tokens)
+            if sampling.stopped:
+                stopped.append(i)
+        return stopped
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         message = f"{type(exc).__name__}: {exc}"
@@ -352,13 +554,21 @@ class Engine:
         return outputs
 
     def _outputs(
-        self, batch: ScheduledBatch, next_tokens: list[int | None], finished: list[Request]
+        self,
+        batch: ScheduledBatch,
+        next_tokens: list[int | None],
+        finished: list[Request],
+        logprobs: dict[int, TokenLogprob],
     ) -> list[RequestOutput]:
         """One output per request that sampled; a request that did not (a prefill chunk)
         neither advanced nor finished."""
         self._forget(finished)
+        for i, entry in logprobs.items():
+            kept = batch.reqs[i].logprobs
+            if kept is not None:
+                kept.append(entry)
         decode = batch.decode
-        if decode is not None and batch.pure_decode and not finished:
+        if decode is not None and batch.pure_decode and not finished and not logprobs:
             # Every request of the decode batch advanced and none left it: its lists are the
             # outputs' fields as they are (no request is read).
             return list(
@@ -373,11 +583,12 @@ class Engine:
             )
         outputs = []
         now = time.monotonic()
-        for req, token in zip(batch.reqs, next_tokens, strict=True):
+        for i, (req, token) in enumerate(zip(batch.reqs, next_tokens, strict=True)):
             if token is None:
                 continue
             reason = req.finish_reason  # set in this step if it finished, else None
             first = len(req.output_ids) == 1  # its first token (a re-prefill has more)
+            entry = logprobs.get(i)
             outputs.append(
                 RequestOutput(
                     req.request_id,
@@ -386,6 +597,7 @@ class Engine:
                     reason,
                     req.cached_tokens,
                     timings=req.trace.timings(now) if first else None,
+                    logprobs=None if entry is None else [entry],
                 )
             )
         return outputs
@@ -434,8 +646,12 @@ class Engine:
 
     def _generate_output(self, req: Request) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else ""
+        stop_text = req.sampling.stop_text if req.sampling is not None else None
+        if stop_text is not None and stop_text.stop_reason is not None:
+            text = text[: text.rfind(stop_text.stop_reason)]  # the text ends before it
         reason = req.finish_reason or FinishReason.ABORT
-        return GenerateOutput(list(req.output_ids), text, reason, req.cached_tokens)
+        logprobs = None if req.logprobs is None else list(req.logprobs)
+        return GenerateOutput(list(req.output_ids), text, reason, req.cached_tokens, logprobs)
 
     # ---- reports -------------------------------------------------------------------------
     def headroom(self) -> Headroom:
@@ -488,6 +704,9 @@ class Engine:
         try:
             for rid in list(self._requests):
                 self.abort(rid)
+            for pool in (self._grammar, self._masks):
+                if pool is not None:
+                    pool.shutdown()
             if self.tree is not None:
                 self.tree.reset()
             self._requests.clear()

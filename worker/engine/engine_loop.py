@@ -227,7 +227,11 @@ class EngineLoop:
         try:
             request = command.request
             self.engine.add_request(
-                request.token_ids, request.params, request.request_id, command.submitted_s
+                request.token_ids,
+                request.params,
+                request.request_id,
+                command.submitted_s,
+                resumed_tokens=request.resumed_tokens,
             )
         except Exception as exc:
             command.accepted.set_exception(exc)
@@ -258,6 +262,7 @@ class EngineLoop:
                     out.cached_tokens,
                     out.error,
                     timings=out.timings,
+                    logprobs=out.logprobs,
                 )
             )
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swaserve.proto.sampling_params import SamplingParams
-from swaserve.proto.stream import FinishReason, RequestTimings
+from swaserve.proto.stream import FinishReason, RequestTimings, TokenLogprob
+from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.worker.kv.radix_node import PrefixLock
 from swaserve.worker.kv.swa_freeing import SWAFreeState
+
+if TYPE_CHECKING:
+    from swaserve.worker.engine.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +55,31 @@ class RequestTrace:
 
 
 @dataclass(eq=False, slots=True)
+class RequestSampling:
+    """What a request asked of sampling beyond the draw itself, and its state: the matcher of
+    its grammar, the detokenizer that watches for its stop strings, its penalty counters (the
+    sampler's, on its device: `runner.logits.PenaltyState`), and whether one of them ended it
+    (`stopped`: finish reason "stop")."""
+
+    resumed: list[int] = field(default_factory=list)  # output made before a migration
+    matcher: GrammarMatcher | None = None
+    stop_text: IncrementalDetokenizer | None = None
+    penalty: Any = None
+    stopped: bool = False
+
+    def accept(self, token: int, num_output: int, min_tokens: int) -> None:
+        """The request kept `token`, its `num_output`-th output token."""
+        if self.matcher is not None:
+            self.matcher.accept(token)
+            if self.matcher.done:
+                self.stopped = True
+        if self.stop_text is not None and num_output > min_tokens:  # none before min_tokens
+            self.stop_text.push([token])
+            if self.stop_text.stopped:
+                self.stopped = True
+
+
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request.
 
@@ -73,6 +103,8 @@ class Request:
     params: SamplingParams
     arrival: int
     generator: torch.Generator | None = None
+    sampling: RequestSampling | None = None  # set when it asked for more than the draw
+    logprobs: list[TokenLogprob] | None = None  # its tokens' log-probabilities, when asked
     trace: RequestTrace = field(default_factory=lambda: RequestTrace(time.monotonic()))
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -28,6 +28,7 @@ the tree or KV contents.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -242,9 +243,11 @@ class Scheduler:
             self._decode.remove([self._decode.index(req)])
 
     def process_results(
-        self, batch: ScheduledBatch, next_tokens: list[int | None]
+        self, batch: ScheduledBatch, next_tokens: list[int | None], stopped: Sequence[int] = ()
     ) -> list[Request]:
         """Advance each request of a finished step; returns the requests that finished.
+        `stopped`: batch indices of requests that their sampling ended (a stop string, a
+        completed grammar: `RequestSampling.stopped`).
 
         A prompt enters the prefix cache as soon as its prefill ends (locked while the request
         runs), so requests that arrive while it decodes reuse it."""
@@ -254,6 +257,10 @@ class Scheduler:
             db = batch.decode
             tokens: list[int] = next_tokens[:nd]  # type: ignore[assignment]  # decodes sample
             done = db.advance(np.asarray(tokens, dtype=np.int64))
+            if stopped:
+                ended_early = [i for i in stopped if i < nd]
+                if ended_early:
+                    done = np.union1d(done, ended_early)
             for req, output, n, token in zip(
                 db.reqs, db.outputs, db.seq_lens.tolist(), tokens, strict=True
             ):
@@ -286,7 +293,12 @@ class Scheduler:
             if n > 1:  # a prefill just ended: drop what its chunk left out of the window
                 self.kv.free_out_of_window([req], 0)
             self._prefilling.remove(req)
-            if token in req.stop_ids or len(req.output_ids) >= req.max_output_len:
+            sampling = req.sampling
+            if (
+                token in req.stop_ids
+                or len(req.output_ids) >= req.max_output_len
+                or (sampling is not None and sampling.stopped)
+            ):
                 self._finish(req, token, finished)
             else:
                 joined.append(req)  # it decodes from now on
@@ -296,7 +308,8 @@ class Scheduler:
     def _finish(self, req: Request, token: int, finished: list[Request]) -> None:
         """End a request that sampled its last token (the caller drops it from its part of
         the split)."""
-        req.end(FinishReason.STOP if token in req.stop_ids else FinishReason.LENGTH)
+        stopped = token in req.stop_ids or (req.sampling is not None and req.sampling.stopped)
+        req.end(FinishReason.STOP if stopped else FinishReason.LENGTH)
         self.kv.cache_finished(req)
         self.running.remove(req)
         finished.append(req)

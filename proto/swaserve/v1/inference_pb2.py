@@ -24,35 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswaserve/v1/inference.proto\x12\x0bswaserve.v1\"\x9a\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x90\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.swaserve.v1.SamplingParams\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xab\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.swaserve.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xe4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1b\n\x13sliding_window_size\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x13\n\x0bnum_workers\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb1\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11\x66ull_total_tokens\x18\x02 \x01(\x04\x12\x18\n\x10\x66ull_free_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x66ull_evictable_tokens\x18\x04 \x01(\x04\x12\x18\n\x10swa_total_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fswa_free_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14swa_evictable_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_token_share\x18\n \x01(\x01\x12\x14\n\x0creport_age_s\x18\x0b \x01(\x01\x12\x0f\n\x07tp_size\x18\x0c \x01(\r\"8\n\x0cLoadResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.swaserve.v1.WorkerLoad2\xa3\x02\n\tInference\x12I\n\x08Generate\x12\x1c.swaserve.v1.GenerateRequest\x1a\x1d.swaserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.swaserve.v1.AbortRequest\x1a\x1a.swaserve.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .swaserve.v1.GetModelInfoRequest\x1a\x16.swaserve.v1.ModelInfo\x12\x41\n\x07GetLoad\x12\x1b.swaserve.v1.GetLoadRequest\x1a\x19.swaserve.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswaserve/v1/inference.proto\x12\x0bswaserve.v1\"\xb6\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.swaserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12:\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1e.swaserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x98\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x17.swaserve.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.swaserve.v1.TopLogprob\"\x90\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.swaserve.v1.SamplingParams\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.swaserve.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.swaserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xe4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1b\n\x13sliding_window_size\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x13\n\x0bnum_workers\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb1\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11\x66ull_total_tokens\x18\x02 \x01(\x04\x12\x18\n\x10\x66ull_free_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x66ull_evictable_tokens\x18\x04 \x01(\x04\x12\x18\n\x10swa_total_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fswa_free_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14swa_evictable_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_token_share\x18\n \x01(\x01\x12\x14\n\x0creport_age_s\x18\x0b \x01(\x01\x12\x0f\n\x07tp_size\x18\x0c \x01(\r\"8\n\x0cLoadResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.swaserve.v1.WorkerLoad2\xa3\x02\n\tInference\x12I\n\x08Generate\x12\x1c.swaserve.v1.GenerateRequest\x1a\x1d.swaserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.swaserve.v1.AbortRequest\x1a\x1a.swaserve.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .swaserve.v1.GetModelInfoRequest\x1a\x16.swaserve.v1.ModelInfo\x12\x41\n\x07GetLoad\x12\x1b.swaserve.v1.GetLoadRequest\x1a\x19.swaserve.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swaserve.proto.swaserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=45
-  _globals['_SAMPLINGPARAMS']._serialized_end=327
-  _globals['_GENERATEREQUEST']._serialized_start=330
-  _globals['_GENERATEREQUEST']._serialized_end=474
-  _globals['_USAGE']._serialized_start=476
-  _globals['_USAGE']._serialized_end=556
-  _globals['_GENERATERESPONSE']._serialized_start=559
-  _globals['_GENERATERESPONSE']._serialized_end=730
-  _globals['_ABORTREQUEST']._serialized_start=732
-  _globals['_ABORTREQUEST']._serialized_end=766
-  _globals['_ABORTRESPONSE']._serialized_start=768
-  _globals['_ABORTRESPONSE']._serialized_end=800
-  _globals['_GETMODELINFOREQUEST']._serialized_start=802
-  _globals['_GETMODELINFOREQUEST']._serialized_end=823
-  _globals['_MODELINFO']._serialized_start=826
-  _globals['_MODELINFO']._serialized_end=1054
-  _globals['_GETLOADREQUEST']._serialized_start=1056
-  _globals['_GETLOADREQUEST']._serialized_end=1072
-  _globals['_WORKERLOAD']._serialized_start=1075
-  _globals['_WORKERLOAD']._serialized_end=1380
-  _globals['_LOADRESPONSE']._serialized_start=1382
-  _globals['_LOADRESPONSE']._serialized_end=1438
-  _globals['_INFERENCE']._serialized_start=1441
-  _globals['_INFERENCE']._serialized_end=1732
+  _globals['_SAMPLINGPARAMS']._serialized_end=739
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=523
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=571
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=742
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=894
+  _globals['_CHOICELIST']._serialized_start=896
+  _globals['_CHOICELIST']._serialized_end=925
+  _globals['_TOPLOGPROB']._serialized_start=927
+  _globals['_TOPLOGPROB']._serialized_end=989
+  _globals['_TOKENLOGPROB']._serialized_start=991
+  _globals['_TOKENLOGPROB']._serialized_end=1102
+  _globals['_GENERATEREQUEST']._serialized_start=1105
+  _globals['_GENERATEREQUEST']._serialized_end=1249
+  _globals['_USAGE']._serialized_start=1251
+  _globals['_USAGE']._serialized_end=1331
+  _globals['_GENERATERESPONSE']._serialized_start=1334
+  _globals['_GENERATERESPONSE']._serialized_end=1550
+  _globals['_ABORTREQUEST']._serialized_start=1552
+  _globals['_ABORTREQUEST']._serialized_end=1586
+  _globals['_ABORTRESPONSE']._serialized_start=1588
+  _globals['_ABORTRESPONSE']._serialized_end=1620
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1622
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1643
+  _globals['_MODELINFO']._serialized_start=1646
+  _globals['_MODELINFO']._serialized_end=1874
+  _globals['_GETLOADREQUEST']._serialized_start=1876
+  _globals['_GETLOADREQUEST']._serialized_end=1892
+  _globals['_WORKERLOAD']._serialized_start=1895
+  _globals['_WORKERLOAD']._serialized_end=2200
+  _globals['_LOADRESPONSE']._serialized_start=2202
+  _globals['_LOADRESPONSE']._serialized_end=2258
+  _globals['_INFERENCE']._serialized_start=2261
+  _globals['_INFERENCE']._serialized_end=2552
 # @@protoc_insertion_point(module_scope)

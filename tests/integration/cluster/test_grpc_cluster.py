@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 import ray
 from cluster_harness import (
@@ -175,6 +176,51 @@ def test_stop_strings_end_the_stream_before_the_stop_text(two_workers: ServedClu
     wait_idle(two_workers)
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+        "inner": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "inner"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_and_logprobs_over_grpc(two_workers: ServedCluster) -> None:
+    stub = two_workers.stub()
+    for seed in range(6):
+        params = pb.SamplingParams(
+            max_new_tokens=120,
+            temperature=1.0,
+            seed=seed,
+            logprobs=2,
+            structured_outputs=pb.StructuredOutputs(json_schema=json.dumps(SCHEMA)),
+        )
+        responses = list(stub.Generate(pb.GenerateRequest(text="JSON: ", sampling_params=params)))
+        text = "".join(r.text for r in responses)
+        assert responses[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+        ids = [t for r in responses for t in r.token_ids]
+        entries = [e for r in responses for e in r.logprobs]
+        assert [e.token_id for e in entries] == ids
+        assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    choice = pb.SamplingParams(
+        max_new_tokens=10,
+        temperature=1.0,
+        structured_outputs=pb.StructuredOutputs(choice=pb.ChoiceList(choices=["yes", "no"])),
+    )
+    _, text, last = stream(stub, pb.GenerateRequest(text="?", sampling_params=choice))
+    assert text in ("yes", "no") and last.finish_reason == "stop"
+    wait_idle(two_workers)
+
+
 def test_abort_rpc_ends_the_stream_with_abort(two_workers: ServedCluster) -> None:
     stub = two_workers.stub()
     items: list[pb.GenerateResponse] = []
@@ -283,6 +329,47 @@ BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest]]] = [
         "17 stop strings",
         lambda: pb.GenerateRequest(
             token_ids=[1], sampling_params=pb.SamplingParams(stop=[f"s{i}" for i in range(17)])
+        ),
+    ),
+    (
+        "logprobs 21",
+        lambda: pb.GenerateRequest(token_ids=[1], sampling_params=pb.SamplingParams(logprobs=21)),
+    ),
+    (
+        "presence_penalty 3",
+        lambda: pb.GenerateRequest(
+            token_ids=[1], sampling_params=pb.SamplingParams(presence_penalty=3.0)
+        ),
+    ),
+    (
+        "logit_bias outside the vocabulary",
+        lambda: pb.GenerateRequest(
+            token_ids=[1], sampling_params=pb.SamplingParams(logit_bias={999: 1.0})
+        ),
+    ),
+    (
+        "schema with an unsupported keyword",
+        lambda: pb.GenerateRequest(
+            token_ids=[1],
+            sampling_params=pb.SamplingParams(
+                structured_outputs=pb.StructuredOutputs(json_schema='{"uniqueItems": true}')
+            ),
+        ),
+    ),
+    (
+        "schema that is not JSON",
+        lambda: pb.GenerateRequest(
+            token_ids=[1],
+            sampling_params=pb.SamplingParams(
+                structured_outputs=pb.StructuredOutputs(json_schema="{")
+            ),
+        ),
+    ),
+    (
+        "empty structured_outputs",
+        lambda: pb.GenerateRequest(
+            token_ids=[1],
+            sampling_params=pb.SamplingParams(structured_outputs=pb.StructuredOutputs()),
         ),
     ),
     ("request id with a space", lambda: pb.GenerateRequest(request_id="a b", token_ids=[1])),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import requests
@@ -279,6 +280,164 @@ def test_stop_string_truncates_and_finishes_with_stop(
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 5}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "home"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_validates_on_every_seed(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "pet", "schema": PET_SCHEMA, "strict": True},
+    }
+    texts = []
+    for seed in range(10):
+        out = client.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        assert out.choices[0].finish_reason == "stop"
+        text = out.choices[0].message.content or ""
+        jsonschema.validate(json.loads(text), PET_SCHEMA)
+        texts.append(text)
+    assert len(set(texts)) > 5
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,
+            max_tokens=200,
+            temperature=1.0,
+            seed=0,
+            response_format=fmt,  # type: ignore[arg-type]
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == texts[0]
+    json_object = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=300,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if json_object.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(json_object.choices[0].message.content or ""), dict)
+
+
+def test_vllm_structured_outputs_extras(client: openai.OpenAI, model_name: str) -> None:
+    for body in (
+        {"structured_outputs": {"choice": ["red", "blue", "green"]}},
+        {"guided_choice": ["red", "blue", "green"]},
+    ):
+        out = client.completions.create(
+            model=model_name, prompt="Colour:", max_tokens=8, temperature=1.0, extra_body=body
+        )
+        assert out.choices[0].text in ("red", "blue", "green")
+        assert out.choices[0].finish_reason == "stop"
+    out = client.completions.create(
+        model=model_name,
+        prompt="Code:",
+        max_tokens=12,
+        temperature=1.0,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}},
+    )
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", out.choices[0].text)
+
+
+def test_logprobs_in_openai_shapes_whole_and_streamed(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    kwargs: dict[str, Any] = {
+        "model": model_name,
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely one
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**(kwargs | {"logprobs": False, "top_logprobs": None}))
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == whole.choices[0].message.content
+    completion = client.completions.create(
+        model=model_name,
+        prompt="Log:",
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = completion.choices[0].logprobs
+    assert lp is not None and len(lp.tokens or []) == 5
+    assert len(lp.token_logprobs or []) == 5 and len(lp.top_logprobs or []) == 5
+    assert all(len(top) <= 2 for top in lp.top_logprobs or [])
+    assert lp.text_offset == [sum(len(t) for t in (lp.tokens or [])[:i]) for i in range(5)]
+
+
+def test_logit_bias_and_penalties_reach_the_engine(client: openai.OpenAI, model_name: str) -> None:
+    out = client.completions.create(
+        model=model_name,
+        prompt=[7, 8, 9],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"65": 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert out.choices[0].text == "AAAA"
+    common: dict[str, Any] = {"model": model_name, "prompt": [7, 8, 9], "max_tokens": 6}
+    biased = client.completions.create(
+        temperature=0, logit_bias={"65": 8}, extra_body={"ignore_eos": True}, **common
+    )
+    assert biased.choices[0].text == "AAAAAA"
+    # Each repeat costs A 2 more (frequency) and any repeat 2 (presence): the bias of 8 no
+    # longer wins after a few.
+    penalized = client.completions.create(
+        temperature=0,
+        logit_bias={"65": 8},
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "min_tokens": 6},
+        **common,
+    )
+    assert 1 <= penalized.choices[0].text.count("A") < 6
+
+
 def test_n_choices_are_independent_requests(client: openai.OpenAI, model_name: str) -> None:
     whole = client.completions.create(
         model=model_name, prompt=[1, 2, 3, 4], max_tokens=5, n=3, extra_body=EXACT, temperature=0
@@ -408,20 +567,79 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | str, str | None]] = [
     ("n 0", "completions", {"prompt": "x", "n": 0}, "n"),
     ("seed 2**63", "completions", {"prompt": "x", "seed": 2**63}, "seed"),
     ("unknown field", "completions", {"prompt": "x", "best_friend": 1}, "best_friend"),
-    ("logprobs", "chat", {"messages": MESSAGES, "logprobs": True}, "logprobs"),
     ("echo", "completions", {"prompt": "x", "echo": True}, "echo"),
-    (
-        "presence_penalty",
-        "completions",
-        {"prompt": "x", "presence_penalty": 0.5},
-        "presence_penalty",
-    ),
     ("tools", "chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     (
-        "json response_format",
+        "top_logprobs 21",
         "chat",
-        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    ("top_logprobs alone", "chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("logprobs 21", "completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    (
+        "presence_penalty 2.5",
+        "completions",
+        {"prompt": "x", "presence_penalty": 2.5},
+        "presence_penalty",
+    ),
+    (
+        "frequency_penalty -3",
+        "chat",
+        {"messages": MESSAGES, "frequency_penalty": -3},
+        "frequency_penalty",
+    ),
+    ("logit_bias word key", "completions", {"prompt": "x", "logit_bias": {"hi": 1}}, "logit_bias"),
+    (
+        "logit_bias outside",
+        "completions",
+        {"prompt": "x", "logit_bias": {"100000": 1}},
+        "logit_bias",
+    ),
+    (
+        "schema that does not compile",
+        "chat",
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}},
+            },
+        },
         "response_format",
+    ),
+    (
+        "1 MB schema",
+        "chat",
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"description": "x" * 1_000_000}},
+            },
+        },
+        "response_format",
+    ),
+    (
+        "json_schema without a schema",
+        "chat",
+        {
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s"}},
+        },
+        "response_format",
+    ),
+    (
+        "bad regex",
+        "completions",
+        {"prompt": "x", "structured_outputs": {"regex": "[a-"}},
+        "structured_outputs",
+    ),
+    (
+        "two constraints",
+        "chat",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+        "guided_regex",
     ),
     ("ids outside the vocabulary", "completions", {"prompt": [1, 288]}, "prompt"),
     ("empty prompt", "completions", {"prompt": []}, "prompt"),
@@ -506,14 +724,17 @@ def test_the_openai_client_sees_unsupported_fields_as_bad_requests(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            messages=MESSAGES, model=model_name, logprobs=True, top_logprobs=2
+            messages=MESSAGES,
+            model=model_name,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            audio={"voice": "alloy", "format": "wav"},
         )
     assert err.value.status_code == 400
-    assert "logprobs" in err.value.message and "top_logprobs" in err.value.message
+    assert "tools" in err.value.message and "audio" in err.value.message
     assert err.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=model_name, prompt="x", frequency_penalty=1.0)
-    assert err.value.param == "frequency_penalty"
+        client.completions.create(model=model_name, prompt="x", echo=True)
+    assert err.value.param == "echo"
 
 
 def test_health(base_url: str) -> None:

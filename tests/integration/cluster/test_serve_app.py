@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import openai
 import pytest
 import requests
@@ -137,6 +138,47 @@ def test_second_turn_through_serve_reuses_the_first_turns_cache(serve_app: Serve
         model=model, prompt=turn2, max_tokens=4, temperature=0, user="session-7"
     )
     assert second.usage.prompt_tokens_details.cached_tokens == len(turn1) + len(answer) - 1
+
+
+def test_structured_output_and_logprobs_through_serve(serve_app: ServeApp) -> None:
+    client = serve_app.client()
+    model = serve_app.model.name
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 6},
+            "rank": {"enum": [1, 2, 3]},
+            "sites": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        },
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    for seed in range(6):
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "A city?"}],
+            max_tokens=100,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,  # type: ignore[arg-type]
+            logprobs=True,
+            top_logprobs=1,
+        )
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+        content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None and len(content) == out.usage.completion_tokens  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"uniqueItems": True}},
+            },  # type: ignore[arg-type]
+        )
+    assert err.value.body["param"] == "response_format"
 
 
 def test_malformed_requests_get_openai_errors(serve_app: ServeApp) -> None:

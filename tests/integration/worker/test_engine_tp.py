@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.engine.engine import CALIBRATION_TOKENS
 from swaserve.worker.runner.executor import TPLauncher
@@ -124,6 +125,48 @@ def test_tp2_equals_tp1(
     assert tp.stats.swa_freed_tokens > 0 and tp.stats.tombstoned_pages > 0
     assert tp.stats.cached_tokens > 0 and tp.stats.prefill_chunks > 0
     tp.check()
+
+
+def test_tp2_structured_output_and_penalties_equal_tp1(
+    tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """Grammar masks, penalties, bias and logprobs are applied on rank 0 after the forward:
+    under TP the group draws what one rank draws (seeded sampling at temperature 1)."""
+    model_dir = tiny_model_factory("gpt-oss", sliding_window_size=W, hidden_size=32, seed=5)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(
+            max_new_tokens=40,
+            temperature=1.0,
+            seed=s,
+            logprobs=2,
+            presence_penalty=0.5 * (s % 2),
+            logit_bias={40: 2.0},
+            structured_outputs=StructuredOutputs(json_schema=schema) if s % 3 else None,
+        )
+        for s in range(6)
+    ]
+    prompts = workload(2)[:6]
+    results = []
+    for tp_size in (1, 2):
+        engine = make_engine(model_dir, tp_size)
+        engines.append(engine)
+        results.append(engine.generate(prompts, params))
+        engine.check()
+    one, two = results
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(one, two, strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-3
+    for out, p in zip(two, params, strict=True):
+        if p.structured_outputs is not None and out.finish_reason == "stop":
+            assert set(json.loads(out.text)) == {"a", "b"}
 
 
 def _step_until_error(engine: Engine, budget_s: float) -> str:
@@ -237,6 +280,7 @@ SCRIPT_TIMEOUT_S = 120.0
 
 GENERATE_SCRIPT = """
 import json
+from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
 tokens = {}
@@ -435,6 +479,7 @@ def _ranks_of(pid: int) -> list[int]:
 STEPPING_SCRIPT = """
 import signal
 import sys
+from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 signal.signal(signal.SIGINT, signal.default_int_handler)
 engine = Engine(EngineConfig(model=sys.argv[1], max_total_tokens=4096, tp_size=2))
