@@ -182,6 +182,8 @@ class EngineWorker:
                 while not chunk.finished and not chunks.empty():  # merge what piled up
                     more = chunks.get_nowait()
                     chunk.token_ids.extend(more.token_ids)
+                    if more.logprobs:
+                        chunk.logprobs = [*(chunk.logprobs or ()), *more.logprobs]
                     chunk.finished, chunk.finish_reason = more.finished, more.finish_reason
                     chunk.cached_tokens, chunk.error = more.cached_tokens, more.error
                 finished = chunk.finished
