@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 
 W = 8
@@ -101,6 +103,24 @@ def test_compiled_decode_equals_transformers_and_eager(
         assert warmed == len(step.buckets)
         assert run(engine, prompts) == want
         engine.check()
+        if page_size == 1:  # the logits' processing and the grammar follow the compiled step
+            processed = [
+                SamplingParams(
+                    max_new_tokens=MAX_NEW,
+                    temperature=0,
+                    presence_penalty=0.7,
+                    repetition_penalty=1.3,
+                    logit_bias={40: 1.5},
+                    logprobs=1,
+                    structured_outputs=StructuredOutputs(regex="[a-z ]{8,40}") if i % 2 else None,
+                )
+                for i in range(6)
+            ]
+            outs = engine.generate(prompts[:6], processed)
+            assert [o.token_ids for o in outs] == [
+                o.token_ids for o in eager.generate(prompts[:6], processed)
+            ]
+            assert all(re.fullmatch("[a-z ]{8,40}", o.text) for o in outs[1::2])
         assert step.stats.steps - warmed >= MAX_NEW  # decodes went through the compiled step
         assert step.stats.direct >= MAX_NEW  # most called their shape's graph directly
         assert engine.stats.cached_tokens > 0 and engine.stats.swa_freed_tokens > 0
