@@ -3,6 +3,7 @@ its model and load).
 
     swaserve client --server 127.0.0.1:50051 'Hello, swaserve!'
     swaserve client --server 127.0.0.1:50051 --load
+    swaserve client --json-schema pet.json --logprobs 2 --json 'A pet as JSON:'
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities (0-20)")
+    parser.add_argument("--presence-penalty", type=float, default=None)
+    parser.add_argument("--frequency-penalty", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json-schema", help="JSON schema file the output must match")
+    output.add_argument("--regex", help="regular expression the output must match")
     parser.add_argument("--session-id", default="", help="keeps a conversation's turns together")
     parser.add_argument("--request-id", default="")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="the call's deadline")
@@ -54,9 +62,24 @@ def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     params = pb.SamplingParams(max_new_tokens=args.max_new_tokens, stop=args.stop)
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    optional = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
+    for name in optional:
         if getattr(args, name) is not None:
             setattr(params, name, getattr(args, name))
+    if args.json_schema:
+        schema = Path(args.json_schema).read_text()
+        params.structured_outputs.CopyFrom(pb.StructuredOutputs(json_schema=schema))
+    elif args.regex:
+        params.structured_outputs.CopyFrom(pb.StructuredOutputs(regex=args.regex))
     request = pb.GenerateRequest(
         request_id=args.request_id, session_id=args.session_id, sampling_params=params
     )

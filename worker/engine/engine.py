@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.005
 """How long an idle `step()` waits for a grammar being compiled (then it returns)."""
 
+GRAMMAR_TIMEOUT_S = 30.0
+"""A request whose grammar is not compiled after this long ends with an error (llguidance
+bounds its own work by fuel, so this is a backstop: a starved compile thread)."""
+
 CALIBRATION_TOKENS = 256
 """Padding tokens of the prefill an engine times at start (`Engine._measure_prefill`)."""
 
@@ -112,7 +116,8 @@ class Engine:
         self.sampler = Sampler(executor.device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}
-        self._compiling: dict[Request, Future] = {}  # waiting for their grammar
+        self._compiling: dict[Request, tuple[Future, float]] = {}  # waiting for their grammar
+        self._grammar_failed: list[RequestOutput] = []  # ended there; the next step returns them
         self._grammar: GrammarCompiler | None = None  # made at the first constrained request
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks during forwards
         self._arrivals = itertools.count()
@@ -169,7 +174,7 @@ class Engine:
         if future is None:
             self.scheduler.add(req)
         else:  # queued once its grammar is compiled (off this thread): `_admit_compiled`
-            self._compiling[req] = future
+            self._compiling[req] = (future, time.monotonic())
             self._admit_compiled()
         return req.request_id
 
@@ -185,14 +190,21 @@ class Engine:
             )
         return self._grammar
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Queue the requests whose grammar is compiled; end those whose grammar failed."""
-        failed = []
-        for req, future in list(self._compiling.items()):
-            if not future.done():
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is compiled; end those whose grammar failed or
+        took too long (their outputs wait in `_grammar_failed` for the next step)."""
+        failed = self._grammar_failed
+        now = time.monotonic()
+        for req, (future, submitted) in list(self._compiling.items()):
+            late = now - submitted > GRAMMAR_TIMEOUT_S
+            if not (future.done() or late):
                 continue
             del self._compiling[req]
             try:
+                if not future.done():
+                    raise GrammarError(
+                        f"its grammar was not compiled within {GRAMMAR_TIMEOUT_S:g} s"
+                    )
                 matcher = GrammarMatcher(future.result())
             except Exception as exc:
                 self._requests.pop(req.request_id, None)
@@ -206,7 +218,6 @@ class Engine:
                 matcher.accept(token)
             req.sampling.matcher = matcher
             self.scheduler.add(req)
-        return failed
 
     def _new_request(
         self,
@@ -282,7 +293,7 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self._compiling or self._grammar_failed)
 
     def _prompt_ids(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
@@ -317,13 +328,16 @@ class Engine:
         if self._broken is not None:
             raise TensorParallelError(f"the engine's TP group is down: {self._broken}")
         timer = self.stats.timer()
-        failed = self._admit_compiled() if self._compiling else []
+        if self._compiling:
+            self._admit_compiled()
+        failed, self._grammar_failed = self._grammar_failed, []
         batch = self.scheduler.schedule()
         timer.lap("schedule")
         failed += self._unservable_outputs()
         if batch is None:
             if self._compiling:  # nothing to run but grammars to wait for
-                wait(list(self._compiling.values()), GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                futures = [future for future, _ in self._compiling.values()]
+                wait(futures, GRAMMAR_WAIT_S, FIRST_COMPLETED)
             self._on_idle()
             return failed
         model_input = self._model_input(batch)
@@ -519,7 +533,7 @@ class Engine:
             if sampling.penalty is not None:
                 sampling.penalty.add(token)
             sampling.accept(token, len(req.output_ids) + 1, req.params.min_tokens)
-            if sampling.stopped:
+            if sampling.stopped or sampling.failed:
                 stopped.append(i)
         return stopped
 
@@ -596,6 +610,7 @@ class Engine:
                     reason is not None,
                     reason,
                     req.cached_tokens,
+                    req.error,
                     timings=req.trace.timings(now) if first else None,
                     logprobs=None if entry is None else [entry],
                 )

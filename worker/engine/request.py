@@ -66,12 +66,15 @@ class RequestSampling:
     stop_text: IncrementalDetokenizer | None = None
     penalty: Any = None
     stopped: bool = False
+    failed: str | None = None  # its grammar broke (llguidance's limits): finish reason "error"
 
     def accept(self, token: int, num_output: int, min_tokens: int) -> None:
         """The request kept `token`, its `num_output`-th output token."""
         if self.matcher is not None:
             self.matcher.accept(token)
-            if self.matcher.done:
+            if self.matcher.error:
+                self.failed = f"structured output: {self.matcher.error}"
+            elif self.matcher.done:
                 self.stopped = True
         if self.stop_text is not None and num_output > min_tokens:  # none before min_tokens
             self.stop_text.push([token])

@@ -247,7 +247,7 @@ class Scheduler:
     ) -> list[Request]:
         """Advance each request of a finished step; returns the requests that finished.
         `stopped`: batch indices of requests that their sampling ended (a stop string, a
-        completed grammar: `RequestSampling.stopped`).
+        completed grammar: `RequestSampling.stopped`; a broken grammar: `.failed`).
 
         A prompt enters the prefix cache as soon as its prefill ends (locked while the request
         runs), so requests that arrive while it decodes reuse it."""
@@ -297,7 +297,7 @@ class Scheduler:
             if (
                 token in req.stop_ids
                 or len(req.output_ids) >= req.max_output_len
-                or (sampling is not None and sampling.stopped)
+                or (sampling is not None and (sampling.stopped or sampling.failed is not None))
             ):
                 self._finish(req, token, finished)
             else:
@@ -308,8 +308,12 @@ class Scheduler:
     def _finish(self, req: Request, token: int, finished: list[Request]) -> None:
         """End a request that sampled its last token (the caller drops it from its part of
         the split)."""
-        stopped = token in req.stop_ids or (req.sampling is not None and req.sampling.stopped)
-        req.end(FinishReason.STOP if stopped else FinishReason.LENGTH)
+        sampling = req.sampling
+        if sampling is not None and sampling.failed is not None:
+            req.end(FinishReason.ERROR, sampling.failed)
+        else:
+            stopped = token in req.stop_ids or (sampling is not None and sampling.stopped)
+            req.end(FinishReason.STOP if stopped else FinishReason.LENGTH)
         self.kv.cache_finished(req)
         self.running.remove(req)
         finished.append(req)

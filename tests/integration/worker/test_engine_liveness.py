@@ -13,11 +13,33 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 
 
 def greedy(max_new_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+GRAMMAR = StructuredOutputs(regex="[a-z]{2,30}( [a-z]{1,5})*")
+
+
+def sampling(kind: int, max_new_tokens: int, seed: int) -> SamplingParams:
+    """The options a fuzzed request samples with: 0 plain greedy; 1 penalties, bias, logprobs;
+    2 a grammar; 3 stop strings and min_tokens; 4 all of them."""
+    if kind == 0:
+        return greedy(max_new_tokens)
+    options: dict[str, object] = {}
+    if kind in (1, 4):
+        options |= {"presence_penalty": 1.0, "repetition_penalty": 1.3, "logit_bias": {97: 2.0}}
+        options["logprobs"] = 2
+    if kind in (2, 4):
+        options["structured_outputs"] = GRAMMAR
+    if kind in (3, 4):
+        options |= {"stop": ("q", "zz"), "min_tokens": min(3, max_new_tokens)}
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_new_tokens=max_new_tokens, ignore_eos=True, **options
+    )
 
 
 def make_engine(model: Path, *, swa_tokens: int, **options: object) -> Engine:
@@ -161,6 +183,7 @@ class Arrival:
     own_from: int  # where its own tokens start (a shared prefix of any length)
     max_new_tokens: int
     abort_after: int | None  # steps after its arrival; None: never aborted
+    sampling: int = 0  # `sampling(kind, ...)`
 
 
 arrivals = st.lists(
@@ -172,6 +195,7 @@ arrivals = st.lists(
         own_from=st.integers(0, 51),
         max_new_tokens=st.integers(1, 40),
         abort_after=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 30)),
+        sampling=st.sampled_from([0, 0, 1, 2, 3, 4]),
     ),
     min_size=1,
     max_size=14,
@@ -209,6 +233,7 @@ def check_liveness(models: dict[int, Path], config: dict, plan: list[Arrival]) -
         max_running_requests=config["max_running_requests"],
     )
     assert engine.scheduler.limits.chunked_prefill_size == chunk
+    engine.grammar.submit(GRAMMAR).result()  # compiled: a request with it is queued at once
     stems = [[(31 * s + 7 * i) % 200 + 1 for i in range(51)] for s in range(3)]
     plan = sorted(plan, key=lambda a: a.step)
     # Each step moves at least one request by a token or a page; a retraction costs its
@@ -228,7 +253,8 @@ def check_liveness(models: dict[int, Path], config: dict, plan: list[Arrival]) -
                 prompt = stem[: min(a.own_from, a.num_tokens)]
                 prompt += [(i * 13 + j) % 199 + 1 for j in range(a.num_tokens - len(prompt))]
                 rid = f"r{i}"
-                engine.add_request(prompt, greedy(a.max_new_tokens), request_id=rid)
+                params = sampling(a.sampling, a.max_new_tokens, seed=i)
+                engine.add_request(prompt, params, request_id=rid)
                 added[rid] = step
                 if a.abort_after is not None:
                     aborts.setdefault(step + a.abort_after, []).append(rid)

@@ -112,3 +112,25 @@ def test_every_config_field_is_a_serve_flag(tiny_model_factory: Callable[..., Pa
     assert config.router.cache_view == "approx"
     with pytest.raises(ValueError):  # pydantic names the choices
         build_configs(parser.parse_args([*argv, "--router-cache-view", "fuzzy"]))
+
+
+def test_client_flags_build_the_sampling_options(tmp_path: Path) -> None:
+    import argparse
+
+    from swaserve.cluster.client import add_arguments, build_request
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    schema = tmp_path / "pet.json"
+    schema.write_text('{"type": "object", "required": ["name"]}')
+    args = parser.parse_args(
+        ["--json-schema", str(schema), "--logprobs", "2", "--presence-penalty", "0.5", "Pet:"]
+    )
+    params = build_request(args).sampling_params
+    assert params.structured_outputs.json_schema == schema.read_text()
+    assert (params.logprobs, params.presence_penalty) == (2, 0.5)
+    assert not params.HasField("frequency_penalty")
+    regex = build_request(parser.parse_args(["--regex", "[0-9]+", "x"])).sampling_params
+    assert regex.structured_outputs.WhichOneof("kind") == "regex"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--regex", "a", "--json-schema", str(schema)])

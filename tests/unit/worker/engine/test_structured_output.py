@@ -289,3 +289,63 @@ def test_processing_traffic_per_step_does_not_grow_with_the_sequence(
     decode = per_step[-60:]
     assert len(set(decode[4:])) == 1, decode  # the same bytes at every decode step
     assert rid not in engine._requests
+
+
+def test_a_migrated_request_continues_its_grammar_and_counts_its_tokens(engine: Engine) -> None:
+    """`resumed_tokens`: the prompt's last tokens were generated on another worker; the
+    grammar continues after them, penalties and min_tokens count them as output."""
+    params = constrained(3, max_new=8, regex="ab[0-9]{3}")
+    rid = engine.add_request([1, 2, 3, ord("a"), ord("b")], params, resumed_tokens=2)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    assert reason == "stop" and len(tokens) == 3 and all(chr(t).isdigit() for t in tokens), tokens
+    with pytest.raises(RequestError, match="resumed_tokens"):
+        engine.add_request([1, 2], params, resumed_tokens=2)
+    assert rid not in engine._requests
+    engine.check()
+
+
+def test_a_grammar_that_breaks_or_compiles_too_long_ends_only_its_request(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llguidance bounds its work (fuel): a matcher that runs out mid-generation ends its
+    request with "error" and the reason; a compile past GRAMMAR_TIMEOUT_S likewise. The
+    other requests go on."""
+    import swaserve.worker.engine.engine as engine_module
+    from swaserve.worker.engine.grammar import GrammarMatcher
+
+    calls = {"n": 0}
+
+    def error(self: GrammarMatcher) -> str:
+        calls["n"] += 1
+        return "lexer fuel exhausted" if calls["n"] > 3 else ""
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GrammarMatcher, "error", property(error))
+        broken = engine.add_request("q", constrained(0, regex="[a-z]{30}"))
+        free = engine.add_request("q", SamplingParams(max_new_tokens=12, temperature=0))
+        ends = {}
+        while engine.has_unfinished_requests():
+            ends |= {o.request_id: (o.finish_reason, o.error) for o in engine.step() if o.finished}
+    assert ends[broken] == ("error", "structured output: lexer fuel exhausted")
+    assert ends[free] == ("length", None)
+    engine.check()
+
+    release = threading.Event()
+    compiler = engine.grammar
+    slow_compile = compiler._compile
+    monkeypatch.setattr(
+        compiler, "_compile", lambda spec: (release.wait(60), slow_compile(spec))[1]
+    )
+    monkeypatch.setattr(engine_module, "GRAMMAR_TIMEOUT_S", 0.0)
+    late = engine.add_request("q", constrained(0, regex="[0-9]{5}"))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(late, "error")]
+    assert "not compiled within" in (outs[0].error or "")
+    release.set()
+    engine.check()
