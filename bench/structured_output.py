@@ -1,7 +1,7 @@
 """Structured output's cost to decode: the same engine decodes a batch of B requests free, then
 the same batch with half of its rows constrained by a JSON schema, alternating, in one process.
 
-Model: the decode bench's tiny random GPT-OSS (vocab 1024, hidden 256, 6 layers, W = 32) with
+Model: the decode bench's tiny random GPT-OSS (`decode.make_model`) (vocab 1024, hidden 256, 6 layers, W = 32) with
 the byte-level tokenizer of the tiny-model maker. Every request samples (temperature 1, its
 own seed) --new-tokens tokens with ignore_eos; the constrained ones follow a schema whose
 string must be long (`minLength`), so they decode for as long as the free ones and the batch
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from decode import make_model
 
 from swaserve.proto import SamplingParams, StructuredOutputs
 from swaserve.worker import Engine, EngineConfig
-from swaserve.worker.models.tiny import make_tiny_model
 
 GOAL = 0.9
 
@@ -46,21 +46,6 @@ SCHEMA = {
     "required": ["title", "tags", "score"],
     "additionalProperties": False,
 }
-
-
-def make_model(root: Path) -> Path:
-    return make_tiny_model(
-        root / "gpt-oss",
-        "gpt-oss",
-        num_layers=6,
-        sliding_window_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        hidden_size=256,
-        vocab_size=1024,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
 
 
 def run(
@@ -123,7 +108,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, Any] = {"goal": GOAL, "batches": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp))
+        model = make_model(Path(tmp), "gpt-oss")
         eng = Engine(
             EngineConfig(
                 model=str(model),
