@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from swaserve.cluster.model_info import ModelInfo
+from swaserve.cluster.openai_api import chat
 from swaserve.cluster.openai_api.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ID_PREFIXES,
@@ -33,6 +34,7 @@ from swaserve.cluster.request_checks import MAX_ID_CHARS, BadRequest, check_id, 
 from swaserve.cluster.routed import InvalidRequest, RoutedCluster
 from swaserve.proto.grammar import check_grammar
 from swaserve.proto.sampling_params import SamplingParams, StructuredOutputs
+from swaserve.proto.text import harmony
 from swaserve.proto.text.chat_template import ChatTemplate, ChatTemplateError
 from swaserve.proto.text.tokenizer import encode_text
 
@@ -53,6 +55,7 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     arrival_s: float
+    harmony: dict[str, int] | None = None  # the output is harmony: parse it (special ids)
 
     def request_id(self, index: int) -> str:
         return self.response_id if self.n == 1 else f"{self.response_id}-{index}"
@@ -65,6 +68,7 @@ class JobBuilder:
     def __init__(self, cluster: RoutedCluster) -> None:
         self.cluster = cluster
         self._template: ChatTemplate | None = None
+        self._harmony: dict[str, int] | bool | None = False  # False: not looked up yet
 
     @property
     def info(self) -> ModelInfo:
@@ -77,6 +81,16 @@ class JobBuilder:
         if self._template is None:
             self._template = ChatTemplate.from_model_dir(self.info.model_path)
         return self._template
+
+    @property
+    def harmony(self) -> dict[str, int] | None:
+        """Harmony's special token ids when the model speaks it (GPT-OSS), else None."""
+        if self._harmony is False:
+            tokenizer = self.cluster.tokenizer
+            self._harmony = (
+                harmony.special_ids(tokenizer.tokenizer) if tokenizer is not None else None
+            )
+        return self._harmony  # type: ignore[return-value]
 
     def completion_job(self, req: CompletionRequest, arrival_s: float) -> Job:
         self._check_common(req)
@@ -103,6 +117,27 @@ class JobBuilder:
         both = (req.max_tokens, req.max_completion_tokens)
         if None not in both and both[0] != both[1]:
             raise APIError(400, "max_tokens and max_completion_tokens differ", param="max_tokens")
+        max_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
+        if self.harmony is not None:
+            return self._harmony_job(req, arrival_s, max_tokens, max_field)
+        for name in ("tools", "reasoning_effort"):
+            if getattr(req, name):
+                raise APIError(
+                    400,
+                    f"{name}: this model's chat template has no tool calls or reasoning parser yet",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        for i, m in enumerate(req.messages):
+            if m.role == "tool" or m.tool_calls:
+                raise APIError(
+                    400,
+                    "tool calls need a model whose output swaserve parses for them",
+                    param=f"messages[{i}].role",
+                )
         messages = [
             {"role": m.role, "content": message_text(m.content, i), "name": m.name}
             for i, m in enumerate(req.messages)
@@ -113,17 +148,43 @@ class JobBuilder:
             raise APIError(400, str(exc), param="messages") from None
         # The template places BOS itself: encode without adding it again.
         ids = encode_text(tokenizer.tokenizer, text)
-        if req.max_completion_tokens is not None:
-            return self._job(
-                "chat.completion",
-                req,
-                ids,
-                arrival_s,
-                "messages",
-                req.max_completion_tokens,
-                "max_completion_tokens",
-            )
-        return self._job("chat.completion", req, ids, arrival_s, "messages", req.max_tokens)
+        return self._job("chat.completion", req, ids, arrival_s, "messages", max_tokens, max_field)
+
+    def _harmony_job(
+        self, req: ChatCompletionRequest, arrival_s: float, max_tokens: int | None, max_field: str
+    ) -> Job:
+        """A chat for a harmony model: the prompt rendered by `proto.text.harmony`, generation
+        stopped at `<|return|>` or `<|call|>`, the output parsed (`Job.harmony`)."""
+        specials = self.harmony
+        assert specials is not None and self.cluster.tokenizer is not None
+        choice = chat.tool_choice(req)
+        convo = chat.conversation(req, choice)
+        grammar, source = chat.forced_call_grammar(req, choice), "tools"
+        constrained = structured_outputs(req)
+        if constrained is not None:
+            if grammar is not None:
+                raise APIError(
+                    400,
+                    f"a forced tool call and {constrained[0]} exclude each other",
+                    param="tool_choice",
+                )
+            source = constrained[0]
+            grammar = chat.final_answer_grammar(source, constrained[1])
+        if grammar is not None:
+            try:
+                check_grammar(StructuredOutputs(grammar=grammar))
+            except ValueError as exc:
+                raise APIError(400, f"{source}: {_reason(exc)}", param=source) from None
+            cleared = dict.fromkeys(("response_format", *GUIDED), None)
+            req = req.model_copy(update=cleared | {"structured_outputs": {"grammar": grammar}})
+        ids = encode_text(self.cluster.tokenizer.tokenizer, convo.render())
+        job = self._job("chat.completion", req, ids, arrival_s, "messages", max_tokens, max_field)
+        if not req.ignore_eos:  # <|return|> and <|call|> are GPT-OSS's EOS ids
+            stops = {specials[harmony.RETURN], specials[harmony.CALL]}
+            stop_ids = tuple(sorted(set(job.params.stop_token_ids) | stops))
+            job.params = job.params.model_copy(update={"stop_token_ids": stop_ids})
+        job.harmony = specials
+        return job
 
     def _check_common(self, req: BaseGenerateRequest) -> None:
         name = self.info.model_name
@@ -301,6 +362,14 @@ class JobBuilder:
             return "user-" + hashlib.sha256(key.encode()).hexdigest()[: MAX_ID_CHARS // 4]
 
 
+GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's earlier request fields for structured output → `StructuredOutputs` kinds."""
+
 VLLM_NAMES = {"json": "json_schema"}
 """vLLM's `structured_outputs` keys that `StructuredOutputs` spells otherwise."""
 
@@ -326,13 +395,7 @@ def structured_outputs(req: BaseGenerateRequest) -> tuple[str, dict[str, Any]] |
     if req.structured_outputs:
         spec = {VLLM_NAMES.get(k, k): v for k, v in req.structured_outputs.items()}
         found.append(("structured_outputs", spec))
-    guided = {
-        "guided_json": "json_schema",
-        "guided_regex": "regex",
-        "guided_choice": "choice",
-        "guided_grammar": "grammar",
-    }
-    for field_name, kind in guided.items():
+    for field_name, kind in GUIDED.items():
         value = getattr(req, field_name)
         if value is not None:
             found.append((field_name, {kind: value}))

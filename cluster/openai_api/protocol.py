@@ -55,16 +55,12 @@ COMPLETION_UNSUPPORTED = COMMON_UNSUPPORTED | {
     "suffix": _off(),
 }
 CHAT_UNSUPPORTED = COMMON_UNSUPPORTED | {
-    "tools": _off(),
-    "tool_choice": _off("none"),
-    "parallel_tool_calls": _off(True),
     "functions": _off(),
     "function_call": _off("none"),
     "audio": _off(),
     "modalities": _off(["text"]),
     "prediction": _off(),
     "web_search_options": _off(),
-    "reasoning_effort": _off(),
     "verbosity": _off(),
     "store": _off(),
     "metadata": _off(),
@@ -206,12 +202,49 @@ class CompletionRequest(BaseGenerateRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """An earlier assistant turn's tool call, as the client sends it back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any  # a string or a list of {"type": "text", "text": ...} parts
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # a string or a list of {"type": "text", "text": ...} parts
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its reasoning, sent back (vLLM's name)
+    reasoning: str | None = None  # ... and its other name
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class JsonSchemaFormat(BaseModel):
@@ -238,6 +271,11 @@ class ChatCompletionRequest(BaseGenerateRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def message_text(content: Any, index: int) -> str:

@@ -25,10 +25,12 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.openai_api import chat as chat_api
 from swaserve.cluster.openai_api.jobs import Job
 from swaserve.cluster.openai_api.protocol import api_error
 from swaserve.cluster.routed import ClusterError, RoutedCluster, Unavailable
 from swaserve.proto.stream import TokenLogprob
+from swaserve.proto.text import harmony
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.proto.text.tokenizer import TextTokenizer
 
@@ -47,6 +49,7 @@ class Delta:
     finish_reason: str | None
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    parsed: list[harmony.Delta] | None = None  # a harmony job's: reasoning, content, calls
 
 
 @dataclass(slots=True)
@@ -83,9 +86,15 @@ class Responder:
         tokenizer = self.cluster.tokenizer
         detok = (
             IncrementalDetokenizer(tokenizer.tokenizer, job.prompt_ids, job.stop)
-            if tokenizer is not None
+            if tokenizer is not None and job.harmony is None
             else None
         )
+        parser = None
+        if job.harmony is not None and tokenizer is not None:
+            backend = tokenizer.tokenizer
+            parser = harmony.StreamParser(
+                job.harmony, lambda ids: backend.decode(ids, skip_special_tokens=False)
+            )
         timer = self.metrics.tracker(job.arrival_s) if self.metrics is not None else None
         stream = self.cluster.generate(
             request_id, job.prompt_ids, job.params, session_id=job.session_id
@@ -106,7 +115,14 @@ class Responder:
                 if reason == "abort":
                     raise Unavailable(f"request {request_id} was aborted on the server")
                 outcome = reason or outcome
-                yield Delta(index, text, chunk.token_ids, reason, cached, chunk.logprobs)
+                parsed = None
+                if parser is not None:
+                    parsed = parser.push(chunk.token_ids)
+                    if chunk.finished:
+                        parsed += parser.finish()
+                    if reason == "stop" and parser.calls:
+                        reason = "tool_calls"
+                yield Delta(index, text, chunk.token_ids, reason, cached, chunk.logprobs, parsed)
                 if reason:
                     return
         except ClusterError as exc:
@@ -150,7 +166,12 @@ class Responder:
                 usage.add(d)
             text = "".join(d.text for d in deltas)
             choice: dict[str, Any] = {"index": index}
-            if job.kind == "chat.completion":
+            if job.harmony is not None:
+                parsed = chat_api.ParsedChoice()
+                for d in deltas:
+                    parsed.add(d.parsed or ())
+                choice["message"] = parsed.message()
+            elif job.kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -192,15 +213,22 @@ class Responder:
         kind = "chat.completion.chunk" if chat else "text_completion"
         usage = Usage(len(job.prompt_ids))
         offsets = [0] * job.n  # text so far of each choice (completions' text_offset)
+        calls: list[list[dict[str, Any]]] = [[] for _ in range(job.n)]  # harmony: started
 
         def event(d: Delta, first: bool) -> str | None:
             usage.add(d)
             offset = offsets[d.index]
             offsets[d.index] += len(d.text)
-            if not (first or d.text or d.finish_reason or job.return_token_ids or d.logprobs):
+            fields = chat_api.delta_fields(d.parsed, calls[d.index]) if d.parsed else {}
+            if not (
+                first or d.text or d.finish_reason or job.return_token_ids or d.logprobs or fields
+            ):
                 return None
             choice: dict[str, Any] = {"index": d.index}
-            if chat:
+            if job.harmony is not None:
+                delta = {"role": "assistant", "content": ""} if first else {}
+                choice["delta"] = delta | fields
+            elif chat:
                 delta = {"role": "assistant"} if first else {}
                 choice["delta"] = delta | ({"content": d.text} if d.text or first else {})
             else:

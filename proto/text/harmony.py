@@ -371,3 +371,12 @@ class StreamParser:
         self._state = "start"
         if token in STOP_TOKENS:
             self.stop_token = token
+
+
+def special_ids(tokenizer: Any) -> dict[str, int] | None:
+    """Harmony's special tokens → their ids in `tokenizer` (a `tokenizers.Tokenizer`), or None
+    when it lacks one of them (the model does not speak harmony)."""
+    ids = {name: tokenizer.token_to_id(name) for name in SPECIAL_TOKENS}
+    if any(i is None for i in ids.values()):
+        return None
+    return ids

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from swaserve.proto.text.harmony import SPECIAL_TOKENS as HARMONY_SPECIAL_TOKENS
 from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swaserve.worker.models.config import (
@@ -49,6 +50,10 @@ from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4
 ARCHITECTURES = {"gpt-oss": GPT_OSS, "mimo-v2-flash": MIMO_V2_FLASH}
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
+HARMONY_TOKENS = HARMONY_SPECIAL_TOKENS
+"""With `harmony=True` a GPT-OSS tokenizer also has harmony's special tokens (ids from 262,
+after SPECIAL_TOKENS): its chat goes through the harmony renderer and parser, as the published
+model's does."""
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
     "{{ message['content'] }}<|eos|>{% endfor %}"
@@ -89,6 +94,7 @@ def make_tiny_model(
     checkpoint_format: str = "hf",
     quantization: str = "none",
     fp8_block_size: tuple[int, int] = (128, 128),
+    harmony: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write the model dir and return its path.
@@ -98,6 +104,7 @@ def make_tiny_model(
     `layer_types` defaults to each architecture's HF pattern. `overrides` are extra or replaced
     config.json fields (e.g. `swiglu_limit=0.5`, `tie_word_embeddings=True`, `n_group=2`).
     `num_shards > 1` writes a sharded checkpoint with `model.safetensors.index.json`.
+    `harmony` (GPT-OSS only): the tokenizer has harmony's special tokens (`HARMONY_TOKENS`).
     `checkpoint_format`, `quantization`: see the module docstring; `fp8_block_size` is FP8's
     `weight_block_size` (rows, cols).
     """
@@ -111,9 +118,12 @@ def make_tiny_model(
         raise ValueError("mxfp4 is GPT-OSS's checkpoint format; use fp8 for mimo-v2-flash")
     if sliding_window_size < 0 or num_layers < 1 or num_shards < 1:
         raise ValueError("need sliding_window_size >= 0, num_layers >= 1 and num_shards >= 1")
-    vocab = vocab_size or 32 * math.ceil((256 + len(SPECIAL_TOKENS)) / 32)
-    if vocab < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must hold the {256 + len(SPECIAL_TOKENS)} tokenizer tokens")
+    if harmony and arch != "gpt-oss":
+        raise ValueError("harmony is GPT-OSS's format")
+    tokens = 256 + len(SPECIAL_TOKENS) + (len(HARMONY_TOKENS) if harmony else 0)
+    vocab = vocab_size or 32 * math.ceil(tokens / 32)
+    if vocab < tokens:
+        raise ValueError(f"vocab_size must hold the {tokens} tokenizer tokens")
     head = hidden_size // num_heads
     common: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -206,7 +216,7 @@ def make_tiny_model(
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     weights = checkpoint_weights(hf, seed, checkpoint_format)
     _write_weights(root, weights, num_shards)
-    write_byte_tokenizer(root)
+    write_byte_tokenizer(root, HARMONY_TOKENS if harmony else ())
     return root
 
 
@@ -300,16 +310,17 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def write_byte_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """tokenizer.json: token id = byte value for 0..255, then SPECIAL_TOKENS; no merges, so any
-    text round-trips. tokenizer_config.json names bos/eos/pad and holds a simple chat template."""
+def write_byte_tokenizer(model_dir: str | Path, extra_special: tuple[str, ...] = ()) -> Tokenizer:
+    """tokenizer.json: token id = byte value for 0..255, then SPECIAL_TOKENS, then
+    `extra_special`; no merges, so any text round-trips. tokenizer_config.json names bos/eos/pad
+    and holds a simple chat template."""
     root = Path(model_dir)
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + extra_special]
     )
     tokenizer.save(str(root / "tokenizer.json"))
     tokenizer_config = {
@@ -345,6 +356,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="mxfp4: GPT-OSS experts as MXFP4 blocks + scales; fp8: block-scaled float8 weights",
     )
+    parser.add_argument(
+        "--harmony",
+        action="store_true",
+        help="GPT-OSS: harmony's special tokens in the tokenizer (chat in harmony, parsed)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -359,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint_format=args.format,
         quantization=args.quantization,
+        harmony=args.harmony,
     )
     config = parse_model_config(json.loads((root / "config.json").read_text()))
     print(

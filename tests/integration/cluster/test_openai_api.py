@@ -568,7 +568,18 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | str, str | None]] = [
     ("seed 2**63", "completions", {"prompt": "x", "seed": 2**63}, "seed"),
     ("unknown field", "completions", {"prompt": "x", "best_friend": 1}, "best_friend"),
     ("echo", "completions", {"prompt": "x", "echo": True}, "echo"),
-    ("tools", "chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    (
+        "tool without a function",
+        "chat",
+        {"messages": MESSAGES, "tools": [{"type": "function"}]},
+        "tools[0].function",
+    ),
+    (
+        "tools on a model without a tool-call parser",
+        "chat",
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+    ),
     (
         "top_logprobs 21",
         "chat",
@@ -726,11 +737,11 @@ def test_the_openai_client_sees_unsupported_fields_as_bad_requests(
         client.chat.completions.create(
             messages=MESSAGES,
             model=model_name,
-            tools=[{"type": "function", "function": {"name": "f"}}],
             audio={"voice": "alloy", "format": "wav"},
+            modalities=["text", "audio"],
         )
     assert err.value.status_code == 400
-    assert "tools" in err.value.message and "audio" in err.value.message
+    assert "audio" in err.value.message and "modalities" in err.value.message
     assert err.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model_name, prompt="x", echo=True)

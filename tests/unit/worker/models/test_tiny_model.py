@@ -14,7 +14,13 @@ from tokenizers import Tokenizer
 from swaserve.cluster.cli import main
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.loader import SINGLE_FILE
-from swaserve.worker.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, make_tiny_model
+from swaserve.worker.models.tiny import (
+    BOS_ID,
+    EOS_ID,
+    HARMONY_TOKENS,
+    SPECIAL_TOKENS,
+    make_tiny_model,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,6 +64,11 @@ def test_byte_tokenizer_round_trips_and_has_specials(tmp_path: Path) -> None:
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [256, 257, 258, 259, 260, 261]
     assert tokenizer.encode("<|user|>hi<|eos|>").ids == [260, ord("h"), ord("i"), EOS_ID]
     assert tokenizer.get_vocab_size() == 262
+    # With harmony=True, GPT-OSS's also has harmony's special tokens, after the others.
+    make_tiny_model(tmp_path / "harmony", arch="gpt-oss", num_layers=2, harmony=True)
+    harmony = Tokenizer.from_file(str(tmp_path / "harmony" / "tokenizer.json"))
+    assert [harmony.token_to_id(t) for t in HARMONY_TOKENS] == list(range(262, 269))
+    assert harmony.get_vocab_size() == 269
 
 
 def test_chat_template_renders_through_transformers(tmp_path: Path) -> None:
@@ -122,3 +133,7 @@ def test_bad_arguments_raise(tmp_path: Path) -> None:
         make_tiny_model(tmp_path, checkpoint_format="gguf")
     with pytest.raises(ValueError, match="vocab_size must hold the 262 tokenizer tokens"):
         make_tiny_model(tmp_path, vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size must hold the 269 tokenizer tokens"):
+        make_tiny_model(tmp_path, vocab_size=264, harmony=True)
+    with pytest.raises(ValueError, match="harmony is GPT-OSS's format"):
+        make_tiny_model(tmp_path, arch="mimo-v2-flash", harmony=True)

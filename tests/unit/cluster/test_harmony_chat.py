@@ -1,0 +1,270 @@
+"""Chat completions on a model that speaks harmony (the tiny GPT-OSS's tokenizer has its special
+tokens), over the real HTTP server and a `FakeCluster` whose worker streams a scripted output:
+the prompt is rendered in harmony (reasoning effort, tools, tool results), and the output is
+parsed into reasoning, content and tool calls, whole and streamed, with the stock client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from routed_fakes import FakeCluster, LoopThread
+
+from swaserve.cluster.http_server import HttpServer
+from swaserve.proto.engine_request import EngineRequest
+from swaserve.proto.stream import GenerateChunk
+from swaserve.proto.text import harmony
+from swaserve.proto.text.tokenizer import TextTokenizer, encode_text
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+THINK_THEN_ANSWER = (
+    "<|channel|>analysis<|message|>The user greets.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>"
+)
+CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city":"Paris"}<|call|>'
+)
+
+
+class ScriptedCluster(FakeCluster):
+    """Streams `script` (harmony text, encoded) two tokens per chunk; keeps each request."""
+
+    def __init__(self, model_dir: Path, tokenizer: TextTokenizer) -> None:
+        super().__init__(model_dir, tokenizer, ["w0"])
+        assert self.model_info is not None
+        self.model_info = replace(self.model_info, vocab_size=288)
+        self.script = THINK_THEN_ANSWER
+        self.requests: list[EngineRequest] = []
+
+    async def _stream(
+        self, worker_id: str, request: EngineRequest
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        self.requests.append(request)
+        yield GenerateChunk(request.request_id)
+        assert self.tokenizer is not None
+        ids = encode_text(self.tokenizer.tokenizer, self.script)
+        for i in range(0, len(ids), 2):
+            last = i + 2 >= len(ids)
+            yield GenerateChunk(
+                request.request_id,
+                ids[i : i + 2],
+                finished=last,
+                finish_reason="stop" if last else None,
+                worker_id=worker_id,
+            )
+
+    def prompt(self, index: int = -1) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.tokenizer.decode(
+            self.requests[index].token_ids, skip_special_tokens=False
+        )
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_factory: Callable[..., Path]) -> Iterator[tuple[ScriptedCluster, str]]:
+    model = tiny_model_factory("gpt-oss", num_layers=1, harmony=True)
+    cluster = ScriptedCluster(model, TextTokenizer(model))
+    loop = LoopThread()
+    server = HttpServer(cluster, port=0)
+    loop.run(server.start())
+    try:
+        yield cluster, f"http://127.0.0.1:{server.port}/v1"
+    finally:
+        loop.run(server.stop())
+        loop.close()
+
+
+@pytest.fixture
+def client(served: tuple[ScriptedCluster, str]) -> openai.OpenAI:
+    served[0].script = THINK_THEN_ANSWER
+    return openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0, timeout=30)
+
+
+def extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {}).get(name)
+
+
+def test_reasoning_and_answer_are_parsed_apart_whole_and_streamed(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(model=cluster.model_info.model_name, messages=messages)
+    message = out.choices[0].message
+    assert message.content == "Hello there!"
+    assert extra(message, "reasoning_content") == extra(message, "reasoning") == "The user greets."
+    assert out.choices[0].finish_reason == "stop"
+    prompt = cluster.prompt()
+    assert prompt.startswith("<|start|>system<|message|>You are ChatGPT")
+    assert "Reasoning: medium" in prompt
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>" in prompt
+    assert prompt.endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    ids = cluster.tokenizer.tokenizer  # type: ignore[union-attr]
+    stops = {ids.token_to_id(harmony.RETURN), ids.token_to_id(harmony.CALL)}
+    assert stops <= set(cluster.requests[-1].params.stop_token_ids)
+    chunks = list(
+        client.chat.completions.create(
+            model=cluster.model_info.model_name, messages=messages, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Hello there!"
+    assert "".join(extra(d, "reasoning_content") or "" for d in deltas) == "The user greets."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_reasoning_effort_changes_the_system_message(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI, effort: str
+) -> None:
+    client.chat.completions.create(
+        model=served[0].model_info.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        reasoning_effort=effort,  # type: ignore[arg-type]
+    )
+    assert f"\n\nReasoning: {effort}\n\n" in served[0].prompt()
+
+
+def test_a_tool_call_comes_back_as_tool_calls_whole_and_streamed(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    cluster.script = CALL
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    name = cluster.model_info.model_name
+    out = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER])  # type: ignore[list-item]
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert "type get_weather = (_: {\ncity: string,\n}) => any;" in cluster.prompt()
+    chunks = list(
+        client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], stream=True)  # type: ignore[list-item]
+    )
+    pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert pieces[0].id and pieces[0].function.name == "get_weather"
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The result goes back; the history renders the call and its result as harmony.
+    cluster.script = THINK_THEN_ANSWER
+    follow = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Need the weather.",
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": call.function.model_dump()}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    answer = client.chat.completions.create(model=name, messages=follow, tools=[WEATHER])  # type: ignore[arg-type,list-item]
+    assert answer.choices[0].message.content == "Hello there!"
+    assert cluster.prompt().endswith(
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city":"Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
+        "<|end|><|start|>assistant"
+    )
+
+
+def test_tool_choice_required_and_named_constrain_the_output(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    name = cluster.model_info.model_name
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "x"}],
+            tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+        )
+        spec = cluster.requests[-1].params.structured_outputs
+        assert spec is not None and spec.grammar is not None
+        assert "commentary to=functions.get_weather " in spec.grammar
+    client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "x"}],
+        tools=[WEATHER],
+        tool_choice="none",  # type: ignore[list-item]
+    )
+    assert "namespace functions" not in cluster.prompt()
+    assert cluster.requests[-1].params.structured_outputs is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        **WEATHER,
+                        "function": {
+                            **WEATHER["function"],
+                            "parameters": {"type": "array", "uniqueItems": True},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            {"messages": [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+            "messages[0].tool_call_id",
+        ),
+        ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_field(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI, body: dict[str, Any], param: str
+) -> None:
+    kwargs: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]} | body
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=served[0].model_info.model_name, **kwargs)
+    assert err.value.param == param, err.value.message
+
+
+def test_content_never_carries_a_channel_marker(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    served[
+        0
+    ].script = (
+        "<|channel|>final<|message|>a<|channel|>b<|end|>c<|start|>assistant<|message|>d<|return|>"
+    )
+    out = client.chat.completions.create(
+        model=served[0].model_info.model_name, messages=[{"role": "user", "content": "x"}]
+    )
+    content = out.choices[0].message.content or ""
+    assert "<|" not in content and "a" in content
