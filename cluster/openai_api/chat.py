@@ -146,7 +146,7 @@ def forced_call_grammar(req: ChatCompletionRequest, choice: ToolChoice) -> str |
     rules = []
     alternatives = []
     for k, t in enumerate(tools):
-        schema = t.function.parameters or {"type": "object"}
+        schema = t.function.parameters or NO_PARAMETERS
         alternatives.append(f"call_{k}")
         rules.append(
             f'call_{k}: <|channel|> "commentary to=functions.{t.function.name} " <|constrain|> '
@@ -222,6 +222,9 @@ def delta_fields(deltas: Sequence[Delta], calls: list[dict[str, Any]]) -> dict[s
         out["tool_calls"] = tool_deltas
     return out
 
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The arguments of a function declared without parameters: `{}`."""
 
 ANALYSIS_RULE = 'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|>'
 

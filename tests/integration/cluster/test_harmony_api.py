@@ -197,10 +197,12 @@ def test_a_harmony_chats_second_turn_reuses_the_first(
     diverges right after the first prompt: the window checkpoint at its end keeps it
     resumable, and the second turn reuses the first prompt."""
     session = f"harmony-chat-{reasoning}"
+    # A system message of its own: nothing that another test cached is shared past it.
+    messages = [{"role": "system", "content": f"You are terse ({session})."}, MESSAGES[1]]
     first = client.chat.completions.create(
         model=model_name,
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=4 * WINDOW + reasoning + 8,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=3 * WINDOW + reasoning + 32,  # the headers: 7 tokens, 25 more with reasoning
         user=session,
         extra_body=harmony_answer(reasoning, 3 * WINDOW),
         temperature=0,
@@ -213,7 +215,7 @@ def test_a_harmony_chats_second_turn_reuses_the_first(
     assert len(thought) == reasoning
     wait_idle(harmony_cluster)
     turn2 = [
-        *MESSAGES,
+        *messages,
         {"role": "assistant", "content": content},
         {"role": "user", "content": "And the radix cache?"},
     ]
