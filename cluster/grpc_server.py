@@ -52,6 +52,7 @@ from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import TokenLogprob
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
+from swaserve.proto.text import harmony
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.proto.text.tokenizer import TextTokenizer
 
@@ -211,6 +212,7 @@ class InferenceService:
             if tokenizer is not None
             else None
         )
+        parser = self._output_parser(request.parse_output)
         self._open.add(request_id)
         left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
         stream = self.cluster.generate(
@@ -227,6 +229,13 @@ class InferenceService:
                     timer.tokens(len(chunk.token_ids), worker_id, time.monotonic())
                 text = detok.push(chunk.token_ids) if detok is not None else ""
                 reason = chunk.finish_reason or ""
+                parts: list[harmony.Delta] = []
+                if parser is not None:
+                    parts = parser.push(chunk.token_ids)
+                    if chunk.finished:
+                        parts += parser.finish()
+                        if reason == "stop" and parser.calls:
+                            reason = "tool_calls"
                 if detok is not None and detok.stopped:
                     reason = "stop"  # a stop string: end here; closing the stream aborts
                 elif chunk.finished and detok is not None:
@@ -239,6 +248,12 @@ class InferenceService:
                     cached_tokens=chunk.cached_tokens,
                     worker_id=worker_id,
                     logprobs=logprobs_to_proto(chunk.logprobs or [], tokenizer),
+                    parsed=[
+                        pb.OutputPart(
+                            kind=p.kind, text=p.text, tool_name=p.name or "", tool_index=p.index
+                        )
+                        for p in parts
+                    ],
                 )
                 if reason:
                     response.usage.CopyFrom(
@@ -275,6 +290,22 @@ class InferenceService:
             await stream.aclose()  # not finished: aborts on the worker, frees the KV
             if timer is not None:
                 timer.finish(time.monotonic())
+
+    def _output_parser(self, wanted: bool) -> harmony.StreamParser | None:
+        """The request's output parser (`parse_output`); None when not asked."""
+        if not wanted:
+            return None
+        tokenizer = self.cluster.tokenizer
+        specials = harmony.special_ids(tokenizer.tokenizer) if tokenizer is not None else None
+        if tokenizer is None or specials is None:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "parse_output needs a model whose output swaserve parses (harmony: GPT-OSS)",
+            )
+        backend = tokenizer.tokenizer
+        return harmony.StreamParser(
+            specials, lambda ids: backend.decode(ids, skip_special_tokens=False)
+        )
 
     def _parse(
         self, request: pb.GenerateRequest

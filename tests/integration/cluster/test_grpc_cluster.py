@@ -372,6 +372,10 @@ BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest]]] = [
             sampling_params=pb.SamplingParams(structured_outputs=pb.StructuredOutputs()),
         ),
     ),
+    (
+        "parse_output on a model without an output parser",
+        lambda: pb.GenerateRequest(token_ids=[1], parse_output=True),
+    ),
     ("request id with a space", lambda: pb.GenerateRequest(request_id="a b", token_ids=[1])),
     ("request id of 200 chars", lambda: pb.GenerateRequest(request_id="r" * 200, token_ids=[1])),
     ("session id with a slash", lambda: pb.GenerateRequest(session_id="a/b", token_ids=[1])),

@@ -17,6 +17,8 @@ import pytest
 from cluster_harness import WINDOW, ServedCluster, serve_cluster, wait_idle
 
 from swaserve.cluster.http_server import HttpServer
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+from swaserve.proto.text.harmony import Conversation, Message, Tool
 
 pytestmark = pytest.mark.slow
 
@@ -238,3 +240,35 @@ def test_a_harmony_chats_second_turn_reuses_the_first(
         assert whole - page_size <= cached <= whole
     assert cached < second.usage.prompt_tokens
     wait_idle(harmony_cluster)
+
+
+def test_grpc_parses_harmony_output_into_parts(harmony_cluster: ServedCluster) -> None:
+    """`parse_output`: a gRPC client gets reasoning, content and tool-call parts without
+    parsing harmony itself (here a call forced by a whole-output grammar)."""
+    prompt = Conversation(
+        [Message("user", "Weather in Paris?")],
+        tools=[Tool("get_weather", "Weather of a city.", WEATHER_SCHEMA)],
+    ).render()
+    grammar = (
+        'start: <|channel|> "analysis" <|message|> /[b-z ]{12}/ <|end|> <|start|> "assistant" '
+        '<|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
+        f"args <|call|>\nargs: %json {json.dumps(WEATHER_SCHEMA)}"
+    )
+    params = pb.SamplingParams(
+        max_new_tokens=160,
+        temperature=1.0,
+        seed=3,
+        structured_outputs=pb.StructuredOutputs(grammar=grammar),
+    )
+    items = list(
+        harmony_cluster.stub().Generate(
+            pb.GenerateRequest(text=prompt, sampling_params=params, parse_output=True), timeout=60
+        )
+    )
+    parts = [p for item in items for p in item.parsed]
+    assert items[-1].finish_reason == "tool_calls"
+    assert len("".join(p.text for p in parts if p.kind == "reasoning")) == 12
+    calls = [p for p in parts if p.kind == "tool_call"]
+    assert {(p.tool_name, p.tool_index) for p in calls} == {("get_weather", 0)}
+    jsonschema.validate(json.loads("".join(p.text for p in calls)), WEATHER_SCHEMA)
+    assert not [p for p in parts if p.kind == "content"]
