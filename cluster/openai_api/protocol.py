@@ -234,7 +234,7 @@ class ChatMessage(BaseModel):
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")  # dots: namespaced (Responses)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from swaserve.cluster.metrics import CONTENT_TYPE
@@ -35,6 +36,8 @@ from swaserve.cluster.openai_api.protocol import (
     parse_body,
     validation_error,
 )
+from swaserve.cluster.openai_api.responses import UNSUPPORTED as RESPONSES_UNSUPPORTED
+from swaserve.cluster.openai_api.responses import ResponsesRequest
 from swaserve.cluster.openai_api.server import OpenAIServer
 from swaserve.cluster.request_checks import DEFAULT_MAX_MESSAGE_BYTES
 from swaserve.cluster.routed import ClusterError
@@ -126,6 +129,60 @@ async def chat_completions(request: Request) -> Response:
     return await server.responder.respond(request, job, req.stream)
 
 
+async def create_response(request: Request) -> Response:
+    arrival_s = time.monotonic()
+    server = await _ready_server(request)
+    unsupported = {name: _off_value for name in RESPONSES_UNSUPPORTED}
+    req = parse_body(await _json(request), ResponsesRequest, unsupported)
+    service = server.responses
+    job, translated, history = await asyncio.to_thread(service.prepare, req, arrival_s)
+    events = service.run(req, job, translated, history)
+    if not req.stream:
+        last: dict[str, Any] = {}
+        try:
+            async for _, data in events:
+                last = data
+        finally:
+            await events.aclose()
+        return JSONResponse(last["response"])
+    return StreamingResponse(_sse_events(events), media_type="text/event-stream")
+
+
+async def _sse_events(
+    events: AsyncGenerator[tuple[str, dict[str, Any]], None],
+) -> AsyncGenerator[str, None]:
+    """Server-sent events with `event:` names and a monotonic `sequence_number`; an error after
+    the stream began is an `error` event."""
+    sequence = 0
+    try:
+        async for name, data in events:
+            body = {"type": name, "sequence_number": sequence, **data}
+            sequence += 1
+            yield f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+    except Exception as exc:
+        error = api_error(exc).body()["error"]
+        body = {"type": "error", "sequence_number": sequence, **error}
+        yield f"event: error\ndata: {json.dumps(body)}\n\n"
+    finally:
+        await events.aclose()
+
+
+async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+    server = await _ready_server(request)
+    return server.responses.store.get(response_id).response
+
+
+async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+    server = await _ready_server(request)
+    server.responses.store.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _off_value(value: Any) -> bool:
+    """A refused Responses field is accepted at its neutral value (false, null, empty)."""
+    return value is None or value is False or value in ("", [], {})
+
+
 async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [(await _ready_server(request)).model_card()]}
 
@@ -172,6 +229,9 @@ def build_openai_app() -> FastAPI:
     api = APIRouter(dependencies=[Depends(_authorize)])
     api.add_api_route("/v1/completions", completions, methods=["POST"])
     api.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    api.add_api_route("/v1/responses", create_response, methods=["POST"])
+    api.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
+    api.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
     api.add_api_route("/v1/models", list_models, methods=["GET"])
     api.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     api.add_api_route("/metrics", metrics, methods=["GET"])

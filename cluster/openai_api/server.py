@@ -9,6 +9,7 @@ from typing import Any
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.openai_api.jobs import JobBuilder
+from swaserve.cluster.openai_api.responses import ResponsesService
 from swaserve.cluster.openai_api.stream import Responder
 from swaserve.cluster.routed import RoutedCluster
 
@@ -30,6 +31,7 @@ class OpenAIServer:
         self.started = int(time.time())
         self.jobs = JobBuilder(cluster)  # request body -> Job (tokenizes: off the event loop)
         self.responder = Responder(cluster, metrics)  # Job -> choices -> response
+        self.responses = ResponsesService(self.jobs, self.responder)  # /v1/responses, its store
 
     @property
     def info(self) -> ModelInfo:

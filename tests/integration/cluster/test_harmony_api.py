@@ -272,3 +272,49 @@ def test_grpc_parses_harmony_output_into_parts(harmony_cluster: ServedCluster) -
     assert {(p.tool_name, p.tool_index) for p in calls} == {("get_weather", 0)}
     jsonschema.validate(json.loads("".join(p.text for p in calls)), WEATHER_SCHEMA)
     assert not [p for p in parts if p.kind == "content"]
+
+
+SEED = 1
+"""A seed whose draws call the tool at once (seeded sampling draws the same on any worker)."""
+
+
+def test_the_responses_api_with_tools_a_format_and_a_previous_response(
+    harmony_cluster: ServedCluster, client: openai.OpenAI, model_name: str
+) -> None:
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": WEATHER_SCHEMA,
+        "strict": True,
+    }
+    first = client.responses.create(
+        model=model_name,
+        input="Weather in Paris?",
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice="required",
+        reasoning={"effort": "low"},
+        temperature=1.0,
+        max_output_tokens=120,
+        extra_body={"seed": SEED},
+        user="responses-agent",
+    )
+    assert first.status == "completed", first.output
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    follow = client.responses.create(
+        model=model_name,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21C"}],
+        tools=[tool],  # type: ignore[list-item]
+        text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA}},
+        max_output_tokens=300,
+        user="responses-agent",
+    )
+    assert follow.usage is not None and follow.usage.input_tokens_details.cached_tokens > 0
+    with client.responses.stream(
+        model=model_name, input="Say something.", max_output_tokens=8
+    ) as stream:
+        kinds = [event.type for event in stream]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    wait_idle(harmony_cluster)

@@ -268,3 +268,192 @@ def test_content_never_carries_a_channel_marker(
     )
     content = out.choices[0].message.content or ""
     assert "<|" not in content and "a" in content
+
+
+# ---- the Responses API ---------------------------------------------------------------------
+RESPONSES_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather of a city.",
+    "parameters": WEATHER["function"]["parameters"],  # type: ignore[index]
+}
+
+
+def test_a_response_has_reasoning_and_message_items(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    out = client.responses.create(
+        model=cluster.model_info.model_name,
+        input="Hi",
+        instructions="Be brief.",
+        reasoning={"effort": "high"},
+    )
+    assert out.status == "completed" and out.output_text == "Hello there!"
+    kinds = [item.type for item in out.output]
+    assert kinds == ["reasoning", "message"]
+    assert out.output[0].content[0].text == "The user greets."  # type: ignore[union-attr,index]
+    assert out.usage is not None and out.usage.input_tokens == len(cluster.requests[-1].token_ids)
+    prompt = cluster.prompt()
+    assert "Reasoning: high" in prompt and "# Instructions\n\nBe brief." in prompt
+    assert client.responses.retrieve(out.id).output_text == "Hello there!"
+
+
+def test_a_function_call_and_its_output_continue_with_previous_response_id(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    name = cluster.model_info.model_name
+    cluster.script = CALL
+    first = client.responses.create(
+        model=name,
+        input="Weather in Paris?",
+        tools=[RESPONSES_WEATHER, {"type": "web_search"}],  # type: ignore[list-item]
+    )
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert "web_search" not in cluster.prompt()  # a hosted tool is not offered
+    cluster.script = THINK_THEN_ANSWER
+    second = client.responses.create(
+        model=name,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}],
+        tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
+    )
+    assert second.output_text == "Hello there!"
+    assert cluster.prompt().endswith(
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city":"Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
+        "<|end|><|start|>assistant"
+    )
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=name, input="x", previous_response_id=first.id)
+
+
+def test_a_streamed_response_sends_the_events_in_order(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    cluster.script = CALL
+    events = list(
+        client.responses.create(
+            model=cluster.model_info.model_name,
+            input="Weather?",
+            tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "response.reasoning_text.delta" in kinds
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(args) == {"city": "Paris"}
+    added = kinds.index("response.output_item.added")
+    assert kinds.index("response.reasoning_text.delta") > added
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+
+
+def test_namespaces_encrypted_reasoning_and_bad_items(
+    served: tuple[ScriptedCluster, str], client: openai.OpenAI
+) -> None:
+    cluster = served[0]
+    name = cluster.model_info.model_name
+    cluster.script = (
+        "<|channel|>analysis<|message|>Read it.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.repo.read <|constrain|>json<|message|>{"path":"a.py"}<|call|>'
+    )
+    namespace = {
+        "type": "namespace",
+        "name": "repo",
+        "description": "The repository.",
+        "tools": [{"type": "function", "name": "read", "parameters": {"type": "object"}}],
+    }
+    out = client.responses.create(
+        model=name,
+        input="Read a.py",
+        tools=[namespace],  # type: ignore[list-item]
+        store=False,
+        include=["reasoning.encrypted_content"],
+    )
+    reasoning, call = out.output
+    assert call.type == "function_call" and call.name == "read"
+    assert call.namespace == "repo"  # type: ignore[union-attr]
+    blob = reasoning.encrypted_content  # type: ignore[union-attr]
+    assert blob and "Read it." not in blob
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(out.id)  # store: false
+    cluster.script = THINK_THEN_ANSWER
+    client.responses.create(
+        model=name,
+        input=[
+            {"role": "user", "content": "Read a.py"},
+            {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": blob},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": "read",
+                "namespace": "repo",
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "print(1)"},
+        ],
+        tools=[namespace],  # type: ignore[list-item]
+        store=False,
+    )
+    assert "<|channel|>analysis<|message|>Read it.<|end|>" in cluster.prompt()
+    assert "to=functions.repo.read" in cluster.prompt()
+    for body, param in (
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input"),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "web_search"}],
+                "tool_choice": {"type": "web_search"},
+            },
+            "tool_choice",
+        ),
+        ({"input": "x", "background": True}, "background"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=name, **body)  # type: ignore[arg-type]
+        assert err.value.param == param, err.value.message
+
+
+def test_a_model_without_harmony_answers_responses_with_text(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    model = tiny_model_factory("mimo-v2-flash", num_layers=1)
+    cluster = FakeCluster(model, TextTokenizer(model), ["w0"])
+    loop = LoopThread()
+    server = HttpServer(cluster, port=0)
+    loop.run(server.start())
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0
+        )
+        out = client.responses.create(
+            model=cluster.model_info.model_name, input="hi", max_output_tokens=3
+        )
+        assert [item.type for item in out.output] == ["message"]
+        assert out.status == "incomplete" and out.incomplete_details is not None
+        assert out.incomplete_details.reason == "max_output_tokens"
+        assert out.usage is not None and out.usage.output_tokens == 3
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(
+                model=cluster.model_info.model_name,
+                input="hi",
+                tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
+            )
+        assert err.value.param == "tools"
+    finally:
+        loop.run(server.stop())
+        loop.close()
