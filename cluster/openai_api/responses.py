@@ -576,16 +576,19 @@ class ResponsesService:
         self.jobs, self.responder = jobs, responder
         self.store = store or ResponseStore()
 
+    def history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+        """The conversation that `previous_response_id` continues (on the event loop: the
+        store is the loop's)."""
+        if req.previous_response_id is None:
+            return []
+        return list(self.store.get(req.previous_response_id).messages)
+
     def prepare(
-        self, req: ResponsesRequest, arrival_s: float
-    ) -> tuple[Any, Translated, list[dict[str, Any]]]:
-        """(the job, the translation, the history) of a request; tokenizes: off the loop."""
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            history = list(self.store.get(req.previous_response_id).messages)
+        self, req: ResponsesRequest, history: list[dict[str, Any]], arrival_s: float
+    ) -> tuple[Any, Translated]:
+        """(the job, the translation) of a request; renders and tokenizes: off the loop."""
         translated = translate(req, history)
-        job = self.jobs.chat_job(translated.chat, arrival_s)
-        return job, translated, history
+        return self.jobs.chat_job(translated.chat, arrival_s), translated
 
     def envelope(
         self, req: ResponsesRequest, response_id: str, created: int, status: str

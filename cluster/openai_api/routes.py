@@ -135,7 +135,8 @@ async def create_response(request: Request) -> Response:
     unsupported = {name: _off_value for name in RESPONSES_UNSUPPORTED}
     req = parse_body(await _json(request), ResponsesRequest, unsupported)
     service = server.responses
-    job, translated, history = await asyncio.to_thread(service.prepare, req, arrival_s)
+    history = service.history(req)
+    job, translated = await asyncio.to_thread(service.prepare, req, history, arrival_s)
     events = service.run(req, job, translated, history)
     if not req.stream:
         last: dict[str, Any] = {}
