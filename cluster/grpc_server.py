@@ -231,11 +231,7 @@ class InferenceService:
                 reason = chunk.finish_reason or ""
                 parts: list[harmony.Delta] = []
                 if parser is not None:
-                    parts = parser.push(chunk.token_ids)
-                    if chunk.finished:
-                        parts += parser.finish()
-                        if reason == "stop" and parser.calls:
-                            reason = "tool_calls"
+                    parts, reason = parser.chunk(chunk.token_ids, chunk.finished, reason)
                 if detok is not None and detok.stopped:
                     reason = "stop"  # a stop string: end here; closing the stream aborts
                 elif chunk.finished and detok is not None:

@@ -117,11 +117,8 @@ class Responder:
                 outcome = reason or outcome
                 parsed = None
                 if parser is not None:
-                    parsed = parser.push(chunk.token_ids)
-                    if chunk.finished:
-                        parsed += parser.finish()
-                    if reason == "stop" and parser.calls:
-                        reason = "tool_calls"
+                    parsed, ended = parser.chunk(chunk.token_ids, chunk.finished, reason or "")
+                    reason = ended or None
                 yield Delta(index, text, chunk.token_ids, reason, cached, chunk.logprobs, parsed)
                 if reason:
                     return

@@ -288,6 +288,16 @@ class StreamParser:
                 out += self._flush(final=False)
         return out
 
+    def chunk(self, token_ids: list[int], finished: bool, reason: str) -> tuple[list[Delta], str]:
+        """A stream chunk's deltas (flushed when it is the last) and its finish reason, which
+        becomes "tool_calls" when the generation stopped at a call."""
+        parts = self.push(token_ids)
+        if finished:
+            parts += self.finish()
+        if reason == "stop" and self.calls:
+            reason = "tool_calls"
+        return parts, reason
+
     def finish(self) -> list[Delta]:
         """The generation ended: flush what is held (a trailing incomplete character)."""
         out = self._flush()
