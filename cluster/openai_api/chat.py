@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swaserve.cluster.openai_api.protocol import APIError, ChatCompletionRequest, message_text
+from swaserve.proto.grammar import JSON_OPTIONS
 from swaserve.proto.text import harmony
 from swaserve.proto.text.harmony import Conversation, Delta, Message, Tool
 
@@ -152,7 +153,7 @@ def forced_call_grammar(req: ChatCompletionRequest, choice: ToolChoice) -> str |
             f'call_{k}: <|channel|> "commentary to=functions.{t.function.name} " <|constrain|> '
             f'"json" <|message|> args_{k} <|call|>'
         )
-        rules.append(f"args_{k}: %json {json.dumps(schema)}")
+        rules.append(f"args_{k}: %json {json.dumps(compact(schema))}")
     head = [
         'start: (analysis <|start|> "assistant")? call',
         ANALYSIS_RULE,
@@ -223,6 +224,14 @@ def delta_fields(deltas: Sequence[Delta], calls: list[dict[str, Any]]) -> dict[s
     return out
 
 
+def compact(schema: Any) -> Any:
+    """`schema` with llguidance's option for compact JSON (`x-guidance`): inside a Lark
+    grammar, `%json` would otherwise let a model run to max_tokens on whitespace."""
+    if not isinstance(schema, dict):
+        return schema
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS}}
+
+
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 """The arguments of a function declared without parameters: `{}`."""
 
@@ -246,7 +255,9 @@ def final_answer_grammar(source: str, spec: dict[str, Any]) -> str:
                 raise APIError(
                     400, f"{source}: the schema is not JSON: {exc}", param=source
                 ) from None
-        answer = f"%json {json.dumps(schema if schema is not None else {'type': 'object'})}"
+        answer = (
+            f"%json {json.dumps(compact(schema if schema is not None else {'type': 'object'}))}"
+        )
     elif spec.get("regex") is not None:
         answer = f"/{_lark_regex(spec['regex'])}/"
     elif spec.get("choice"):

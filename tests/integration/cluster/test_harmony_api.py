@@ -17,6 +17,7 @@ import pytest
 from cluster_harness import WINDOW, ServedCluster, serve_cluster, wait_idle
 
 from swaserve.cluster.http_server import HttpServer
+from swaserve.cluster.openai_api.chat import compact
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.text.harmony import Conversation, Message, Tool
 
@@ -252,7 +253,7 @@ def test_grpc_parses_harmony_output_into_parts(harmony_cluster: ServedCluster) -
     grammar = (
         'start: <|channel|> "analysis" <|message|> /[b-z ]{12}/ <|end|> <|start|> "assistant" '
         '<|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
-        f"args <|call|>\nargs: %json {json.dumps(WEATHER_SCHEMA)}"
+        f"args <|call|>\nargs: %json {json.dumps(compact(WEATHER_SCHEMA))}"
     )
     params = pb.SamplingParams(
         max_new_tokens=160,

@@ -206,6 +206,7 @@ def test_tool_choice_required_and_named_constrain_the_output(
         spec = cluster.requests[-1].params.structured_outputs
         assert spec is not None and spec.grammar is not None
         assert "commentary to=functions.get_weather " in spec.grammar
+        assert '"whitespace_flexible": false' in spec.grammar  # compact JSON arguments
     client.chat.completions.create(
         model=name,
         messages=[{"role": "user", "content": "x"}],
