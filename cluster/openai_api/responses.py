@@ -629,12 +629,13 @@ class ResponsesService:
         response = self.envelope(req, response_id, created, "in_progress")
         yield "response.created", {"response": json.loads(json.dumps(response))}
         yield "response.in_progress", {"response": json.loads(json.dumps(response))}
-        completion = cached = 0
+        completion = cached = reasoning_tokens = 0
         reason: str | None = None
         choice = self.responder.choice(job, 0)
         try:
             async for d in choice:
                 completion += len(d.token_ids)
+                reasoning_tokens += d.reasoning_tokens
                 cached = d.cached_tokens
                 reason = d.finish_reason or reason
                 for part in _parts(d):
@@ -648,7 +649,6 @@ class ResponsesService:
         for event in builder.events:
             yield event
         builder.events.clear()
-        reasoning_tokens = 0
         response["output"] = builder.items
         response["status"] = "incomplete" if reason == "length" else "completed"
         if reason == "length":

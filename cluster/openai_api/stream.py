@@ -50,18 +50,22 @@ class Delta:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     parsed: list[harmony.Delta] | None = None  # a harmony job's: reasoning, content, calls
+    reasoning_tokens: int = 0  # of `token_ids`, those of the reasoning (harmony's analysis)
 
 
 @dataclass(slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None  # counted when the output is parsed (harmony)
     cached: dict[int, int] = field(default_factory=dict)  # choice -> its cached prompt tokens
     # (the prompt is counted once, so its cached tokens are the most any choice had cached)
 
     def add(self, delta: Delta) -> None:
         self.completion_tokens += len(delta.token_ids)
         self.cached[delta.index] = delta.cached_tokens
+        if delta.parsed is not None:
+            self.reasoning_tokens = (self.reasoning_tokens or 0) + delta.reasoning_tokens
 
     def body(self) -> dict[str, Any]:
         return {
@@ -69,7 +73,11 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": max(self.cached.values(), default=0)},
-        }
+        } | (
+            {}
+            if self.reasoning_tokens is None
+            else {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
+        )
 
 
 class Responder:
@@ -115,11 +123,15 @@ class Responder:
                 if reason == "abort":
                     raise Unavailable(f"request {request_id} was aborted on the server")
                 outcome = reason or outcome
-                parsed = None
+                parsed, reasoning = None, 0
                 if parser is not None:
+                    before = parser.reasoning_tokens
                     parsed, ended = parser.chunk(chunk.token_ids, chunk.finished, reason or "")
                     reason = ended or None
-                yield Delta(index, text, chunk.token_ids, reason, cached, chunk.logprobs, parsed)
+                    reasoning = parser.reasoning_tokens - before
+                yield Delta(
+                    index, text, chunk.token_ids, reason, cached, chunk.logprobs, parsed, reasoning
+                )
                 if reason:
                     return
         except ClusterError as exc:

@@ -250,6 +250,7 @@ class StreamParser:
         self._pending: list[int] = []  # content tokens not decoded yet (an incomplete char)
         self._current: Delta | None = None  # kind / name of the message's content
         self.calls = 0
+        self.reasoning_tokens = 0  # content tokens of analysis messages so far
         self.messages: list[Message] = []
         self._content: list[str] = []
         self._message: Message | None = None
@@ -285,6 +286,8 @@ class StreamParser:
                 continue  # a stray special token inside content: dropped
             else:
                 self._pending.append(token)
+                if self._current is not None and self._current.kind == "reasoning":
+                    self.reasoning_tokens += 1
                 out += self._flush(final=False)
         return out
 

@@ -112,6 +112,8 @@ def test_reasoning_and_answer_are_parsed_apart_whole_and_streamed(
     assert message.content == "Hello there!"
     assert extra(message, "reasoning_content") == extra(message, "reasoning") == "The user greets."
     assert out.choices[0].finish_reason == "stop"
+    details = out.usage.completion_tokens_details  # type: ignore[union-attr]
+    assert details is not None and details.reasoning_tokens == len("The user greets.")
     prompt = cluster.prompt()
     assert prompt.startswith("<|start|>system<|message|>You are ChatGPT")
     assert "Reasoning: medium" in prompt
@@ -295,6 +297,7 @@ def test_a_response_has_reasoning_and_message_items(
     assert kinds == ["reasoning", "message"]
     assert out.output[0].content[0].text == "The user greets."  # type: ignore[union-attr,index]
     assert out.usage is not None and out.usage.input_tokens == len(cluster.requests[-1].token_ids)
+    assert out.usage.output_tokens_details.reasoning_tokens == len("The user greets.")
     prompt = cluster.prompt()
     assert "Reasoning: high" in prompt and "# Instructions\n\nBe brief." in prompt
     assert client.responses.retrieve(out.id).output_text == "Hello there!"
