@@ -95,6 +95,18 @@ class ServedCluster:
             self.loop.run(self.cluster.shutdown(timeout_s=10))
 
 
+def running_cluster(model: Path, **options: Any) -> Iterator[ServedCluster]:
+    """A module fixture's body: `serve_cluster(model, **options)`, stopped after."""
+    loop, served = serve_cluster(model, **options)
+    try:
+        yield served
+    finally:
+        try:
+            served.stop()
+        finally:
+            loop.close()
+
+
 def serve_cluster(
     model: Path,
     *,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster_harness import WINDOW, LoopThread, ServedCluster, serve_cluster
+from cluster_harness import WINDOW, LoopThread, ServedCluster, running_cluster, serve_cluster
 
 RAY_NUM_CPUS = 8
 
@@ -64,11 +64,4 @@ def make_cluster(ray_session: str, cluster_model: Path) -> Iterator[Callable[...
 @pytest.fixture(scope="module")
 def two_workers(ray_session: str, cluster_model: Path) -> Iterator[ServedCluster]:
     """2 replicas × TP 1, shared by a module's tests (they must leave it idle)."""
-    loop, served = serve_cluster(cluster_model, replicas=2)
-    try:
-        yield served
-    finally:
-        try:
-            served.stop()
-        finally:
-            loop.close()
+    yield from running_cluster(cluster_model, replicas=2)

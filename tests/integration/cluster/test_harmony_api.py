@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from cluster_harness import WINDOW, ServedCluster, serve_cluster, wait_idle
+from cluster_harness import WINDOW, ServedCluster, running_cluster, wait_idle
 
 from swaserve.cluster.http_server import HttpServer
 from swaserve.cluster.openai_api.chat import compact
@@ -61,14 +61,7 @@ def harmony_cluster(
     model = tiny_model_factory(
         arch="gpt-oss", num_layers=4, sliding_window_size=WINDOW, harmony=True
     )
-    loop, served = serve_cluster(model, replicas=2)
-    try:
-        yield served
-    finally:
-        try:
-            served.stop()
-        finally:
-            loop.close()
+    yield from running_cluster(model, replicas=2)
 
 
 @pytest.fixture(scope="module")
