@@ -37,7 +37,7 @@ class Headroom:
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
     window_repair_tokens_total: int = 0  # ... tokens recomputed to repair cached windows
     prefill_tokens_total: int = 0  # ... prompt tokens the model computed (prefill chunks) ...
-    prefill_s_total: float = 0.0  # ... and the seconds of the steps that computed them
+    prefill_s_total: float = 0.0  # ... and the forward seconds of the steps that computed them
     decode_steps_total: int = 0  # ... steps that only decoded ...
     decode_s_total: float = 0.0  # ... and their seconds (a first token waits for one step)
     sliding_window_size: int = 0

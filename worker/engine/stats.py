@@ -50,9 +50,9 @@ class EngineStats:
     cached_tokens: int = 0  # of which served from the prefix cache
     generated_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens the model computed (chunks, repairs, retries)
-    prefill_s: float = 0.0  # wall time of the steps that computed them (forward + sample)
+    prefill_s: float = 0.0  # forward time of the steps that computed them
     decode_steps: int = 0  # steps of decodes only ...
-    decode_s: float = 0.0  # ... and their wall time (forward + sample)
+    decode_s: float = 0.0  # ... and their forward time
     prefill_chunks: int = 0  # chunks that ended before the prompt did
     retractions: int = 0
     swa_freed_tokens: int = 0  # out-of-window SWA slots given back by running requests
@@ -66,8 +66,10 @@ class EngineStats:
     """Wall time spent in each phase of `Engine.step` (see `StepTimer`)."""
 
     def count_step(self, prefill_tokens: int, pure_decode: bool, seconds: float) -> None:
-        """A step's forward and sampling seconds: to the prefill counters when it computed
-        prompt tokens, to the decode ones when it only decoded."""
+        """A step's forward seconds: to the prefill counters when it computed prompt tokens,
+        to the decode ones when it only decoded. Sampling is left out: a request's logits
+        processing (a grammar's first masks, penalties) is its own cost, not the worker's
+        speed, and counted in it made one worker look several times slower than its twin."""
         if prefill_tokens:
             self.prefill_tokens += prefill_tokens
             self.prefill_s += seconds
