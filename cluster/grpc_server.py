@@ -146,9 +146,7 @@ def logprobs_to_proto(
     """`TokenLogprob`s as messages, with each token's text (empty without a tokenizer)."""
 
     def text(token_id: int) -> str:
-        if tokenizer is None:
-            return ""
-        return tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+        return "" if tokenizer is None else tokenizer.decode_with_specials([token_id])
 
     return [
         pb.TokenLogprob(
@@ -292,16 +290,13 @@ class InferenceService:
         if not wanted:
             return None
         tokenizer = self.cluster.tokenizer
-        specials = harmony.special_ids(tokenizer.tokenizer) if tokenizer is not None else None
-        if tokenizer is None or specials is None:
+        parser = harmony.parser_for(tokenizer) if tokenizer is not None else None
+        if parser is None:
             raise RpcFailure(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "parse_output needs a model whose output swaserve parses (harmony: GPT-OSS)",
             )
-        backend = tokenizer.tokenizer
-        return harmony.StreamParser(
-            specials, lambda ids: backend.decode(ids, skip_special_tokens=False)
-        )
+        return parser
 
     def _parse(
         self, request: pb.GenerateRequest

@@ -170,19 +170,21 @@ class JobBuilder:
                 )
             source = constrained[0]
             grammar = chat.final_answer_grammar(source, constrained[1])
-        if grammar is not None:
-            try:
-                check_grammar(StructuredOutputs(grammar=grammar))
-            except ValueError as exc:
-                raise APIError(400, f"{source}: {_reason(exc)}", param=source) from None
-            cleared = dict.fromkeys(("response_format", *GUIDED), None)
-            req = req.model_copy(update=cleared | {"structured_outputs": {"grammar": grammar}})
+        structured = None if grammar is None else (source, {"grammar": grammar})
+        # <|return|> and <|call|> are GPT-OSS's EOS ids
+        stops = () if req.ignore_eos else (specials[harmony.RETURN], specials[harmony.CALL])
         ids = encode_text(self.cluster.tokenizer.tokenizer, convo.render())
-        job = self._job("chat.completion", req, ids, arrival_s, "messages", max_tokens, max_field)
-        if not req.ignore_eos:  # <|return|> and <|call|> are GPT-OSS's EOS ids
-            stops = {specials[harmony.RETURN], specials[harmony.CALL]}
-            stop_ids = tuple(sorted(set(job.params.stop_token_ids) | stops))
-            job.params = job.params.model_copy(update={"stop_token_ids": stop_ids})
+        job = self._job(
+            "chat.completion",
+            req,
+            ids,
+            arrival_s,
+            "messages",
+            max_tokens,
+            max_field,
+            structured=structured,
+            stop_ids=stops,
+        )
         job.harmony = specials
         return job
 
@@ -207,12 +209,19 @@ class JobBuilder:
         prompt_field: str,
         max_tokens: int | None,
         max_tokens_field: str = "max_tokens",
+        *,
+        structured: tuple[str, dict[str, Any]] | bool | None = True,
+        stop_ids: tuple[int, ...] = (),
     ) -> Job:
         """The job of a request whose prompt is `ids`; checks the lengths and the sampling
-        parameters (a bad one is a 400 naming its field)."""
+        parameters (a bad one is a 400 naming its field). `structured`: (the field it came
+        from, `StructuredOutputs` fields), None for none, True for the request's own
+        (`structured_outputs(req)`); `stop_ids`: stop ids the model's format adds."""
         default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "text_completion" else None
         max_new = self._max_new_tokens(ids, max_tokens, default, prompt_field, max_tokens_field)
-        params = self._sampling_params(req, max_new, max_tokens_field)
+        if structured is True:
+            structured = structured_outputs(req)
+        params = self._sampling_params(req, max_new, max_tokens_field, structured or None, stop_ids)
         try:
             self.cluster.check_request(ids, params)
         except InvalidRequest as exc:
@@ -250,7 +259,12 @@ class JobBuilder:
         return asked
 
     def _sampling_params(
-        self, req: BaseGenerateRequest, max_new: int, max_tokens_field: str
+        self,
+        req: BaseGenerateRequest,
+        max_new: int,
+        max_tokens_field: str,
+        structured: tuple[str, dict[str, Any]] | None,
+        stop_ids: tuple[int, ...],
     ) -> SamplingParams:
         values: dict[str, Any] = {"max_new_tokens": max_new, "ignore_eos": req.ignore_eos}
         names = (
@@ -272,7 +286,6 @@ class JobBuilder:
         logprobs = self._logprobs(req)
         if logprobs is not None:
             values["logprobs"] = logprobs
-        structured = structured_outputs(req)
         if structured is not None:
             source, spec = structured
             try:
@@ -291,7 +304,10 @@ class JobBuilder:
                     f"stop_token_ids: {bad[0]} is outside [0, {self.info.vocab_size})",
                     param="stop_token_ids",
                 )
-            values["stop_token_ids"] = tuple(req.stop_token_ids)
+        if req.stop_token_ids or stop_ids:
+            values["stop_token_ids"] = tuple(
+                dict.fromkeys((*(req.stop_token_ids or ()), *stop_ids))
+            )
         try:
             return SamplingParams(**values)
         except ValidationError as exc:

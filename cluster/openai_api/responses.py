@@ -41,7 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from swaserve.cluster.openai_api.jobs import JobBuilder
-from swaserve.cluster.openai_api.protocol import APIError, ChatCompletionRequest
+from swaserve.cluster.openai_api.protocol import APIError, ChatCompletionRequest, _off
 from swaserve.cluster.openai_api.stream import Delta, Responder
 
 STORE_SIZE = 1024
@@ -90,7 +90,10 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
 
 
-UNSUPPORTED = {"background", "conversation", "prompt", "top_logprobs", "stream_options"}
+UNSUPPORTED = dict.fromkeys(
+    ("background", "conversation", "prompt", "top_logprobs", "stream_options"), _off()
+)
+"""Fields refused by name, unless at their neutral value (false, null, empty)."""
 
 
 @dataclass(slots=True)

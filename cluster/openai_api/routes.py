@@ -132,8 +132,7 @@ async def chat_completions(request: Request) -> Response:
 async def create_response(request: Request) -> Response:
     arrival_s = time.monotonic()
     server = await _ready_server(request)
-    unsupported = {name: _off_value for name in RESPONSES_UNSUPPORTED}
-    req = parse_body(await _json(request), ResponsesRequest, unsupported)
+    req = parse_body(await _json(request), ResponsesRequest, RESPONSES_UNSUPPORTED)
     service = server.responses
     history = service.history(req)
     job, translated = await asyncio.to_thread(service.prepare, req, history, arrival_s)
@@ -177,11 +176,6 @@ async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
     server = await _ready_server(request)
     server.responses.store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
-
-
-def _off_value(value: Any) -> bool:
-    """A refused Responses field is accepted at its neutral value (false, null, empty)."""
-    return value is None or value is False or value in ("", [], {})
 
 
 async def list_models(request: Request) -> dict[str, Any]:

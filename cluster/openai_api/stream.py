@@ -99,10 +99,7 @@ class Responder:
         )
         parser = None
         if job.harmony is not None and tokenizer is not None:
-            backend = tokenizer.tokenizer
-            parser = harmony.StreamParser(
-                job.harmony, lambda ids: backend.decode(ids, skip_special_tokens=False)
-            )
+            parser = harmony.parser_for(tokenizer, job.harmony)
         timer = self.metrics.tracker(job.arrival_s) if self.metrics is not None else None
         stream = self.cluster.generate(
             request_id, job.prompt_ids, job.params, session_id=job.session_id
@@ -277,7 +274,7 @@ def token_text(tokenizer: TextTokenizer | None, token_id: int) -> str:
     """One token's text (special tokens included; without a tokenizer, "token_id:N")."""
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.decode_with_specials([token_id])
 
 
 def chat_logprobs(entries: list[TokenLogprob], tokenizer: TextTokenizer | None) -> dict[str, Any]:

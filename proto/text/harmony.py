@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from swaserve.proto.text.tokenizer import TextTokenizer
+
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 SPECIAL_TOKENS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
@@ -384,6 +386,15 @@ class StreamParser:
         self._state = "start"
         if token in STOP_TOKENS:
             self.stop_token = token
+
+
+def parser_for(
+    tokenizer: TextTokenizer, special: dict[str, int] | None = None
+) -> StreamParser | None:
+    """A `StreamParser` over `tokenizer` (None when it does not speak harmony); `special`:
+    its `special_ids`, when the caller has them already."""
+    special = special or special_ids(tokenizer.tokenizer)
+    return None if special is None else StreamParser(special, tokenizer.decode_with_specials)
 
 
 def special_ids(tokenizer: Any) -> dict[str, int] | None:

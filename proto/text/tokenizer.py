@@ -38,6 +38,11 @@ class TextTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_with_specials(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens included (a logprob's token, harmony's
+        header text)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
 
 def tokenizer_dir(model: str, tokenizer: str | None) -> Path:
     """Where an engine's tokenizer lives: its `tokenizer` dir, else the model dir."""

@@ -118,6 +118,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._compiling: dict[Request, tuple[Future, float]] = {}  # waiting for their grammar
         self._grammar_failed: list[RequestOutput] = []  # ended there; the next step returns them
+        self._special: set[Request] = set()  # live requests that ask more than the draw
         self._grammar: GrammarCompiler | None = None  # made at the first constrained request
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks during forwards
         self._arrivals = itertools.count()
@@ -168,6 +169,8 @@ class Engine:
         the request generated already (`EngineRequest.resumed_tokens`)."""
         req = self._new_request(prompt, sampling_params, request_id, resumed_tokens)
         req.trace.submitted_s = submitted_s
+        if req.sampling is not None or req.logprobs is not None or req.params.processed:
+            self._special.add(req)
         spec = req.params.structured_outputs
         future = None if spec is None else self.grammar.submit(spec)
         self._requests[req.request_id] = req
@@ -330,6 +333,8 @@ class Engine:
         timer = self.stats.timer()
         if self._compiling:
             self._admit_compiled()
+        if self._special:  # the batch's sampling skips its per-row options when none is live
+            self._special = {r for r in self._special if not r.finished}
         failed, self._grammar_failed = self._grammar_failed, []
         batch = self.scheduler.schedule()
         timer.lap("schedule")
@@ -417,6 +422,8 @@ class Engine:
     def _start_masks(self, sampled: list[Request]) -> Future | None:
         """Start filling the grammar masks of the constrained rows on a thread, to overlap the
         forward (llguidance drops the GIL); None when no row is constrained."""
+        if not self._special:
+            return None
         rows = [
             (i, r.sampling.matcher)
             for i, r in enumerate(sampled)
@@ -472,8 +479,8 @@ class Engine:
         """One token per row (and, where asked, its log-probabilities). Rows with a grammar,
         `min_tokens`, a bias or penalties are processed first (`runner.logits`); the others
         go to the draw as the forward left them."""
-        processed = masks is not None or any(r.params.processed for r in reqs)
-        if processed:
+        special = bool(self._special)
+        if masks is not None or (special and any(r.params.processed for r in reqs)):
             logits = self._process(logits, reqs, masks)
         if all_greedy:
             tokens = self.sampler.greedy(logits)
@@ -486,7 +493,7 @@ class Engine:
                 logits, [r.params for r in reqs], [r.generator for r in reqs]
             )
             out = drawn.tolist()
-        asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+        asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None] if special else []
         if not asked:
             return out, []
         lp: list[TokenLogprob | None] = [None] * len(reqs)
@@ -525,7 +532,9 @@ class Engine:
         """Advance the sampling state of the requests that sampled (grammar, stop strings,
         penalty counters, log-probabilities kept for `generate`); returns the batch indices
         of those that it ends (finish reason "stop")."""
-        stopped = []
+        stopped: list[int] = []
+        if not self._special:
+            return stopped
         for i, (req, token) in enumerate(zip(batch.reqs, next_tokens, strict=True)):
             sampling = req.sampling
             if token is None or sampling is None:

@@ -44,6 +44,17 @@ CALL = (
 )
 
 
+CALL_AND_RESULT = (
+    "<|start|>user<|message|>Weather in Paris?<|end|>"
+    "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    '<|message|>{"city":"Paris"}<|call|>'
+    '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
+    "<|end|><|start|>assistant"
+)
+"""The history of CALL answered with {"temp": 21}, as harmony renders it."""
+
+
 class ScriptedCluster(FakeCluster):
     """Streams `script` (harmony text, encoded) two tokens per chunk; keeps each request."""
 
@@ -183,14 +194,7 @@ def test_a_tool_call_comes_back_as_tool_calls_whole_and_streamed(
     ]
     answer = client.chat.completions.create(model=name, messages=follow, tools=[WEATHER])  # type: ignore[arg-type,list-item]
     assert answer.choices[0].message.content == "Hello there!"
-    assert cluster.prompt().endswith(
-        "<|start|>user<|message|>Weather in Paris?<|end|>"
-        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
-        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
-        '<|message|>{"city":"Paris"}<|call|>'
-        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
-        "<|end|><|start|>assistant"
-    )
+    assert cluster.prompt().endswith(CALL_AND_RESULT)
 
 
 def test_tool_choice_required_and_named_constrain_the_output(
@@ -325,14 +329,7 @@ def test_a_function_call_and_its_output_continue_with_previous_response_id(
         tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
     )
     assert second.output_text == "Hello there!"
-    assert cluster.prompt().endswith(
-        "<|start|>user<|message|>Weather in Paris?<|end|>"
-        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
-        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
-        '<|message|>{"city":"Paris"}<|call|>'
-        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
-        "<|end|><|start|>assistant"
-    )
+    assert cluster.prompt().endswith(CALL_AND_RESULT)
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
