@@ -52,8 +52,10 @@ from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import TokenLogprob
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
-from swaserve.proto.text import harmony
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
+from swaserve.proto.text.formats import chat_format
+from swaserve.proto.text.parsed import Delta as ParsedDelta
+from swaserve.proto.text.parsed import OutputParser
 from swaserve.proto.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -210,7 +212,7 @@ class InferenceService:
             if tokenizer is not None
             else None
         )
-        parser = self._output_parser(request.parse_output)
+        parser = self._output_parser(request.parse_output, token_ids)
         self._open.add(request_id)
         left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
         stream = self.cluster.generate(
@@ -227,7 +229,7 @@ class InferenceService:
                     timer.tokens(len(chunk.token_ids), worker_id, time.monotonic())
                 text = detok.push(chunk.token_ids) if detok is not None else ""
                 reason = chunk.finish_reason or ""
-                parts: list[harmony.Delta] = []
+                parts: list[ParsedDelta] = []
                 if parser is not None:
                     parts, reason = parser.chunk(chunk.token_ids, chunk.finished, reason)
                 if detok is not None and detok.stopped:
@@ -285,18 +287,19 @@ class InferenceService:
             if timer is not None:
                 timer.finish(time.monotonic())
 
-    def _output_parser(self, wanted: bool) -> harmony.StreamParser | None:
+    def _output_parser(self, wanted: bool, prompt_ids: list[int]) -> OutputParser | None:
         """The request's output parser (`parse_output`); None when not asked."""
         if not wanted:
             return None
         tokenizer = self.cluster.tokenizer
-        parser = harmony.parser_for(tokenizer) if tokenizer is not None else None
-        if parser is None:
+        fmt = chat_format(tokenizer)
+        if fmt is None or tokenizer is None:
             raise RpcFailure(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "parse_output needs a model whose output swaserve parses (harmony: GPT-OSS)",
+                "parse_output needs a model whose output swaserve parses (harmony: GPT-OSS; "
+                "MiMo-V2-Flash's <think> / <tool_call> format)",
             )
-        return parser
+        return fmt.parser(tokenizer, prompt_ids)
 
     def _parse(
         self, request: pb.GenerateRequest

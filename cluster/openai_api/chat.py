@@ -1,6 +1,8 @@
-"""Chat completions for models that speak harmony (GPT-OSS): OpenAI messages and tools → a
-harmony `Conversation`, `tool_choice` → a grammar over harmony's own tool-call syntax, and the
-generated tokens → `reasoning_content`, `content` and `tool_calls`.
+"""Chat completions for models whose format swaserve parses. Harmony (GPT-OSS): OpenAI
+messages and tools → a harmony `Conversation`, `tool_choice` → a grammar over harmony's own
+tool-call syntax, and the generated tokens → `reasoning_content`, `content` and `tool_calls`.
+MiMo-V2-Flash: the messages as its template takes them (`mimo_messages`), the thinking switch,
+and grammars over its XML call syntax (`proto.text.mimo`); the same parsed output. Harmony:
 
     messages  system / developer → the developer message's # Instructions
               user → user; assistant → its reasoning (analysis), its content (final, or a
@@ -24,7 +26,7 @@ from typing import Any
 
 from swaserve.cluster.openai_api.protocol import APIError, ChatCompletionRequest, message_text
 from swaserve.proto.grammar import JSON_OPTIONS
-from swaserve.proto.text import harmony
+from swaserve.proto.text import harmony, mimo
 from swaserve.proto.text.harmony import Conversation, Delta, Message, Tool
 
 
@@ -246,6 +248,19 @@ def final_answer_grammar(source: str, spec: dict[str, Any]) -> str:
     special tokens (`<|channel|>`, ...) included."""
     if spec.get("grammar") is not None:
         return str(spec["grammar"])
+    return "\n".join(
+        [
+            'start: (analysis <|start|> "assistant")? final',
+            ANALYSIS_RULE,
+            'final: <|channel|> "final" <|message|> answer',
+            f"answer: {answer_expression(source, spec)}",
+        ]
+    )
+
+
+def answer_expression(source: str, spec: dict[str, Any]) -> str:
+    """The Lark expression of a structured output's answer (a JSON schema, any JSON object,
+    a regex or a choice)."""
     if spec.get("json_schema") is not None or spec.get("json_object"):
         schema = spec.get("json_schema")
         if isinstance(schema, str):
@@ -255,24 +270,124 @@ def final_answer_grammar(source: str, spec: dict[str, Any]) -> str:
                 raise APIError(
                     400, f"{source}: the schema is not JSON: {exc}", param=source
                 ) from None
-        answer = (
-            f"%json {json.dumps(compact(schema if schema is not None else {'type': 'object'}))}"
+        return f"%json {json.dumps(compact(schema if schema is not None else {'type': 'object'}))}"
+    if spec.get("regex") is not None:
+        return f"/{_lark_regex(spec['regex'])}/"
+    if spec.get("choice"):
+        return "(" + " | ".join(json.dumps(c) for c in spec["choice"]) + ")"
+    raise APIError(400, f"{source}: nothing to constrain the answer with", param=source)
+
+
+# ---- MiMo-V2-Flash ------------------------------------------------------------------------
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+
+
+def mimo_thinking(req: ChatCompletionRequest) -> bool:
+    """Whether MiMo thinks first: `chat_template_kwargs.enable_thinking` (as vLLM and SGLang
+    take it), else on when `reasoning_effort` is given; off by default, as its template."""
+    kwargs = req.chat_template_kwargs or {}
+    for name in RESERVED_TEMPLATE_KWARGS:
+        if name in kwargs:
+            raise APIError(
+                400,
+                f"chat_template_kwargs.{name} is set by the request itself",
+                param=f"chat_template_kwargs.{name}",
+            )
+    if "enable_thinking" in kwargs:
+        value = kwargs["enable_thinking"]
+        if not isinstance(value, bool):
+            raise APIError(
+                400,
+                "chat_template_kwargs.enable_thinking must be true or false",
+                param="chat_template_kwargs.enable_thinking",
+            )
+        return value
+    return req.reasoning_effort is not None
+
+
+def tool_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's tools as the template takes them (OpenAI's shape, unset fields out)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools or ()]
+
+
+def mimo_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as MiMo's template takes them: developer → system, a call's
+    `arguments` as an object (not a JSON object: 400), a tool message after its call (an
+    unknown `tool_call_id` is a 400)."""
+    out: list[dict[str, Any]] = []
+    calls: set[str] = set()
+    for i, m in enumerate(req.messages):
+        text = message_text(m.content, i) if m.content is not None else ""
+        if m.role == "tool":
+            if (m.tool_call_id or "") not in calls:
+                raise APIError(
+                    400,
+                    f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no earlier tool call",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id})
+        elif m.role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            reasoning = m.reasoning_content or m.reasoning
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if m.tool_calls:
+                msg["tool_calls"] = []
+                for j, call in enumerate(m.tool_calls):
+                    calls.add(call.id)
+                    msg["tool_calls"].append(
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {
+                                "name": call.function.name,
+                                "arguments": _arguments(call.function.arguments, i, j),
+                            },
+                        }
+                    )
+            out.append(msg)
+        else:
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return out
+
+
+def _arguments(text: str, i: int, j: int) -> dict[str, Any]:
+    try:
+        args = json.loads(text) if text else {}
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise APIError(
+            400,
+            f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
+            param=f"messages[{i}].tool_calls[{j}].function.arguments",
         )
-    elif spec.get("regex") is not None:
-        answer = f"/{_lark_regex(spec['regex'])}/"
-    elif spec.get("choice"):
-        answer = " | ".join(json.dumps(c) for c in spec["choice"])
-        answer = f"({answer})"
-    else:
-        raise APIError(400, f"{source}: nothing to constrain the answer with", param=source)
-    return "\n".join(
-        [
-            'start: (analysis <|start|> "assistant")? final',
-            ANALYSIS_RULE,
-            'final: <|channel|> "final" <|message|> answer',
-            f"answer: {answer}",
-        ]
-    )
+    return args
+
+
+def mimo_forced_call_grammar(
+    req: ChatCompletionRequest, choice: ToolChoice, thinking: bool
+) -> str | None:
+    """MiMo's `forced_call_grammar`: a call (`required`) or the named one in its XML syntax,
+    each value valid for its parameter's schema; several calls unless `parallel_tool_calls`
+    is false."""
+    if choice.mode not in ("required", "function"):
+        return None
+    tools = [
+        (t.function.name, t.function.parameters or NO_PARAMETERS)
+        for t in req.tools or ()
+        if choice.mode == "required" or t.function.name == choice.name
+    ]
+    parallel = req.parallel_tool_calls is not False
+    return mimo.forced_call_grammar(tools, thinking, parallel, compact)
+
+
+def mimo_final_answer_grammar(source: str, spec: dict[str, Any], thinking: bool) -> str:
+    """MiMo's `final_answer_grammar`: the answer after `</think>` constrained; a whole Lark
+    grammar is taken as it is (it spells `<think>` / `</think>` itself when thinking)."""
+    if spec.get("grammar") is not None:
+        return str(spec["grammar"])
+    return mimo.final_answer_grammar(answer_expression(source, spec), thinking)
 
 
 def _lark_regex(regex: str) -> str:

@@ -34,8 +34,8 @@ from swaserve.cluster.request_checks import MAX_ID_CHARS, BadRequest, check_id, 
 from swaserve.cluster.routed import InvalidRequest, RoutedCluster
 from swaserve.proto.grammar import check_grammar
 from swaserve.proto.sampling_params import SamplingParams, StructuredOutputs
-from swaserve.proto.text import harmony
 from swaserve.proto.text.chat_template import ChatTemplate, ChatTemplateError
+from swaserve.proto.text.formats import HARMONY, ChatFormat, chat_format
 from swaserve.proto.text.tokenizer import encode_text
 
 
@@ -55,7 +55,8 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     arrival_s: float
-    harmony: dict[str, int] | None = None  # the output is harmony: parse it (special ids)
+    format: ChatFormat | None = None  # the output is in this chat format: parse it
+    tools: dict[str, Any] | None = None  # function name -> parameters schema (for the parser)
 
     def request_id(self, index: int) -> str:
         return self.response_id if self.n == 1 else f"{self.response_id}-{index}"
@@ -68,7 +69,7 @@ class JobBuilder:
     def __init__(self, cluster: RoutedCluster) -> None:
         self.cluster = cluster
         self._template: ChatTemplate | None = None
-        self._harmony: dict[str, int] | bool | None = False  # False: not looked up yet
+        self._format: ChatFormat | bool | None = False  # False: not looked up yet
 
     @property
     def info(self) -> ModelInfo:
@@ -83,14 +84,11 @@ class JobBuilder:
         return self._template
 
     @property
-    def harmony(self) -> dict[str, int] | None:
-        """Harmony's special token ids when the model speaks it (GPT-OSS), else None."""
-        if self._harmony is False:
-            tokenizer = self.cluster.tokenizer
-            self._harmony = (
-                harmony.special_ids(tokenizer.tokenizer) if tokenizer is not None else None
-            )
-        return self._harmony  # type: ignore[return-value]
+    def format(self) -> ChatFormat | None:
+        """The chat format the model speaks (harmony, MiMo's), else None: plain text."""
+        if self._format is False:
+            self._format = chat_format(self.cluster.tokenizer)
+        return self._format
 
     def completion_job(self, req: CompletionRequest, arrival_s: float) -> Job:
         self._check_common(req)
@@ -121,8 +119,8 @@ class JobBuilder:
         max_tokens = (
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
-        if self.harmony is not None:
-            return self._harmony_job(req, arrival_s, max_tokens, max_field)
+        if self.format is not None:
+            return self._parsed_job(req, self.format, arrival_s, max_tokens, max_field)
         for name in ("tools", "reasoning_effort"):
             if getattr(req, name):
                 raise APIError(
@@ -150,16 +148,37 @@ class JobBuilder:
         ids = encode_text(tokenizer.tokenizer, text)
         return self._job("chat.completion", req, ids, arrival_s, "messages", max_tokens, max_field)
 
-    def _harmony_job(
-        self, req: ChatCompletionRequest, arrival_s: float, max_tokens: int | None, max_field: str
+    def _parsed_job(
+        self,
+        req: ChatCompletionRequest,
+        fmt: ChatFormat,
+        arrival_s: float,
+        max_tokens: int | None,
+        max_field: str,
     ) -> Job:
-        """A chat for a harmony model: the prompt rendered by `proto.text.harmony`, generation
-        stopped at `<|return|>` or `<|call|>`, the output parsed (`Job.harmony`)."""
-        specials = self.harmony
-        assert specials is not None and self.cluster.tokenizer is not None
+        """A chat for a model whose format swaserve parses: the prompt rendered (harmony: by
+        `proto.text.harmony`; MiMo: by the checkpoint's template, with its tools and thinking
+        switch), generation stopped at the format's end tokens, the output parsed
+        (`Job.format`). A forced tool call or a structured answer is a grammar over the
+        format's own syntax."""
+        assert self.cluster.tokenizer is not None
         choice = chat.tool_choice(req)
-        convo = chat.conversation(req, choice)
-        grammar, source = chat.forced_call_grammar(req, choice), "tools"
+        if fmt.name == HARMONY:
+            text = chat.conversation(req, choice).render()
+            grammar = chat.forced_call_grammar(req, choice)
+        else:
+            thinking = chat.mimo_thinking(req)
+            try:
+                text = self.template.render(
+                    chat.mimo_messages(req),
+                    add_generation_prompt=True,
+                    tools=None if choice.mode == "none" else chat.tool_dicts(req),
+                    **{**(req.chat_template_kwargs or {}), "enable_thinking": thinking},
+                )
+            except ChatTemplateError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            grammar = chat.mimo_forced_call_grammar(req, choice, thinking)
+        source = "tools"
         constrained = structured_outputs(req)
         if constrained is not None:
             if grammar is not None:
@@ -169,11 +188,14 @@ class JobBuilder:
                     param="tool_choice",
                 )
             source = constrained[0]
-            grammar = chat.final_answer_grammar(source, constrained[1])
+            if fmt.name == HARMONY:
+                grammar = chat.final_answer_grammar(source, constrained[1])
+            else:
+                grammar = chat.mimo_final_answer_grammar(source, constrained[1], thinking)
         structured = None if grammar is None else (source, {"grammar": grammar})
-        # <|return|> and <|call|> are GPT-OSS's EOS ids
-        stops = () if req.ignore_eos else (specials[harmony.RETURN], specials[harmony.CALL])
-        ids = encode_text(self.cluster.tokenizer.tokenizer, convo.render())
+        # the format's end tokens (GPT-OSS: <|return|>, <|call|>; MiMo: <|im_end|>) are its EOS
+        stops = () if req.ignore_eos else fmt.stop_ids
+        ids = encode_text(self.cluster.tokenizer.tokenizer, text)
         job = self._job(
             "chat.completion",
             req,
@@ -185,7 +207,8 @@ class JobBuilder:
             structured=structured,
             stop_ids=stops,
         )
-        job.harmony = specials
+        job.format = fmt
+        job.tools = {t.function.name: t.function.parameters or {} for t in req.tools or ()}
         return job
 
     def _check_common(self, req: BaseGenerateRequest) -> None:

@@ -100,6 +100,16 @@ UNSUPPORTED = dict.fromkeys(
 class Stored:
     response: dict[str, Any]
     messages: list[dict[str, Any]]  # the conversation so far as chat messages, output included
+    session: str  # the conversation's session key for the router (its first response's)
+
+
+@dataclass(slots=True)
+class History:
+    """What a request continues: the earlier messages (none for a first turn) and the
+    conversation's session key, which routes every turn of it as one session."""
+
+    messages: list[dict[str, Any]]
+    session: str
 
 
 class ResponseStore:
@@ -306,14 +316,14 @@ def function_tools(
     return out, namespaces
 
 
-def translate(req: ResponsesRequest, history: list[dict[str, Any]]) -> Translated:
-    known = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+def translate(req: ResponsesRequest, history: History) -> Translated:
+    known = {c["id"] for m in history.messages for c in m.get("tool_calls") or ()}
     new = input_messages(req.input, known)
     tools, namespaces = function_tools(req.tools)
     messages = []
     if req.instructions:
         messages.append({"role": "developer", "content": req.instructions})
-    messages += history + new
+    messages += history.messages + new
     choice = req.tool_choice
     if isinstance(choice, dict):
         kind = choice.get("type")
@@ -334,7 +344,8 @@ def translate(req: ResponsesRequest, history: list[dict[str, Any]]) -> Translate
         "seed": req.seed,
         "max_tokens": req.max_output_tokens,
         "user": req.user,
-        "prompt_cache_key": req.prompt_cache_key,
+        # a conversation is one session for the router unless the client names its own
+        "prompt_cache_key": req.prompt_cache_key or (None if req.user else history.session),
         "tools": tools or None,
         "tool_choice": choice,
         "parallel_tool_calls": req.parallel_tool_calls,
@@ -579,15 +590,16 @@ class ResponsesService:
         self.jobs, self.responder = jobs, responder
         self.store = store or ResponseStore()
 
-    def history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
-        """The conversation that `previous_response_id` continues (on the event loop: the
-        store is the loop's)."""
+    def history(self, req: ResponsesRequest) -> History:
+        """The conversation that `previous_response_id` continues, or a new one (on the event
+        loop: the store is the loop's)."""
         if req.previous_response_id is None:
-            return []
-        return list(self.store.get(req.previous_response_id).messages)
+            return History([], _new_id("conv"))
+        stored = self.store.get(req.previous_response_id)
+        return History(list(stored.messages), stored.session)
 
     def prepare(
-        self, req: ResponsesRequest, history: list[dict[str, Any]], arrival_s: float
+        self, req: ResponsesRequest, history: History, arrival_s: float
     ) -> tuple[Any, Translated]:
         """(the job, the translation) of a request; renders and tokenizes: off the loop."""
         translated = translate(req, history)
@@ -623,7 +635,7 @@ class ResponsesService:
         }
 
     async def run(
-        self, req: ResponsesRequest, job: Any, translated: Translated, history: list[dict[str, Any]]
+        self, req: ResponsesRequest, job: Any, translated: Translated, history: History
     ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """The events of one response; the last is ("response.completed", the response)."""
         response_id, created = _new_id("resp"), int(time.time())
@@ -665,8 +677,8 @@ class ResponsesService:
             "total_tokens": prompt + completion,
         }
         if req.store:
-            messages = history + translated.new_messages + builder.assistant_messages()
-            self.store.put(response_id, Stored(response, messages))
+            messages = history.messages + translated.new_messages + builder.assistant_messages()
+            self.store.put(response_id, Stored(response, messages, history.session))
         yield "response.completed", {"response": response}
 
 

@@ -30,8 +30,8 @@ from swaserve.cluster.openai_api.jobs import Job
 from swaserve.cluster.openai_api.protocol import api_error
 from swaserve.cluster.routed import ClusterError, RoutedCluster, Unavailable
 from swaserve.proto.stream import TokenLogprob
-from swaserve.proto.text import harmony
 from swaserve.proto.text.detokenizer import IncrementalDetokenizer
+from swaserve.proto.text.parsed import Delta as ParsedDelta
 from swaserve.proto.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,15 +49,15 @@ class Delta:
     finish_reason: str | None
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
-    parsed: list[harmony.Delta] | None = None  # a harmony job's: reasoning, content, calls
-    reasoning_tokens: int = 0  # of `token_ids`, those of the reasoning (harmony's analysis)
+    parsed: list[ParsedDelta] | None = None  # a parsed job's: reasoning, content, calls
+    reasoning_tokens: int = 0  # of `token_ids`, those of the reasoning
 
 
 @dataclass(slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
-    reasoning_tokens: int | None = None  # counted when the output is parsed (harmony)
+    reasoning_tokens: int | None = None  # counted when the output is parsed
     cached: dict[int, int] = field(default_factory=dict)  # choice -> its cached prompt tokens
     # (the prompt is counted once, so its cached tokens are the most any choice had cached)
 
@@ -94,12 +94,12 @@ class Responder:
         tokenizer = self.cluster.tokenizer
         detok = (
             IncrementalDetokenizer(tokenizer.tokenizer, job.prompt_ids, job.stop)
-            if tokenizer is not None and job.harmony is None
+            if tokenizer is not None and job.format is None
             else None
         )
         parser = None
-        if job.harmony is not None and tokenizer is not None:
-            parser = harmony.parser_for(tokenizer, job.harmony)
+        if job.format is not None and tokenizer is not None:
+            parser = job.format.parser(tokenizer, job.prompt_ids, job.tools)
         timer = self.metrics.tracker(job.arrival_s) if self.metrics is not None else None
         stream = self.cluster.generate(
             request_id, job.prompt_ids, job.params, session_id=job.session_id
@@ -172,7 +172,7 @@ class Responder:
                 usage.add(d)
             text = "".join(d.text for d in deltas)
             choice: dict[str, Any] = {"index": index}
-            if job.harmony is not None:
+            if job.format is not None:
                 parsed = chat_api.ParsedChoice()
                 for d in deltas:
                     parsed.add(d.parsed or ())
@@ -219,7 +219,7 @@ class Responder:
         kind = "chat.completion.chunk" if chat else "text_completion"
         usage = Usage(len(job.prompt_ids))
         offsets = [0] * job.n  # text so far of each choice (completions' text_offset)
-        calls: list[list[dict[str, Any]]] = [[] for _ in range(job.n)]  # harmony: started
+        calls: list[list[dict[str, Any]]] = [[] for _ in range(job.n)]  # parsed jobs: calls started
 
         def event(d: Delta, first: bool) -> str | None:
             usage.add(d)
@@ -231,7 +231,7 @@ class Responder:
             ):
                 return None
             choice: dict[str, Any] = {"index": d.index}
-            if job.harmony is not None:
+            if job.format is not None:
                 delta = {"role": "assistant", "content": ""} if first else {}
                 choice["delta"] = delta | fields
             elif chat:

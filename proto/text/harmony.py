@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from swaserve.proto.text.tokenizer import TextTokenizer
+from swaserve.proto.text.parsed import Delta, OutputParser
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -217,19 +217,7 @@ def drop_finished_reasoning(messages: Sequence[Message]) -> list[Message]:
 
 
 # ---- parsing ------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """A piece of parsed output: `kind` is "reasoning" (analysis), "content" (final, or a
-    commentary preamble without a recipient), or "tool_call" (a call's arguments, `name`
-    the function; a new call starts with `index` one higher)."""
-
-    kind: str
-    text: str
-    name: str | None = None
-    index: int = 0
-
-
-class StreamParser:
+class StreamParser(OutputParser):
     """Generated tokens → `Delta`s, one token at a time. Special tokens are recognized by id
     (text decoding drops them); header text is parsed leniently: the recipient may come before
     or after the channel, names are cut at a `<|`, a call on any channel counts, and a
@@ -246,17 +234,13 @@ class StreamParser:
         (bytes of an incomplete character may be held back by the caller). `in_header`: the
         prompt ends with `<|start|>assistant`, so output starts in a header."""
         self._ids = {v: k for k, v in special_ids.items()}
-        self._decode = decode
+        super().__init__(decode)
         self._state = "header" if in_header else "start"
         self._header: list[int] = []  # header tokens (text and <|channel|> / <|constrain|>)
-        self._pending: list[int] = []  # content tokens not decoded yet (an incomplete char)
         self._current: Delta | None = None  # kind / name of the message's content
-        self.calls = 0
-        self.reasoning_tokens = 0  # content tokens of analysis messages so far
         self.messages: list[Message] = []
         self._content: list[str] = []
         self._message: Message | None = None
-        self.stop_token: str | None = None
 
     def push(self, token_ids: Iterable[int]) -> list[Delta]:
         out: list[Delta] = []
@@ -292,16 +276,6 @@ class StreamParser:
                     self.reasoning_tokens += 1
                 out += self._flush(final=False)
         return out
-
-    def chunk(self, token_ids: list[int], finished: bool, reason: str) -> tuple[list[Delta], str]:
-        """A stream chunk's deltas (flushed when it is the last) and its finish reason, which
-        becomes "tool_calls" when the generation stopped at a call."""
-        parts = self.push(token_ids)
-        if finished:
-            parts += self.finish()
-        if reason == "stop" and self.calls:
-            reason = "tool_calls"
-        return parts, reason
 
     def finish(self) -> list[Delta]:
         """The generation ended: flush what is held (a trailing incomplete character)."""
@@ -358,13 +332,9 @@ class StreamParser:
         return Message(author, "", channel, recipient, content_type)
 
     def _flush(self, final: bool = True) -> list[Delta]:
-        if not self._pending or self._current is None:
+        if self._current is None:
             return []
-        text = self._decode(self._pending)
-        if not final and text.endswith("\ufffd") and len(self._pending) < 4:
-            return []  # an incomplete UTF-8 character: wait for its next bytes
-        self._pending = []
-        return self._content_text_decoded(text)
+        return self._content_text_decoded(self._take(final))
 
     def _content_text(self, tokens: list[int], kind: Delta) -> list[Delta]:
         self._current = self._current or kind
@@ -386,15 +356,6 @@ class StreamParser:
         self._state = "start"
         if token in STOP_TOKENS:
             self.stop_token = token
-
-
-def parser_for(
-    tokenizer: TextTokenizer, special: dict[str, int] | None = None
-) -> StreamParser | None:
-    """A `StreamParser` over `tokenizer` (None when it does not speak harmony); `special`:
-    its `special_ids`, when the caller has them already."""
-    special = special or special_ids(tokenizer.tokenizer)
-    return None if special is None else StreamParser(special, tokenizer.decode_with_specials)
 
 
 def special_ids(tokenizer: Any) -> dict[str, int] | None:

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from swaserve.proto.text import mimo
 from swaserve.proto.text.harmony import SPECIAL_TOKENS as HARMONY_SPECIAL_TOKENS
 from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
@@ -54,6 +55,12 @@ HARMONY_TOKENS = HARMONY_SPECIAL_TOKENS
 """With `harmony=True` a GPT-OSS tokenizer also has harmony's special tokens (ids from 262,
 after SPECIAL_TOKENS): its chat goes through the harmony renderer and parser, as the published
 model's does."""
+MIMO_SPECIAL_TOKENS = mimo.SPECIAL_TOKENS
+MIMO_ADDED_TOKENS = mimo.ADDED_TOKENS
+"""With `native_chat=True` a MiMo-V2-Flash tokenizer also has ChatML's special tokens and the
+`<think>` / `<tool_call>` tokens (ids from 262, special ones first), and its chat template is
+MiMo's format (`proto.text.mimo.CHAT_TEMPLATE`): its chat is rendered and parsed as the
+published model's is."""
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
     "{{ message['content'] }}<|eos|>{% endfor %}"
@@ -95,6 +102,7 @@ def make_tiny_model(
     quantization: str = "none",
     fp8_block_size: tuple[int, int] = (128, 128),
     harmony: bool = False,
+    native_chat: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write the model dir and return its path.
@@ -104,7 +112,10 @@ def make_tiny_model(
     `layer_types` defaults to each architecture's HF pattern. `overrides` are extra or replaced
     config.json fields (e.g. `swiglu_limit=0.5`, `tie_word_embeddings=True`, `n_group=2`).
     `num_shards > 1` writes a sharded checkpoint with `model.safetensors.index.json`.
-    `harmony` (GPT-OSS only): the tokenizer has harmony's special tokens (`HARMONY_TOKENS`).
+    `native_chat`: the tokenizer has the family's own chat tokens and template (GPT-OSS:
+    harmony's special tokens, `HARMONY_TOKENS`; MiMo-V2-Flash: its ChatML, `<think>` and
+    `<tool_call>` tokens and template); off, a simple chat template (tests that compare raw
+    output text use it). `harmony`: the same, GPT-OSS only.
     `checkpoint_format`, `quantization`: see the module docstring; `fp8_block_size` is FP8's
     `weight_block_size` (rows, cols).
     """
@@ -120,7 +131,14 @@ def make_tiny_model(
         raise ValueError("need sliding_window_size >= 0, num_layers >= 1 and num_shards >= 1")
     if harmony and arch != "gpt-oss":
         raise ValueError("harmony is GPT-OSS's format")
-    tokens = 256 + len(SPECIAL_TOKENS) + (len(HARMONY_TOKENS) if harmony else 0)
+    special: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    template = CHAT_TEMPLATE
+    if harmony or (native_chat and arch == "gpt-oss"):
+        special = HARMONY_TOKENS
+    elif native_chat:
+        special, added, template = MIMO_SPECIAL_TOKENS, MIMO_ADDED_TOKENS, mimo.CHAT_TEMPLATE
+    tokens = 256 + len(SPECIAL_TOKENS) + len(special) + len(added)
     vocab = vocab_size or 32 * math.ceil(tokens / 32)
     if vocab < tokens:
         raise ValueError(f"vocab_size must hold the {tokens} tokenizer tokens")
@@ -216,7 +234,7 @@ def make_tiny_model(
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     weights = checkpoint_weights(hf, seed, checkpoint_format)
     _write_weights(root, weights, num_shards)
-    write_byte_tokenizer(root, HARMONY_TOKENS if harmony else ())
+    write_byte_tokenizer(root, special, added, template)
     return root
 
 
@@ -310,10 +328,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def write_byte_tokenizer(model_dir: str | Path, extra_special: tuple[str, ...] = ()) -> Tokenizer:
+def write_byte_tokenizer(
+    model_dir: str | Path,
+    extra_special: tuple[str, ...] = (),
+    added: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+) -> Tokenizer:
     """tokenizer.json: token id = byte value for 0..255, then SPECIAL_TOKENS, then
-    `extra_special`; no merges, so any text round-trips. tokenizer_config.json names bos/eos/pad
-    and holds a simple chat template."""
+    `extra_special`, then `added` (single tokens that decode to their text); no merges, so any
+    text round-trips. tokenizer_config.json names bos/eos/pad and holds `chat_template`."""
     root = Path(model_dir)
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -322,6 +345,8 @@ def write_byte_tokenizer(model_dir: str | Path, extra_special: tuple[str, ...] =
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + extra_special]
     )
+    if added:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer.save(str(root / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -329,7 +354,7 @@ def write_byte_tokenizer(model_dir: str | Path, extra_special: tuple[str, ...] =
         "eos_token": SPECIAL_TOKENS[1],
         "pad_token": SPECIAL_TOKENS[2],
         "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return tokenizer
@@ -357,10 +382,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mxfp4: GPT-OSS experts as MXFP4 blocks + scales; fp8: block-scaled float8 weights",
     )
     parser.add_argument(
-        "--harmony",
+        "--native-chat",
         action="store_true",
-        help="GPT-OSS: harmony's special tokens in the tokenizer (chat in harmony, parsed)",
+        help="the family's own chat tokens and template: harmony (GPT-OSS), MiMo's <think> / "
+        "<tool_call> format (MiMo-V2-Flash); chats are rendered and parsed as the published "
+        "models' are",
     )
+    parser.add_argument("--harmony", action="store_true", help="GPT-OSS: the same as --native-chat")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_format=args.format,
         quantization=args.quantization,
         harmony=args.harmony,
+        native_chat=args.native_chat,
     )
     config = parse_model_config(json.loads((root / "config.json").read_text()))
     print(
