@@ -53,6 +53,13 @@ class EngineConfig(BaseModel):
         description="resume a cached prefix whose SWA window was freed by recomputing only its "
         "receptive field (L_swa x W tokens) instead of the whole prompt",
     )
+    window_checkpoint_slack_tokens: int = Field(
+        default=8,
+        ge=0,
+        description="tokens a window checkpoint keeps beyond W + one page before a prompt's end: "
+        "a chat template that renders a finished turn without its generation prompt's last "
+        "tokens (MiMo's <think></think>) resumes there without a window repair",
+    )
     swa_eviction_interval: int = Field(default=DEFAULT_SWA_EVICTION_INTERVAL, ge=1)
 
     chunked_prefill_size: int | None = Field(

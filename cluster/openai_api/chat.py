@@ -373,11 +373,17 @@ def mimo_forced_call_grammar(
     is false."""
     if choice.mode not in ("required", "function"):
         return None
-    tools = [
-        (t.function.name, t.function.parameters or NO_PARAMETERS)
-        for t in req.tools or ()
-        if choice.mode == "required" or t.function.name == choice.name
-    ]
+    tools = []
+    for i, t in enumerate(req.tools or ()):
+        if choice.mode == "required" or t.function.name == choice.name:
+            schema = t.function.parameters or NO_PARAMETERS
+            if schema.get("type", "object") != "object":
+                raise APIError(
+                    400,
+                    f"tools[{i}].function.parameters must be an object schema",
+                    param="tools",
+                )
+            tools.append((t.function.name, schema))
     parallel = req.parallel_tool_calls is not False
     return mimo.forced_call_grammar(tools, thinking, parallel, compact)
 

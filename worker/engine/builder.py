@@ -198,7 +198,13 @@ def _prefix_cache(
         return None
     cls = PureSWARadixCache if hybrid and not model.full_layer_ids else SWARadixCache
     tree_window = window if hybrid and window else 1
-    return cls(allocator, tree_window, config.page_size, window_repair_tokens=repair)  # type: ignore[arg-type]
+    return cls(  # type: ignore[arg-type]
+        allocator,
+        tree_window,
+        config.page_size,
+        window_repair_tokens=repair,
+        checkpoint_slack_tokens=config.window_checkpoint_slack_tokens if hybrid and window else 0,
+    )
 
 
 def _chunk_size(

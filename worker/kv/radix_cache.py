@@ -16,12 +16,14 @@ nodes near the root first. A lock protects full KV up to the root and SWA KV onl
 node that completes W tokens.
 
 Window checkpoints. When a decode leaves the window of its cached prompt, the prompt's last
-C = ceil_P(W) + P tokens keep their SWA KV (a resume at the prompt's end or one page before it
-stays valid) and only the interior is tombstoned; the window before every branch point and
+C = ceil_P(W + S) + P tokens keep their SWA KV (S: `checkpoint_slack_tokens`; a resume at the
+prompt's end, or up to S tokens and a page before it, stays valid: a chat template that renders
+a finished turn without the generation prompt's last tokens, MiMo's `<think></think>`, resumes
+there) and only the interior is tombstoned; the window before every branch point and
 before a finished sequence's end is kept the same way. Checkpoints are cache: unlocked, counted
 as evictable, and SWA eviction takes them only after every other live node (an LRU of their own):
 
-    # prompt [0, 320), W = 32, P = 1, decode left the window:
+    # prompt [0, 320), W = 32, S = 0, P = 1, decode left the window:
     # [0, 287) tombstone (interior)   [287, 320) live checkpoint
 
 Window repair (`match_prefix(key, allow_repair=True)`, R = `window_repair_tokens`): a path whose
@@ -44,14 +46,14 @@ from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
 from swaserve.worker.kv.swa_freeing import SWAFreeState
 
-
 class SWARadixCache(RadixTree):
     """Prefix cache over full slot ids with SWA tombstones, two LRUs and window-bounded locks.
 
     Sizes, `total_size`, `cached_indices`, `take_events`, `snapshot_events` and `check` come
     from `RadixTree`.
     `window_repair_tokens` (R, 0 = off) is what `match_prefix(..., allow_repair=True)` may
-    recompute; the engine passes `window_repair_tokens(L_swa, W, P)`.
+    recompute; the engine passes `window_repair_tokens(L_swa, W, P)`. `checkpoint_slack_tokens`
+    (S) widens every window checkpoint; the engine passes its `window_checkpoint_slack_tokens`.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class SWARadixCache(RadixTree):
         *,
         enable_kv_events: bool = True,
         window_repair_tokens: int = 0,
+        checkpoint_slack_tokens: int = 0,
     ) -> None:
         if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
             raise ValueError(
@@ -75,7 +78,11 @@ class SWARadixCache(RadixTree):
         super().__init__(allocator, page_size, enable_kv_events=enable_kv_events)
         self.sliding_window_size = sliding_window_size
         self.window_repair_tokens = 0 if self.hollow_tombstones else window_repair_tokens
-        self.checkpoint_tokens = page_ceil(sliding_window_size, page_size) + page_size
+        if checkpoint_slack_tokens < 0:
+            raise ValueError(f"checkpoint_slack_tokens={checkpoint_slack_tokens} is negative")
+        self.checkpoint_tokens = (
+            page_ceil(sliding_window_size + checkpoint_slack_tokens, page_size) + page_size
+        )
         self._lock_ids = itertools.count(1)
 
     # ---- queries -------------------------------------------------------------------------

@@ -35,8 +35,14 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., 
 
 
 def make_engine(model_dir: Path, **overrides: object) -> Engine:
+    """An engine whose checkpoints keep exactly W + P tokens (no slack), so that a resume a
+    few tokens before a prompt's end needs a repair, as these scenarios mean."""
     options: dict[str, object] = dict(
-        model=str(model_dir), max_total_tokens=1024, swa_full_tokens_ratio=0.5, dtype="float32"
+        model=str(model_dir),
+        max_total_tokens=1024,
+        swa_full_tokens_ratio=0.5,
+        dtype="float32",
+        window_checkpoint_slack_tokens=0,
     )
     options.update(overrides)
     return Engine(EngineConfig(**options))  # type: ignore[arg-type]
@@ -106,6 +112,22 @@ def test_the_same_prompt_again_reuses_all_but_its_last_token(model_dir: Path) ->
     assert (first.cached_tokens, second.cached_tokens) == (0, len(prompt) - 1)
     assert engine.stats.window_repairs == 0
     assert second.token_ids == first.token_ids
+    engine.shutdown()
+
+
+def test_a_checkpoints_slack_resumes_a_few_tokens_before_the_prompts_end(
+    model_dir: Path,
+) -> None:
+    """With the default slack (8 tokens), the turn that diverges 3 tokens before the first
+    prompt's end (a template that re-renders the generation prompt's end) resumes from the
+    checkpoint: everything before the divergence, no repair, the same tokens as a cold run."""
+    engine = make_engine(model_dir, chunked_prefill_size=None, window_checkpoint_slack_tokens=8)
+    assert engine.tree is not None and engine.tree.checkpoint_tokens == W + 8 + 1
+    outs = run_one_by_one(engine, PROMPTS[:2])
+    assert outs[1].cached_tokens == len(SYSTEM)
+    assert engine.stats.window_repairs == 0
+    assert [o.token_ids for o in outs] == cold_tokens(model_dir, PROMPTS[:2])
+    assert_pools_whole(engine)
     engine.shutdown()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,7 +17,7 @@ from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.request_limits import RequestLimits
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import GenerateChunk
-from swaserve.proto.text.tokenizer import TextTokenizer
+from swaserve.proto.text.tokenizer import TextTokenizer, encode_text
 
 T = TypeVar("T")
 
@@ -84,6 +85,7 @@ class FakeRouter:
         self.removed: list[str] = []
         self.route_timeouts: list[float | None] = []
         self.routed: list[str] = []
+        self.sessions: list[str | None] = []  # each route's session key
         self.finished: list[tuple[str, int | None]] = []
 
     def route(
@@ -95,6 +97,7 @@ class FakeRouter:
         timeout_s: float | None = None,
     ) -> RouteAnswer:
         self.route_timeouts.append(timeout_s)
+        self.sessions.append(session_key)
         live = [w for w in self.worker_ids if w not in self.removed]
         if not live:
             return RouteAnswer("no_workers")
@@ -176,3 +179,38 @@ class FakeCluster(RoutedCluster):
     @property
     def live_workers(self) -> list[str]:
         return [w for w in self.fake_router.worker_ids if w not in self.lost]
+
+
+class ScriptedCluster(FakeCluster):
+    """Streams `script` (text in the model's format, encoded) two tokens per chunk; keeps
+    each request."""
+
+    def __init__(self, model_dir: Path, tokenizer: TextTokenizer, script: str) -> None:
+        super().__init__(model_dir, tokenizer, ["w0"])
+        assert self.model_info is not None
+        self.model_info = replace(self.model_info, vocab_size=288)
+        self.script = script
+        self.requests: list[EngineRequest] = []
+
+    async def _stream(
+        self, worker_id: str, request: EngineRequest
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        self.requests.append(request)
+        yield GenerateChunk(request.request_id)
+        assert self.tokenizer is not None
+        ids = encode_text(self.tokenizer.tokenizer, self.script)
+        for i in range(0, len(ids), 2):
+            last = i + 2 >= len(ids)
+            yield GenerateChunk(
+                request.request_id,
+                ids[i : i + 2],
+                finished=last,
+                finish_reason="stop" if last else None,
+                worker_id=worker_id,
+            )
+
+    def prompt(self, index: int = -1) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.tokenizer.decode(
+            self.requests[index].token_ids, skip_special_tokens=False
+        )

@@ -6,20 +6,17 @@ parsed into reasoning, content and tool calls, whole and streamed, with the stoc
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from routed_fakes import FakeCluster, LoopThread
+from routed_fakes import FakeCluster, LoopThread, ScriptedCluster
 
 from swaserve.cluster.http_server import HttpServer
-from swaserve.proto.engine_request import EngineRequest
-from swaserve.proto.stream import GenerateChunk
 from swaserve.proto.text import harmony
-from swaserve.proto.text.tokenizer import TextTokenizer, encode_text
+from swaserve.proto.text.tokenizer import TextTokenizer
 
 WEATHER = {
     "type": "function",
@@ -55,44 +52,10 @@ CALL_AND_RESULT = (
 """The history of CALL answered with {"temp": 21}, as harmony renders it."""
 
 
-class ScriptedCluster(FakeCluster):
-    """Streams `script` (harmony text, encoded) two tokens per chunk; keeps each request."""
-
-    def __init__(self, model_dir: Path, tokenizer: TextTokenizer) -> None:
-        super().__init__(model_dir, tokenizer, ["w0"])
-        assert self.model_info is not None
-        self.model_info = replace(self.model_info, vocab_size=288)
-        self.script = THINK_THEN_ANSWER
-        self.requests: list[EngineRequest] = []
-
-    async def _stream(
-        self, worker_id: str, request: EngineRequest
-    ) -> AsyncIterator[GenerateChunk | Exception]:
-        self.requests.append(request)
-        yield GenerateChunk(request.request_id)
-        assert self.tokenizer is not None
-        ids = encode_text(self.tokenizer.tokenizer, self.script)
-        for i in range(0, len(ids), 2):
-            last = i + 2 >= len(ids)
-            yield GenerateChunk(
-                request.request_id,
-                ids[i : i + 2],
-                finished=last,
-                finish_reason="stop" if last else None,
-                worker_id=worker_id,
-            )
-
-    def prompt(self, index: int = -1) -> str:
-        assert self.tokenizer is not None
-        return self.tokenizer.tokenizer.decode(
-            self.requests[index].token_ids, skip_special_tokens=False
-        )
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_factory: Callable[..., Path]) -> Iterator[tuple[ScriptedCluster, str]]:
     model = tiny_model_factory("gpt-oss", num_layers=1, harmony=True)
-    cluster = ScriptedCluster(model, TextTokenizer(model))
+    cluster = ScriptedCluster(model, TextTokenizer(model), THINK_THEN_ANSWER)
     loop = LoopThread()
     server = HttpServer(cluster, port=0)
     loop.run(server.start())
