@@ -3,9 +3,11 @@
     SwaIngress (FastAPI: OpenAI API, /health, /metrics; Serve's gRPC proxy: swaserve.v1.Inference)
       │  route(request) ──► SwaRouter   (one replica: the cluster's Router, fed by worker reports)
       │  ◄── worker id
-      └─ generate(..., worker_id=…) ──► SwaWorker × replicas   (PinnedRequestRouter sends it there)
-             one Serve replica = one TP worker group: placement_group_bundles (one per rank,
-             STRICT_PACK); the replica is rank 0, ranks 1.. are RankWorker actors in its bundles
+      ├─ generate(..., worker_id=…) ──► SwaWorker × replicas   (PinnedRequestRouter sends it there)
+      │      one Serve replica = one TP worker group: placement_group_bundles (one per rank,
+      │      STRICT_PACK); the replica is rank 0, ranks 1.. are RankWorker actors in its bundles
+      └─ /v1/responses store ──► SwaResponses   (one replica: the stored responses, so that
+             previous_response_id and GET work whichever ingress replica a request reaches)
 
 swaserve's router, not Serve's power-of-two default, places every request: the ingress asks
 the SwaRouter deployment first (prefix, SWA window, headroom; its queue and its refusals become
@@ -46,6 +48,7 @@ from swaserve.cluster.grpc_server import (
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.model_info import ModelInfo, WorkerInfo, model_info_of
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
+from swaserve.cluster.openai_api.responses import ResponseStore, SharedResponseStore
 from swaserve.cluster.routed import RoutedCluster, WorkerLost
 from swaserve.cluster.router_actor import RouterActor
 from swaserve.proto import environment
@@ -62,6 +65,7 @@ logger = logging.getLogger(__name__)
 WORKER_ID_KWARG = "worker_id"
 ANY_WORKER = "*"  # routing="serve": whichever replica Serve picks
 INGRESS_NAME, ROUTER_NAME, WORKER_NAME = "SwaIngress", "SwaRouter", "SwaWorker"
+RESPONSES_NAME = "SwaResponses"
 
 
 class PinnedRequestRouter(RequestRouter):
@@ -148,6 +152,11 @@ class ServeAppArgs(BaseModel):
 
 class SwaRouter(RouterActor):
     """The router as a Serve deployment (one replica)."""
+
+
+class SwaResponses(ResponseStore):
+    """The Responses API's store as a Serve deployment (one replica), shared by the ingress
+    replicas through `SharedResponseStore`. Its stored responses live as long as the replica."""
 
 
 class ServeCluster(RoutedCluster):
@@ -249,13 +258,15 @@ class ServeCluster(RoutedCluster):
 class SwaIngress:
     """HTTP (OpenAI API) and gRPC (through Serve's proxy) in front of the cluster."""
 
-    def __init__(self, router: Any, workers: Any, args: ServeAppArgs) -> None:
+    def __init__(self, router: Any, workers: Any, responses: Any, args: ServeAppArgs) -> None:
         self.cluster = ServeCluster(router, workers, args)
         model_name = args.served_model_name or Path(self.cluster.engine.model).name
         self.metrics = ServingMetrics(model_name)
         self.service = InferenceService(self.cluster, self.metrics)
         api_key = args.resolved_api_key()
-        self.openai = OpenAIServer(self.cluster, self.metrics, api_key)
+        self.openai = OpenAIServer(
+            self.cluster, self.metrics, api_key, store=SharedResponseStore(responses)
+        )
         self.grpc_auth = BearerToken(api_key) if api_key else None
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -381,9 +392,16 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0},
     )(SwaIngress)
+    responses = serve.deployment(
+        name=RESPONSES_NAME,
+        num_replicas=1,
+        max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False},
+    )(SwaResponses)
     router_app = router.bind(router_config)
     worker_app = workers.bind(engine, router_app, parsed.report_interval_s)
-    return ingress.bind(router_app, worker_app, parsed)
+    return ingress.bind(router_app, worker_app, responses.bind(), parsed)
 
 
 __all__ = ["GRPC_SERVICER_FUNCTION", "PinnedRequestRouter", "ServeAppArgs", "build_app"]

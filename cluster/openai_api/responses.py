@@ -113,7 +113,9 @@ class History:
 
 
 class ResponseStore:
-    """The last `capacity` stored responses, least recently used out first."""
+    """The last `capacity` stored responses, least recently used out first. `lookup`, `put`
+    and `remove` are plain calls (a Serve deployment holds one for every ingress replica:
+    `cluster.serve`); the service awaits `get`, `save` and `delete`."""
 
     def __init__(self, capacity: int = STORE_SIZE) -> None:
         self.capacity = capacity
@@ -125,22 +127,54 @@ class ResponseStore:
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> Stored:
+    def lookup(self, response_id: str) -> Stored | None:
         stored = self._items.get(response_id)
-        if stored is None:
-            raise APIError(
-                404,
-                f"no stored response {response_id!r} (unknown, deleted, or evicted: the server "
-                f"keeps the last {self.capacity})",
-                param="previous_response_id",
-                code="not_found",
-            )
-        self._items.move_to_end(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
         return stored
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        del self._items[response_id]
+    def remove(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+    async def save(self, response_id: str, stored: Stored) -> None:
+        self.put(response_id, stored)
+
+    async def get(self, response_id: str) -> Stored:
+        return _found(self.lookup(response_id), response_id, self.capacity)
+
+    async def delete(self, response_id: str) -> None:
+        _found(self.remove(response_id) or None, response_id, self.capacity)
+
+
+class SharedResponseStore:
+    """A `ResponseStore` in another process, through a handle whose `lookup`, `put` and
+    `remove` return awaitables (a Serve deployment's): every ingress replica sees one store."""
+
+    def __init__(self, handle: Any, capacity: int = STORE_SIZE) -> None:
+        self.handle, self.capacity = handle, capacity
+
+    async def save(self, response_id: str, stored: Stored) -> None:
+        await self.handle.put.remote(response_id, stored)
+
+    async def get(self, response_id: str) -> Stored:
+        stored = await self.handle.lookup.remote(response_id)
+        return _found(stored, response_id, self.capacity)
+
+    async def delete(self, response_id: str) -> None:
+        removed = await self.handle.remove.remote(response_id)
+        _found(removed or None, response_id, self.capacity)
+
+
+def _found(stored: Any, response_id: str, capacity: int) -> Any:
+    if stored is None:
+        raise APIError(
+            404,
+            f"no stored response {response_id!r} (unknown, deleted, or evicted: the server "
+            f"keeps the last {capacity})",
+            param="previous_response_id",
+            code="not_found",
+        )
+    return stored
 
 
 def encrypt_reasoning(text: str) -> str:
@@ -585,17 +619,19 @@ class ResponsesService:
     """Runs Responses requests on a `JobBuilder` and a `Responder`, with a `ResponseStore`."""
 
     def __init__(
-        self, jobs: JobBuilder, responder: Responder, store: ResponseStore | None = None
+        self,
+        jobs: JobBuilder,
+        responder: Responder,
+        store: ResponseStore | SharedResponseStore | None = None,
     ) -> None:
         self.jobs, self.responder = jobs, responder
         self.store = store or ResponseStore()
 
-    def history(self, req: ResponsesRequest) -> History:
-        """The conversation that `previous_response_id` continues, or a new one (on the event
-        loop: the store is the loop's)."""
+    async def history(self, req: ResponsesRequest) -> History:
+        """The conversation that `previous_response_id` continues, or a new one."""
         if req.previous_response_id is None:
             return History([], _new_id("conv"))
-        stored = self.store.get(req.previous_response_id)
+        stored = await self.store.get(req.previous_response_id)
         return History(list(stored.messages), stored.session)
 
     def prepare(
@@ -678,7 +714,7 @@ class ResponsesService:
         }
         if req.store:
             messages = history.messages + translated.new_messages + builder.assistant_messages()
-            self.store.put(response_id, Stored(response, messages, history.session))
+            await self.store.save(response_id, Stored(response, messages, history.session))
         yield "response.completed", {"response": response}
 
 

@@ -134,7 +134,7 @@ async def create_response(request: Request) -> Response:
     server = await _ready_server(request)
     req = parse_body(await _json(request), ResponsesRequest, RESPONSES_UNSUPPORTED)
     service = server.responses
-    history = service.history(req)
+    history = await service.history(req)
     job, translated = await asyncio.to_thread(service.prepare, req, history, arrival_s)
     events = service.run(req, job, translated, history)
     if not req.stream:
@@ -169,12 +169,12 @@ async def _sse_events(
 
 async def get_response(request: Request, response_id: str) -> dict[str, Any]:
     server = await _ready_server(request)
-    return server.responses.store.get(response_id).response
+    return (await server.responses.store.get(response_id)).response
 
 
 async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
     server = await _ready_server(request)
-    server.responses.store.delete(response_id)
+    await server.responses.store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

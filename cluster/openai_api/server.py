@@ -9,7 +9,11 @@ from typing import Any
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.openai_api.jobs import JobBuilder
-from swaserve.cluster.openai_api.responses import ResponsesService
+from swaserve.cluster.openai_api.responses import (
+    ResponsesService,
+    ResponseStore,
+    SharedResponseStore,
+)
 from swaserve.cluster.openai_api.stream import Responder
 from swaserve.cluster.routed import RoutedCluster
 
@@ -23,7 +27,9 @@ class OpenAIServer:
         cluster: RoutedCluster,
         metrics: ServingMetrics | None = None,
         api_key: str | None = None,
+        store: ResponseStore | SharedResponseStore | None = None,
     ) -> None:
+        """`store`: where /v1/responses keeps responses (default: this process's own)."""
         if api_key is not None and not api_key.strip():
             raise ValueError("api_key must not be empty")
         self.cluster, self.metrics = cluster, metrics
@@ -31,7 +37,7 @@ class OpenAIServer:
         self.started = int(time.time())
         self.jobs = JobBuilder(cluster)  # request body -> Job (tokenizes: off the event loop)
         self.responder = Responder(cluster, metrics)  # Job -> choices -> response
-        self.responses = ResponsesService(self.jobs, self.responder)  # /v1/responses, its store
+        self.responses = ResponsesService(self.jobs, self.responder, store)  # /v1/responses
 
     @property
     def info(self) -> ModelInfo:

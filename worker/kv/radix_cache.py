@@ -46,6 +46,7 @@ from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
 from swaserve.worker.kv.swa_freeing import SWAFreeState
 
+
 class SWARadixCache(RadixTree):
     """Prefix cache over full slot ids with SWA tombstones, two LRUs and window-bounded locks.
 

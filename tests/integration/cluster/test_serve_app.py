@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +343,83 @@ def test_a_tp2_worker_replica_holds_both_ranks_in_its_placement_group(serve_app:
         assert info.tp_size == 2
     finally:
         serve.delete("tp2")
+
+
+AGENT_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,  # else a random model adds keys until max_tokens
+}
+
+
+@pytest.mark.parametrize("native", ["gpt-oss", "mimo-v2-flash"])
+def test_tool_calls_and_a_stored_conversation_through_serve_on_each_chat_format(
+    serve_app: ServeApp, tiny_model_factory: Callable[..., Path], native: str
+) -> None:
+    """A model in its own chat format (harmony; MiMo's) behind Serve with two ingress
+    replicas: a required tool call validates and its result's follow-up hits the cache, and a
+    Responses conversation continues by `previous_response_id` turn after turn whichever
+    ingress replica each request reaches (the store is one deployment)."""
+    model = tiny_model_factory(native, num_layers=2, sliding_window_size=8, native_chat=True)
+    args = {
+        "model": str(model),
+        "replicas": 1,
+        "ingress_replicas": 2,
+        "device": "cpu",
+        "max_total_tokens": 4096,
+    }
+    app = f"agents-{native}"
+    serve.run(build_app(args), name=app, route_prefix=f"/{app}")
+    try:
+        client = serve_app.client(f"/{app}")
+        tool = {"type": "function", "function": {"name": "weather", "parameters": AGENT_SCHEMA}}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"}]
+        # a random model rarely ends harmony's analysis: bias its channel's first letter away
+        bias = {"97": -100} if native == "gpt-oss" else None
+        out = client.chat.completions.create(
+            model=model.name,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=1,
+            max_tokens=120,
+            logit_bias=bias,  # type: ignore[arg-type]
+        )
+        assert out.choices[0].finish_reason == "tool_calls"
+        (call,) = out.choices[0].message.tool_calls or []
+        jsonschema.validate(json.loads(call.function.arguments), AGENT_SCHEMA)
+        messages += [
+            out.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
+        follow = client.chat.completions.create(
+            model=model.name,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[tool],  # type: ignore[list-item]
+            max_tokens=3,
+            temperature=0,
+        )
+        assert follow.usage is not None and follow.usage.prompt_tokens_details is not None
+        assert follow.usage.prompt_tokens_details.cached_tokens > 0
+        previous = client.responses.create(model=model.name, input="Hi", max_output_tokens=3)
+        for turn in range(6):
+            previous = client.responses.create(
+                model=model.name,
+                input=f"Turn {turn}",
+                previous_response_id=previous.id,
+                max_output_tokens=3,
+            )
+            assert client.responses.retrieve(previous.id).id == previous.id
+        assert previous.usage is not None
+        assert previous.usage.input_tokens_details.cached_tokens > 0
+        client.responses.delete(previous.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(previous.id)
+    finally:
+        serve.delete(app)
 
 
 def test_the_http_api_key_comes_from_args_a_file_or_the_environment(

@@ -21,6 +21,8 @@ from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
 
 from swaserve.cluster.grpc_server import UNAUTHENTICATED_DETAILS, RpcFailure
 from swaserve.cluster.openai_api import api_error
+from swaserve.cluster.openai_api.protocol import APIError
+from swaserve.cluster.openai_api.responses import ResponseStore, SharedResponseStore, Stored
 from swaserve.cluster.routed import InvalidRequest, Unavailable
 from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress
 from swaserve.cluster.serve_worker import SwaWorker
@@ -331,7 +333,8 @@ def ingress(model_dir: Path, api_key: str | None) -> SwaIngress:
     router, workers = FakeRouter(["w0"]), ScriptedWorkers({"w0": [serves(), serves()]})
     made = SwaIngress.__new__(SwaIngress)
     args = ServeAppArgs(model=str(model_dir), api_key=api_key)
-    asyncio.run(SwaIngress.__init__(made, Handle(router), Handle(workers), args))  # async in Serve
+    responses = Handle(ResponseStore())
+    asyncio.run(SwaIngress.__init__(made, Handle(router), Handle(workers), responses, args))
     made.cluster.model_info = model_info(model_dir)
     return made
 
@@ -384,3 +387,28 @@ def test_an_rpc_failure_survives_pickling() -> None:
     failure = RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after-s", "1"),))
     copy = pickle.loads(pickle.dumps(failure))
     assert (copy.code, copy.details, copy.trailing) == (failure.code, "busy", failure.trailing)
+
+
+def test_ingress_replicas_share_one_response_store() -> None:
+    """Two ingress replicas' `SharedResponseStore`s over one store (the SwaResponses
+    deployment): what one saves the other finds, a delete is seen by both, and a missing id is
+    the 404 a local store gives."""
+    store = ResponseStore(capacity=2)
+    one, two = SharedResponseStore(Handle(store)), SharedResponseStore(Handle(store))
+
+    async def scenario() -> None:
+        await one.save("resp-a", Stored({"id": "resp-a"}, [], "conv-a"))
+        assert (await two.get("resp-a")).session == "conv-a"
+        await two.delete("resp-a")
+        for missing in (one.get("resp-a"), two.delete("resp-a"), ResponseStore().get("x")):
+            try:
+                await missing
+            except APIError as exc:
+                assert exc.status == 404 and exc.param == "previous_response_id"
+            else:
+                raise AssertionError("a missing response was found")
+        for i in range(3):  # bounded: the oldest goes
+            await one.save(f"r{i}", Stored({}, [], "c"))
+        assert store.lookup("r0") is None and store.lookup("r2") is not None
+
+    asyncio.run(scenario())
