@@ -147,31 +147,28 @@ async def agent(
         "max_tokens": 200,
         "user": f"agent-{index}",
     }
-    for t, user in enumerate(work.users[index]):
-        messages.append({"role": "user", "content": user})
+
+    async def ask(grammar: str, turn: Turn) -> Any:
         out = await client.chat.completions.create(
             messages=messages,  # type: ignore[arg-type]
-            extra_body={"structured_outputs": {"grammar": call_grammar}, **thinking},
+            extra_body={"structured_outputs": {"grammar": grammar}, **thinking},
             **common,
         )
-        turns[t].calls += out.choices[0].finish_reason == "tool_calls"
-        add_usage(turns[t], out)
-        message = out.choices[0].message
-        assistant = message.model_dump(exclude_none=True)
-        messages.append(assistant)
-        for call in message.tool_calls or []:
+        add_usage(turn, out)
+        return out.choices[0]
+
+    for t, user in enumerate(work.users[index]):
+        messages.append({"role": "user", "content": user})
+        choice = await ask(call_grammar, turns[t])
+        turns[t].calls += choice.finish_reason == "tool_calls"
+        messages.append(choice.message.model_dump(exclude_none=True))
+        for call in choice.message.tool_calls or []:
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": work.results[index][t]}
             )
-        out = await client.chat.completions.create(
-            messages=messages,  # type: ignore[arg-type]
-            extra_body={"structured_outputs": {"grammar": answer_grammar}, **thinking},
-            **common,
-        )
-        turns[t].answers += out.choices[0].finish_reason == "stop"
-        add_usage(turns[t], out)
-        reply = out.choices[0].message
-        messages.append({"role": "assistant", "content": reply.content or ""})
+        choice = await ask(answer_grammar, turns[t])
+        turns[t].answers += choice.finish_reason == "stop"
+        messages.append({"role": "assistant", "content": choice.message.content or ""})
 
 
 def add_usage(turn: Turn, out: Any) -> None:

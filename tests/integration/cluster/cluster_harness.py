@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import openai
 import ray
 
 from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.grpc_server import GrpcServer, GrpcServerConfig
+from swaserve.cluster.http_server import HttpServer
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.proto.text.tokenizer import TextTokenizer
@@ -105,6 +107,27 @@ def running_cluster(model: Path, **options: Any) -> Iterator[ServedCluster]:
             served.stop()
         finally:
             loop.close()
+
+
+def openai_client(served: ServedCluster) -> Iterator[openai.OpenAI]:
+    """A module fixture's body: the OpenAI HTTP API on `served`'s cluster (a free port) and a
+    stock client of it; the server is stopped after."""
+    server = HttpServer(served.cluster, port=0)
+    served.loop.run(server.start())
+    try:
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=120,
+        )
+    finally:
+        served.loop.run(server.stop())
+
+
+def model_name_of(served: ServedCluster) -> str:
+    assert served.cluster.model_info is not None
+    return served.cluster.model_info.model_name
 
 
 def serve_cluster(

@@ -14,9 +14,15 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from cluster_harness import WINDOW, ServedCluster, running_cluster, wait_idle
+from cluster_harness import (
+    WINDOW,
+    ServedCluster,
+    model_name_of,
+    openai_client,
+    running_cluster,
+    wait_idle,
+)
 
-from swaserve.cluster.http_server import HttpServer
 from swaserve.cluster.openai_api.chat import compact
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.text.harmony import Conversation, Message, Tool
@@ -66,23 +72,12 @@ def harmony_cluster(
 
 @pytest.fixture(scope="module")
 def client(harmony_cluster: ServedCluster) -> Iterator[openai.OpenAI]:
-    server = HttpServer(harmony_cluster.cluster, port=0)
-    harmony_cluster.loop.run(server.start())
-    try:
-        yield openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.port}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=120,
-        )
-    finally:
-        harmony_cluster.loop.run(server.stop())
+    yield from openai_client(harmony_cluster)
 
 
 @pytest.fixture(scope="module")
 def model_name(harmony_cluster: ServedCluster) -> str:
-    assert harmony_cluster.cluster.model_info is not None
-    return harmony_cluster.cluster.model_info.model_name
+    return model_name_of(harmony_cluster)
 
 
 def test_a_forced_tool_call_validates_on_every_seed_whole_and_streamed(

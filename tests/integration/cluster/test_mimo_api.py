@@ -15,9 +15,15 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from cluster_harness import WINDOW, ServedCluster, running_cluster, wait_idle
+from cluster_harness import (
+    WINDOW,
+    ServedCluster,
+    model_name_of,
+    openai_client,
+    running_cluster,
+    wait_idle,
+)
 
-from swaserve.cluster.http_server import HttpServer
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.text.chat_template import ChatTemplate
 from swaserve.proto.text.tokenizer import encode_text, load_tokenizer
@@ -61,23 +67,12 @@ def mimo_cluster(ray_session: str, mimo_model: Path) -> Iterator[ServedCluster]:
 
 @pytest.fixture(scope="module")
 def client(mimo_cluster: ServedCluster) -> Iterator[openai.OpenAI]:
-    server = HttpServer(mimo_cluster.cluster, port=0)
-    mimo_cluster.loop.run(server.start())
-    try:
-        yield openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.port}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=120,
-        )
-    finally:
-        mimo_cluster.loop.run(server.stop())
+    yield from openai_client(mimo_cluster)
 
 
 @pytest.fixture(scope="module")
 def model_name(mimo_cluster: ServedCluster) -> str:
-    assert mimo_cluster.cluster.model_info is not None
-    return mimo_cluster.cluster.model_info.model_name
+    return model_name_of(mimo_cluster)
 
 
 def test_a_forced_tool_call_validates_on_every_seed_whole_and_streamed(

@@ -5,8 +5,9 @@ routing and retry logic under test is the real `RoutedCluster`'s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -214,3 +215,19 @@ class ScriptedCluster(FakeCluster):
         return self.tokenizer.tokenizer.decode(
             self.requests[index].token_ids, skip_special_tokens=False
         )
+
+
+@contextlib.contextmanager
+def serve_over_http(cluster: RoutedCluster) -> Iterator[str]:
+    """The OpenAI HTTP server over `cluster` on its own loop thread: its base URL (`.../v1`);
+    both are stopped on exit."""
+    from swaserve.cluster.http_server import HttpServer
+
+    loop = LoopThread()
+    server = HttpServer(cluster, port=0)
+    loop.run(server.start())
+    try:
+        yield f"http://127.0.0.1:{server.port}/v1"
+    finally:
+        loop.run(server.stop())
+        loop.close()

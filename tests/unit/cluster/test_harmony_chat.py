@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from routed_fakes import FakeCluster, LoopThread, ScriptedCluster
+from routed_fakes import FakeCluster, LoopThread, ScriptedCluster, serve_over_http
 
 from swaserve.cluster.http_server import HttpServer
 from swaserve.proto.text import harmony
@@ -56,14 +56,8 @@ CALL_AND_RESULT = (
 def served(tiny_model_factory: Callable[..., Path]) -> Iterator[tuple[ScriptedCluster, str]]:
     model = tiny_model_factory("gpt-oss", num_layers=1, harmony=True)
     cluster = ScriptedCluster(model, TextTokenizer(model), THINK_THEN_ANSWER)
-    loop = LoopThread()
-    server = HttpServer(cluster, port=0)
-    loop.run(server.start())
-    try:
-        yield cluster, f"http://127.0.0.1:{server.port}/v1"
-    finally:
-        loop.run(server.stop())
-        loop.close()
+    with serve_over_http(cluster) as url:
+        yield cluster, url
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ from typing import Any
 
 import openai
 import pytest
-from routed_fakes import LoopThread, ScriptedCluster
+from routed_fakes import ScriptedCluster, serve_over_http
 
-from swaserve.cluster.http_server import HttpServer
 from swaserve.proto.text.tokenizer import TextTokenizer
 
 WEATHER = {
@@ -43,14 +42,8 @@ THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
 def served(tiny_model_factory: Callable[..., Path]) -> Iterator[tuple[ScriptedCluster, str]]:
     model = tiny_model_factory("mimo-v2-flash", num_layers=2, native_chat=True)
     cluster = ScriptedCluster(model, TextTokenizer(model), ANSWER)
-    loop = LoopThread()
-    server = HttpServer(cluster, port=0)
-    loop.run(server.start())
-    try:
-        yield cluster, f"http://127.0.0.1:{server.port}/v1"
-    finally:
-        loop.run(server.stop())
-        loop.close()
+    with serve_over_http(cluster) as url:
+        yield cluster, url
 
 
 @pytest.fixture
