@@ -155,13 +155,14 @@ def test_admission_moves_a_matched_prefix_out_of_the_evictable_budget(model_dir:
     evictable = tree.full_evictable_size()
     assert evictable >= 64
     swa_evictable = tree.swa_evictable_size()
-    # When A's decode left its window, the prompt's last C = ceil_P(W) + P = 12 tokens stayed
-    # live as a window checkpoint, so a match of the same prefix reaches 64 and its lock takes
-    # exactly the checkpoint's SWA KV (the tombstone before it stops the lock).
+    # When A's decode left its window, the prompt's last C = ceil_P(W + S) + P = 20 tokens
+    # (S = 8: window_checkpoint_slack_tokens) stayed live as a window checkpoint, so a match of
+    # the same prefix reaches 64 and its lock takes exactly the checkpoint's SWA KV (the
+    # tombstone before it stops the lock).
     first = engine.scheduler.kv.attach_prefix(engine._new_request([*PREFIX, 7], GREEDY))
     assert first is not None and first.num_tokens == 64
     assert first.full_newly_protected == 64 == evictable - tree.full_evictable_size()
-    assert first.swa_newly_protected == 12 == swa_evictable - tree.swa_evictable_size()
+    assert first.swa_newly_protected == 20 == swa_evictable - tree.swa_evictable_size()
     # A second match of the same prefix protects nothing new.
     second = engine.scheduler.kv.attach_prefix(engine._new_request([*PREFIX, 8], GREEDY))
     assert second is not None and (second.num_tokens, second.full_newly_protected) == (64, 0)
