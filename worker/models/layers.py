@@ -39,20 +39,30 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32. `weight_after_cast=False` (GPT-OSS) multiplies by the weight before
-    casting back to the input dtype; `True` (MiMo-V2-Flash) casts first, as each HF class does."""
+    """RMSNorm in float32 over the last dimension. `weight_after_cast=False` (GPT-OSS)
+    multiplies by the weight before casting back to the input dtype; `True` (MiMo-V2-Flash)
+    casts first, as each HF class does. `unit_offset` (Gemma) scales by 1 + weight, in float32."""
 
     def __init__(
-        self, hidden_size: int, eps: float, *, weight_after_cast: bool, dtype: torch.dtype
+        self,
+        hidden_size: int,
+        eps: float,
+        *,
+        weight_after_cast: bool,
+        dtype: torch.dtype,
+        unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))  # [D]
         self.eps = eps
         self.weight_after_cast = weight_after_cast
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)  # [T, D] float32
+        h = x.to(torch.float32)  # [..., D] float32
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         if self.weight_after_cast:
             return self.weight * h.to(x.dtype)
         return (self.weight * h).to(x.dtype)
@@ -60,7 +70,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """q/k/v projections, RoPE at the batch's positions, then the backend (which writes K/V into
-    the pool and attends, windowed on SWA layers, with sinks when the layer kind has them)."""
+    the pool and attends, windowed on SWA layers, with sinks when the layer kind has them).
+    `q_norm` / `k_norm` (a model may set them: Gemma 3) normalize each head before RoPE."""
 
     def __init__(
         self,
@@ -103,6 +114,8 @@ class Attention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self.value_scale = config.attention_value_scale
+        self.q_norm: nn.Module | None = None  # per head, over Dk
+        self.k_norm: nn.Module | None = None
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
 
     def fuse_projections(self) -> None:
@@ -129,6 +142,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.v_head_dim)  # [T, Hkv, Dv]
         if self.value_scale is not None:
             v = v * self.value_scale
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.float()  # [H] float32
@@ -141,8 +156,16 @@ def _scaled(heads: tuple[int, int], head_dim: int) -> tuple[tuple[int, int]]:
     return ((heads[0] * head_dim, heads[1] * head_dim),)
 
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+"""A gated MLP's activation by its HF `hidden_act` / `hidden_activation` name."""
+
+
 class DenseMLP(nn.Module):
-    """SwiGLU MLP without biases (MiMo-V2-Flash's "dense" layers)."""
+    """Gated MLP without biases: down(act(gate(x)) · up(x)); SwiGLU by default (MiMo-V2-Flash's
+    "dense" layers), GeGLU with `activation="gelu_pytorch_tanh"` (Gemma)."""
 
     def __init__(
         self,
@@ -151,8 +174,10 @@ class DenseMLP(nn.Module):
         *,
         dtype: torch.dtype,
         tp: TPGroup | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         tp = tp or TPGroup.single()
         rows = even_segments(intermediate_size, tp, "intermediate_size")
         d, i = hidden_size, intermediate_size
@@ -174,7 +199,7 @@ class DenseMLP(nn.Module):
             gate, up = self.gate_up_proj(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class FusedLinear(Prepackable):
@@ -240,6 +265,39 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, D]
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Norms around each block (Gemma 3): x + post_attn(attn(norm(x))), then
+    x + post_ff(mlp(pre_ff(x)))."""
+
+    def __init__(
+        self,
+        self_attn: Attention,
+        mlp: nn.Module,
+        input_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module,
+        pre_feedforward_layernorm: nn.Module,
+        post_feedforward_layernorm: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.pre_feedforward_layernorm = pre_feedforward_layernorm
+        self.post_feedforward_layernorm = post_feedforward_layernorm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch | DecodeBatch,
+    ) -> torch.Tensor:  # [T, D]
+        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
 
 
 # Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and

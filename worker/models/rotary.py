@@ -1,5 +1,5 @@
-"""Rotary position embeddings, numerically as transformers computes them (default and YaRN
-inverse frequencies; rotate-half on the leading `rotary_dim` channels of each head)."""
+"""Rotary position embeddings, numerically as transformers computes them (default, linear and
+YaRN inverse frequencies; rotate-half on the leading `rotary_dim` channels of each head)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     pos_freqs = rope.theta**exponents  # [R/2] float32
     if rope.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
+    if rope.rope_type == "linear":
+        return 1.0 / pos_freqs / rope.factor, 1.0
     return _yarn(rope, pos_freqs)
 
 

@@ -52,6 +52,20 @@ def test_mimo_partial_rope_matches_transformers(head_dim: int, tmp_path: Path) -
         assert rope.rotary_dim == 2 * inv_freq.numel()
 
 
+def test_gemma3_per_kind_and_linear_rope_match_transformers(tmp_path: Path) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    make_tiny_model(tmp_path, arch="gemma3", num_layers=6, head_dim=16)
+    theirs = Gemma3RotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    config = load_model_config(tmp_path)
+    assert config.full_attention.rope.rope_type == "linear"
+    for kind in ("full_attention", "sliding_attention"):
+        rope = config.full_attention.rope if kind == "full_attention" else config.swa_attention.rope
+        inv_freq, scaling = inverse_frequencies(rope)
+        assert torch.equal(inv_freq, getattr(theirs, f"{kind}_inv_freq"))
+        assert scaling == getattr(theirs, f"{kind}_attention_scaling") == 1.0
+
+
 def test_apply_rotary_passes_trailing_channels_and_keeps_norm() -> None:
     rope = RopeConfig("default", 10_000.0, head_dim=10, partial_rotary_factor=0.5)
     assert (rope.freq_dim, rope.rotary_dim) == (5, 6)  # HF: int(10 · 0.5) = 5 → 3 frequencies
