@@ -93,9 +93,11 @@ class HybridCausalLM(nn.Module):
         # In the order the kinds first appear, not a set's: that order is the traced graph's,
         # and a set of strings iterates in a per-process order (hash randomisation), so the
         # compiled step's cache key would differ from one start to the next.
+        # Kinds without position encoding (NoPE) have none.
         self.rotary = {
-            kind: RotaryEmbedding(config.attention_kind(config.layer_types.index(kind)).rope)
+            kind: RotaryEmbedding(rope)
             for kind in dict.fromkeys(config.layer_types)
+            if (rope := config.attention_kind(config.layer_types.index(kind)).rope) is not None
         }
 
     def make_layer(self, layer_id: int) -> nn.Module:
@@ -186,10 +188,12 @@ class HybridCausalLM(nn.Module):
             for kind, rotary in self.rotary.items()
         }
         for layer, kind in zip(self.model.layers, self.config.layer_types, strict=True):
-            hidden = layer(hidden, cos_sin[kind], batch)
+            hidden = layer(hidden, cos_sin.get(kind), batch)
         rows = batch.logits_indices()  # None: every row (a fixed-shape decode step)
         hidden = self.model.norm(hidden if rows is None else hidden[rows])  # [N, D]; per row
         logits = self.lm_head(hidden)  # [N, vocab]
+        if self.config.logit_scale is not None:
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

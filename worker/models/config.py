@@ -37,11 +37,13 @@ SLIDING_ATTENTION = "sliding_attention"
 GPT_OSS = "GptOssForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3)
+COHERE2 = "Cohere2ForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2)
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt_oss": GPT_OSS,
     "mimo_v2_flash": MIMO_V2_FLASH,
     "gemma3_text": GEMMA3,
+    "cohere2": COHERE2,
 }
 
 
@@ -63,6 +65,8 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # Pairs (2i, 2i + 1) rotate together, computed in float32 (Cohere); else rotate-half.
+    interleaved: bool = False
 
     @property
     def freq_dim(self) -> int:
@@ -83,7 +87,7 @@ class AttentionKindConfig:
     head_dim: int  # Dk (q and k)
     v_head_dim: int  # Dv
     has_sinks: bool
-    rope: RopeConfig
+    rope: RopeConfig | None  # None: no position encoding (NoPE layers: Cohere2's global ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +138,8 @@ class ModelConfig:
     attention_scale: float | None = None
     # Logits become tanh(logits / c) · c (Gemma's final_logit_softcapping); None: as they are.
     final_logit_softcapping: float | None = None
+    # Logits are multiplied by it (Cohere's logit_scale); None: as they are.
+    logit_scale: float | None = None
 
     @property
     def num_layers(self) -> int:

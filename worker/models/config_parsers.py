@@ -4,10 +4,12 @@ raising typed errors that name the field and the file."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from swaserve.worker.models.config import (
+    COHERE2,
     FULL_ATTENTION,
     GEMMA3,
     GPT_OSS,
@@ -421,8 +423,61 @@ class Gemma3ConfigParser(ConfigParser):
         return out
 
 
+class Cohere2ConfigParser(ConfigParser):
+    """transformers' Cohere2Config: three sliding layers per global one by default
+    (`sliding_window_pattern` 4), global layers without position encoding, interleaved RoPE on
+    the sliding ones (one `rope_parameters`, or `rope_theta`), head dim hidden / heads whatever
+    config.json says, LayerNorm with `layer_norm_eps`, `logit_scale` (default 0.0625), tied
+    embeddings by default."""
+
+    architecture = COHERE2
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        common["rms_norm_eps"] = self.number("layer_norm_eps", 1e-5)
+        common["tie_word_embeddings"] = bool(self.hf.get("tie_word_embeddings", True))
+        n = self.required_int("num_hidden_layers")
+        pattern = self.optional_int("sliding_window_pattern", 4)
+        types = self.layer_types(
+            n, [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+        )
+        heads = common["num_heads"]
+        if common["hidden_size"] % heads:
+            raise self.fail("hidden_size is not a multiple of num_attention_heads")
+        head_dim = common["hidden_size"] // heads  # as Cohere2Config sets it
+        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", self.hf.get("rope_theta", 10_000.0))
+        params["partial_rotary_factor"] = 1.0
+        rope = dataclasses.replace(self.rope(params, head_dim, 1.0), interleaved=True)
+        kv_heads = self.optional_int("num_key_value_heads", heads)
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, None)
+        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope)
+        self.check_heads(heads, full, "attention")
+        act = str(self.hf.get("hidden_act") or "silu")
+        if act != "silu":
+            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
+        bias = bool(self.hf.get("attention_bias", False))
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("dense",) * n,
+            sliding_window_size=self.window(types),
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+            logit_scale=self.number("logit_scale", 0.0625),
+        )
+
+
 PARSERS: dict[str, type[ConfigParser]] = {
     GPT_OSS: GptOssConfigParser,
     MIMO_V2_FLASH: MiMoConfigParser,
     GEMMA3: Gemma3ConfigParser,
+    COHERE2: Cohere2ConfigParser,
 }

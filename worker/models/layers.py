@@ -24,7 +24,7 @@ from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.prepacked import Prepackable, available, pack, prepacked_linear
-from swaserve.worker.models.rotary import apply_rotary
+from swaserve.worker.models.rotary import apply_rotary, apply_rotary_interleaved
 from swaserve.worker.models.static_step import in_static_step
 from swaserve.worker.models.tp_layers import (
     ColumnParallelLinear,
@@ -66,6 +66,21 @@ class RMSNorm(nn.Module):
         if self.weight_after_cast:
             return self.weight * h.to(x.dtype)
         return (self.weight * h).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm without bias in float32 (Cohere): (x - mean) / std · weight, cast back."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))  # [D]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)  # [..., D] float32
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * h).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -114,6 +129,7 @@ class Attention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self.value_scale = config.attention_value_scale
+        self.interleaved_rope = kind.rope is not None and kind.rope.interleaved
         self.q_norm: nn.Module | None = None  # per head, over Dk
         self.k_norm: nn.Module | None = None
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
@@ -129,7 +145,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, D]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 × [T, R/2]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # 2 × [T, R/2]; None: NoPE
         batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         t = hidden.shape[0]
@@ -144,8 +160,9 @@ class Attention(nn.Module):
             v = v * self.value_scale
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos_sin is not None:
+            rotate = apply_rotary_interleaved if self.interleaved_rope else apply_rotary
+            q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         sinks = None if self.sinks is None else self.sinks.float()  # [H] float32
         out = self.backend.forward(q, k, v, self.layer, batch, sinks=sinks)  # [T, H, Dv]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
@@ -260,7 +277,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, D]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
@@ -291,13 +308,32 @@ class SandwichDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, D]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class ParallelDecoderLayer(nn.Module):
+    """Attention and MLP side by side on one norm (Cohere): x + attn(norm(x)) + mlp(norm(x))."""
+
+    def __init__(self, self_attn: Attention, mlp: nn.Module, input_layernorm: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: ForwardBatch | DecodeBatch,
+    ) -> torch.Tensor:  # [T, D]
+        normed = self.input_layernorm(hidden)
+        return hidden + self.self_attn(normed, cos_sin, batch) + self.mlp(normed)
 
 
 # Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and

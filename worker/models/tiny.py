@@ -35,6 +35,7 @@ from swaserve.proto.text.harmony import SPECIAL_TOKENS as HARMONY_SPECIAL_TOKENS
 from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swaserve.worker.models.config import (
+    COHERE2,
     FULL_ATTENTION,
     GEMMA3,
     GPT_OSS,
@@ -49,7 +50,12 @@ from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import weight_map
 from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4_SCALES
 
-ARCHITECTURES = {"gpt-oss": GPT_OSS, "mimo-v2-flash": MIMO_V2_FLASH, "gemma3": GEMMA3}
+ARCHITECTURES = {
+    "gpt-oss": GPT_OSS,
+    "mimo-v2-flash": MIMO_V2_FLASH,
+    "gemma3": GEMMA3,
+    "cohere2": COHERE2,
+}
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
 HARMONY_TOKENS = HARMONY_SPECIAL_TOKENS
@@ -217,6 +223,19 @@ def make_tiny_model(
             },
         }
         del hf["hidden_act"], hf["num_experts_per_tok"]
+    elif arch == "cohere2":
+        hf = common | {
+            "model_type": "cohere2",
+            "layer_types": layer_types
+            or [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(num_layers)],
+            "intermediate_size": 2 * hidden_size,
+            "layer_norm_eps": 1e-5,
+            "logit_scale": 0.5,  # the default 0.0625 flattens a tiny model's logits
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+        del hf["num_experts_per_tok"], hf["rms_norm_eps"]
     else:
         full_every_6th = [
             FULL_ATTENTION if i == 0 or (i + 1) % 6 == 0 else SLIDING_ATTENTION

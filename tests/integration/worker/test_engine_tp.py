@@ -99,6 +99,7 @@ MODELS = {
     "gpt-oss-kv1": dict(num_layers=4, num_heads=4, num_kv_heads=1),
     "mimo-v2-flash": dict(num_layers=4, num_heads=4, num_kv_heads=2),
     "gemma3": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    "cohere2": dict(num_layers=4, num_heads=4, num_kv_heads=2),
 }
 
 

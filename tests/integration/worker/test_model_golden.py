@@ -116,6 +116,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3-w3-mqa-5to1": dict(
         arch="gemma3", num_layers=6, sliding_window_size=3, num_kv_heads=1, head_dim=16
     ),
+    # Cohere2: 3 sliding (interleaved RoPE) : 1 global (NoPE), W = 4, GQA 2, parallel blocks.
+    "cohere2-w4-gqa2-sssf": dict(
+        arch="cohere2", num_layers=4, sliding_window_size=4, num_kv_heads=2
+    ),
+    # Global first and last, W = 2, MHA.
+    "cohere2-w2-mha-fssf": dict(
+        arch="cohere2",
+        num_layers=4,
+        sliding_window_size=2,
+        num_kv_heads=4,
+        layer_types=[F, S, S, F],
+    ),
 }
 SLOW = {"gpt-oss-w16-gqa4", "mimo-w16-kv2x4-fssssf"}
 NAMES = [

@@ -13,6 +13,7 @@ import torch
 
 from swaserve.worker.kv.kv_pool import KVLayout
 from swaserve.worker.models.config import (
+    COHERE2,
     GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
@@ -215,7 +216,7 @@ def test_window_matches_transformers_masks(arch: str, window: int, tmp_path: Pat
     transformers = pytest.importorskip("transformers")
     make_tiny_model(
         tmp_path,
-        arch=arch if arch in ("gpt-oss", "gemma3") else "mimo-v2-flash",
+        arch="mimo-v2-flash" if arch.startswith("mimo") else arch,
         num_layers=2,
         sliding_window_size=window,
     )
@@ -272,6 +273,26 @@ def test_gemma3_reads_transformers_own_configs_new_and_older_fields() -> None:
         parse_model_config(saved | {"use_bidirectional_attention": True})
     with pytest.raises(ModelConfigError, match="attn_logit_softcapping"):
         parse_model_config(saved | {"attn_logit_softcapping": 50.0})
+
+
+def test_cohere2_reads_transformers_own_config() -> None:
+    """`Cohere2Config`'s defaults: 3 sliding : 1 global, NoPE global layers, interleaved RoPE,
+    head dim hidden / heads, LayerNorm eps, logit scale, tied embeddings."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Cohere2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8
+    ).to_dict() | {"architectures": ["Cohere2ForCausalLM"]}
+    config = parse_model_config(hf)
+    assert config.architecture == COHERE2
+    assert config.layer_types == (S, S, S, F) * 2
+    assert config.full_attention.rope is None
+    rope = config.swa_attention.rope
+    assert rope is not None and rope.interleaved and rope.theta == 10_000.0
+    assert config.swa_attention.head_dim == 16 and config.sliding_window_size == 4095
+    assert (config.logit_scale, config.rms_norm_eps) == (0.0625, 1e-5)
+    assert config.tie_word_embeddings
+    with pytest.raises(ModelConfigError, match="hidden_act"):
+        parse_model_config(hf | {"hidden_act": "gelu"})
 
 
 def write(tmp_path: Path, hf: dict[str, Any]) -> Path:
