@@ -48,6 +48,19 @@ MODEL_HEADS: dict[str, dict[str, int]] = {
         swa_v_head_dim=128,
         sliding_window_size=128,
     ),
+    # Gemma 3 27B: 62 layers, 5 local : 1 global (10 global, 52 local); 16 KV heads of dim 128;
+    # sliding_window 1024 = W + 1. SGLang serves it on one pool.
+    "gemma-3-27b": dict(
+        num_full_layers=10,
+        num_swa_layers=52,
+        full_kv_heads=16,
+        full_head_dim=128,
+        full_v_head_dim=128,
+        swa_kv_heads=16,
+        swa_head_dim=128,
+        swa_v_head_dim=128,
+        sliding_window_size=1023,
+    ),
 }
 
 

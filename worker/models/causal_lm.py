@@ -50,7 +50,7 @@ class DecoderModel(nn.Module):
     """HF's `model.` prefix: embed_tokens, layers, norm."""
 
     def __init__(
-        self, embed_tokens: VocabParallelEmbedding, layers: list[DecoderLayer], norm: RMSNorm
+        self, embed_tokens: VocabParallelEmbedding, layers: list[nn.Module], norm: nn.Module
     ):
         super().__init__()
         self.embed_tokens = embed_tokens
@@ -66,6 +66,8 @@ class HybridCausalLM(nn.Module):
     ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = ()
     # RMSNorm style of the HF class (see `RMSNorm`).
     norm_weight_after_cast: ClassVar[bool] = False
+    # Embeddings are multiplied by sqrt(hidden_size), rounded to the model dtype (Gemma).
+    embed_scale: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -81,15 +83,9 @@ class HybridCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = tp = tp or TPGroup.single()
         d = config.hidden_size
-        layers = [
-            DecoderLayer(
-                Attention(config, i, backend, dtype=dtype, tp=tp),
-                self.make_mlp(i),
-                self.make_norm(d),
-                self.make_norm(d),
-            )
-            for i in range(config.num_layers)
-        ]
+        layers = [self.make_layer(i) for i in range(config.num_layers)]
+        # sqrt(D) as the model dtype holds it, as HF's `embed_scale` buffer
+        self._embed_multiplier = float(torch.tensor(d**0.5, dtype=dtype, device="cpu"))
         embed = VocabParallelEmbedding(config.vocab_size, d, dtype=dtype, tp=tp)
         self.model = DecoderModel(embed, layers, self.make_norm(d))
         self.lm_head = ParallelLMHead(d, config.vocab_size, dtype=dtype, tp=tp)
@@ -97,16 +93,32 @@ class HybridCausalLM(nn.Module):
         # In the order the kinds first appear, not a set's: that order is the traced graph's,
         # and a set of strings iterates in a per-process order (hash randomisation), so the
         # compiled step's cache key would differ from one start to the next.
+        # Kinds without position encoding (NoPE) have none.
         self.rotary = {
-            kind: RotaryEmbedding(config.attention_kind(config.layer_types.index(kind)).rope)
+            kind: RotaryEmbedding(rope)
             for kind in dict.fromkeys(config.layer_types)
+            if (rope := config.attention_kind(config.layer_types.index(kind)).rope) is not None
         }
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        """Decoder layer `layer_id`: a pre-norm block by default (`DecoderLayer`); its
+        `forward(hidden, cos_sin, batch)` returns the new hidden states."""
+        d = self.config.hidden_size
+        return DecoderLayer(
+            self.make_attention(layer_id),
+            self.make_mlp(layer_id),
+            self.make_norm(d),
+            self.make_norm(d),
+        )
+
+    def make_attention(self, layer_id: int) -> Attention:
+        return Attention(self.config, layer_id, self.backend, dtype=self.dtype, tp=self.tp)
 
     def make_mlp(self, layer_id: int) -> nn.Module:
         """Layer `layer_id`'s MLP on this rank's shard (`self.tp`); it returns the full sum."""
         raise NotImplementedError
 
-    def make_norm(self, hidden_size: int) -> RMSNorm:
+    def make_norm(self, hidden_size: int) -> nn.Module:
         return RMSNorm(
             hidden_size,
             self.config.rms_norm_eps,
@@ -169,12 +181,20 @@ class HybridCausalLM(nn.Module):
         if batch.attn_metadata is None:
             self.backend.init_forward_metadata(batch)
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        if self.embed_scale:
+            hidden = hidden * self._embed_multiplier
         cos_sin = {
             kind: rotary.cos_sin(batch.positions, hidden.dtype)
             for kind, rotary in self.rotary.items()
         }
         for layer, kind in zip(self.model.layers, self.config.layer_types, strict=True):
-            hidden = layer(hidden, cos_sin[kind], batch)
+            hidden = layer(hidden, cos_sin.get(kind), batch)
         rows = batch.logits_indices()  # None: every row (a fixed-shape decode step)
         hidden = self.model.norm(hidden if rows is None else hidden[rows])  # [N, D]; per row
-        return self.lm_head(hidden)  # [N, vocab]
+        logits = self.lm_head(hidden)  # [N, vocab]
+        if self.config.logit_scale is not None:
+            logits = logits * self.config.logit_scale
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

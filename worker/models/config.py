@@ -36,8 +36,15 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 GPT_OSS = "GptOssForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH)
-_ARCHITECTURE_BY_MODEL_TYPE = {"gpt_oss": GPT_OSS, "mimo_v2_flash": MIMO_V2_FLASH}
+GEMMA3 = "Gemma3ForCausalLM"
+COHERE2 = "Cohere2ForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2)
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "gpt_oss": GPT_OSS,
+    "mimo_v2_flash": MIMO_V2_FLASH,
+    "gemma3_text": GEMMA3,
+    "cohere2": COHERE2,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +52,7 @@ class RopeConfig:
     """RoPE of one layer kind, as transformers' ROPE_INIT_FUNCTIONS read it (rotate-half style on
     the leading `rotary_dim` channels of each head; the rest pass through)."""
 
-    rope_type: str  # "default" or "yarn"
+    rope_type: str  # "default", "linear" (positions divided by `factor`) or "yarn"
     theta: float
     head_dim: int
     partial_rotary_factor: float = 1.0
@@ -58,6 +65,8 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # Pairs (2i, 2i + 1) rotate together, computed in float32 (Cohere); else rotate-half.
+    interleaved: bool = False
 
     @property
     def freq_dim(self) -> int:
@@ -78,7 +87,7 @@ class AttentionKindConfig:
     head_dim: int  # Dk (q and k)
     v_head_dim: int  # Dv
     has_sinks: bool
-    rope: RopeConfig
+    rope: RopeConfig | None  # None: no position encoding (NoPE layers: Cohere2's global ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,12 @@ class ModelConfig:
     pad_token_id: int | None = None
     # What the checkpoint stores (config.json's quantization_config); None: plain weights.
     quantization: QuantizationConfig | None = None
+    # The softmax scale of every layer; None: Dk^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5).
+    attention_scale: float | None = None
+    # Logits become tanh(logits / c) · c (Gemma's final_logit_softcapping); None: as they are.
+    final_logit_softcapping: float | None = None
+    # Logits are multiplied by it (Cohere's logit_scale); None: as they are.
+    logit_scale: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -155,7 +170,7 @@ class ModelConfig:
             num_kv_heads=num_kv_heads_per_rank(kind.num_kv_heads, tp_size),
             head_dim=kind.head_dim,
             v_head_dim=kind.v_head_dim,
-            scaling=kind.head_dim**-0.5,
+            scaling=self.attention_scale or kind.head_dim**-0.5,
             sliding_window_size=self.sliding_window_size if self.is_swa_layer(layer_id) else None,
         )
 

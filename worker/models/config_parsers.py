@@ -4,11 +4,14 @@ raising typed errors that name the field and the file."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from swaserve.worker.models.config import (
+    COHERE2,
     FULL_ATTENTION,
+    GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
     SLIDING_ATTENTION,
@@ -22,7 +25,7 @@ from swaserve.worker.models.config import (
 from swaserve.worker.models.errors import MissingConfigFieldError, ModelConfigError
 from swaserve.worker.models.quantization import parse_quantization_config
 
-ROPE_TYPES = ("default", "yarn")
+ROPE_TYPES = ("default", "linear", "yarn")
 
 
 class ConfigParser:
@@ -104,7 +107,13 @@ class ConfigParser:
         if rope_type == "default":
             return RopeConfig("default", float(theta), head_dim, partial)
         if params.get("factor") is None:
-            raise MissingConfigFieldError("rope_parameters.factor", self.source, "YaRN RoPE")
+            raise MissingConfigFieldError(
+                "rope_parameters.factor", self.source, f"{rope_type} RoPE"
+            )
+        if rope_type == "linear":
+            return RopeConfig(
+                "linear", float(theta), head_dim, partial, factor=float(params["factor"])
+            )
         original = params.get("original_max_position_embeddings")
         if original is None:
             original = self.hf.get(
@@ -342,7 +351,133 @@ class MiMoConfigParser(ConfigParser):
         return moe
 
 
+class Gemma3ConfigParser(ConfigParser):
+    """transformers' Gemma3TextConfig: local (sliding) and global layers, 5:1 by default
+    (`sliding_window_pattern`), one KV shape, no sinks; per-kind RoPE (nested
+    `rope_parameters`, or the older `rope_theta` for global layers, `rope_local_base_freq` for
+    local ones and `rope_scaling` for global ones only); softmax scale
+    query_pre_attn_scalar^-0.5; GeGLU MLP; tied embeddings by default."""
+
+    architecture = GEMMA3
+    _DEFAULT_THETA: Mapping[str, float] = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        common["rms_norm_eps"] = self.number("rms_norm_eps", 1e-6)
+        common["tie_word_embeddings"] = bool(self.hf.get("tie_word_embeddings", True))
+        if self.hf.get("use_bidirectional_attention"):
+            raise self.fail("use_bidirectional_attention (an encoder's mask) is not supported")
+        if self.hf.get("attn_logit_softcapping") is not None:
+            raise self.fail("attn_logit_softcapping is not supported (Gemma 3 does not use it)")
+        n = self.required_int("num_hidden_layers")
+        pattern = self.optional_int("sliding_window_pattern", 6)
+        types = self.layer_types(
+            n, [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+        )
+        head_dim = self.optional_int("head_dim", 256)
+        kv_heads = self.required_int("num_key_value_heads")
+        rope = self._rope_by_kind(head_dim)
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope[FULL_ATTENTION])
+        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope[SLIDING_ATTENTION])
+        self.check_heads(common["num_heads"], full, "attention")
+        act = str(self.hf.get("hidden_activation") or "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "silu"):
+            raise self.fail(f"hidden_activation {act!r} is not supported")
+        cap = self.hf.get("final_logit_softcapping")
+        bias = bool(self.hf.get("attention_bias", False))
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("dense",) * n,
+            sliding_window_size=self.window(types),
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+            attention_scale=self.number("query_pre_attn_scalar", 256.0) ** -0.5,
+            final_logit_softcapping=None
+            if cap is None
+            else self.number("final_logit_softcapping", 0.0),
+        )
+
+    def _rope_by_kind(self, head_dim: int) -> dict[str, RopeConfig]:
+        nested = self.hf.get("rope_parameters")
+        out = {}
+        for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+            params = dict(nested.get(kind) or {}) if isinstance(nested, Mapping) else {}
+            if not params:
+                if kind == FULL_ATTENTION:
+                    params = dict(self.hf.get("rope_scaling") or {})
+                    theta = self.hf.get("rope_theta")
+                else:
+                    theta = self.hf.get("rope_local_base_freq")
+                params.setdefault("rope_type", "default")
+                params.setdefault("rope_theta", theta or self._DEFAULT_THETA[kind])
+            params.setdefault("rope_theta", self._DEFAULT_THETA[kind])
+            params["partial_rotary_factor"] = 1.0
+            out[kind] = self.rope(params, head_dim, 1.0)
+        return out
+
+
+class Cohere2ConfigParser(ConfigParser):
+    """transformers' Cohere2Config: three sliding layers per global one by default
+    (`sliding_window_pattern` 4), global layers without position encoding, interleaved RoPE on
+    the sliding ones (one `rope_parameters`, or `rope_theta`), head dim hidden / heads whatever
+    config.json says, LayerNorm with `layer_norm_eps`, `logit_scale` (default 0.0625), tied
+    embeddings by default."""
+
+    architecture = COHERE2
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        common["rms_norm_eps"] = self.number("layer_norm_eps", 1e-5)
+        common["tie_word_embeddings"] = bool(self.hf.get("tie_word_embeddings", True))
+        n = self.required_int("num_hidden_layers")
+        pattern = self.optional_int("sliding_window_pattern", 4)
+        types = self.layer_types(
+            n, [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+        )
+        heads = common["num_heads"]
+        if common["hidden_size"] % heads:
+            raise self.fail("hidden_size is not a multiple of num_attention_heads")
+        head_dim = common["hidden_size"] // heads  # as Cohere2Config sets it
+        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", self.hf.get("rope_theta", 10_000.0))
+        params["partial_rotary_factor"] = 1.0
+        rope = dataclasses.replace(self.rope(params, head_dim, 1.0), interleaved=True)
+        kv_heads = self.optional_int("num_key_value_heads", heads)
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, None)
+        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope)
+        self.check_heads(heads, full, "attention")
+        act = str(self.hf.get("hidden_act") or "silu")
+        if act != "silu":
+            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
+        bias = bool(self.hf.get("attention_bias", False))
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("dense",) * n,
+            sliding_window_size=self.window(types),
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+            logit_scale=self.number("logit_scale", 0.0625),
+        )
+
+
 PARSERS: dict[str, type[ConfigParser]] = {
     GPT_OSS: GptOssConfigParser,
     MIMO_V2_FLASH: MiMoConfigParser,
+    GEMMA3: Gemma3ConfigParser,
+    COHERE2: Cohere2ConfigParser,
 }

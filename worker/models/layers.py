@@ -24,7 +24,7 @@ from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.prepacked import Prepackable, available, pack, prepacked_linear
-from swaserve.worker.models.rotary import apply_rotary
+from swaserve.worker.models.rotary import apply_rotary, apply_rotary_interleaved
 from swaserve.worker.models.static_step import in_static_step
 from swaserve.worker.models.tp_layers import (
     ColumnParallelLinear,
@@ -39,28 +39,54 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32. `weight_after_cast=False` (GPT-OSS) multiplies by the weight before
-    casting back to the input dtype; `True` (MiMo-V2-Flash) casts first, as each HF class does."""
+    """RMSNorm in float32 over the last dimension. `weight_after_cast=False` (GPT-OSS)
+    multiplies by the weight before casting back to the input dtype; `True` (MiMo-V2-Flash)
+    casts first, as each HF class does. `unit_offset` (Gemma) scales by 1 + weight, in float32."""
 
     def __init__(
-        self, hidden_size: int, eps: float, *, weight_after_cast: bool, dtype: torch.dtype
+        self,
+        hidden_size: int,
+        eps: float,
+        *,
+        weight_after_cast: bool,
+        dtype: torch.dtype,
+        unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))  # [D]
         self.eps = eps
         self.weight_after_cast = weight_after_cast
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)  # [T, D] float32
+        h = x.to(torch.float32)  # [..., D] float32
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         if self.weight_after_cast:
             return self.weight * h.to(x.dtype)
         return (self.weight * h).to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm without bias in float32 (Cohere): (x - mean) / std · weight, cast back."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))  # [D]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)  # [..., D] float32
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * h).to(x.dtype)
+
+
 class Attention(nn.Module):
     """q/k/v projections, RoPE at the batch's positions, then the backend (which writes K/V into
-    the pool and attends, windowed on SWA layers, with sinks when the layer kind has them)."""
+    the pool and attends, windowed on SWA layers, with sinks when the layer kind has them).
+    `q_norm` / `k_norm` (a model may set them: Gemma 3) normalize each head before RoPE."""
 
     def __init__(
         self,
@@ -103,6 +129,9 @@ class Attention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self.value_scale = config.attention_value_scale
+        self.interleaved_rope = kind.rope is not None and kind.rope.interleaved
+        self.q_norm: nn.Module | None = None  # per head, over Dk
+        self.k_norm: nn.Module | None = None
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
 
     def fuse_projections(self) -> None:
@@ -116,7 +145,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, D]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 × [T, R/2]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # 2 × [T, R/2]; None: NoPE
         batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         t = hidden.shape[0]
@@ -129,8 +158,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.v_head_dim)  # [T, Hkv, Dv]
         if self.value_scale is not None:
             v = v * self.value_scale
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos_sin is not None:
+            rotate = apply_rotary_interleaved if self.interleaved_rope else apply_rotary
+            q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         sinks = None if self.sinks is None else self.sinks.float()  # [H] float32
         out = self.backend.forward(q, k, v, self.layer, batch, sinks=sinks)  # [T, H, Dv]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
@@ -141,8 +173,16 @@ def _scaled(heads: tuple[int, int], head_dim: int) -> tuple[tuple[int, int]]:
     return ((heads[0] * head_dim, heads[1] * head_dim),)
 
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+"""A gated MLP's activation by its HF `hidden_act` / `hidden_activation` name."""
+
+
 class DenseMLP(nn.Module):
-    """SwiGLU MLP without biases (MiMo-V2-Flash's "dense" layers)."""
+    """Gated MLP without biases: down(act(gate(x)) · up(x)); SwiGLU by default (MiMo-V2-Flash's
+    "dense" layers), GeGLU with `activation="gelu_pytorch_tanh"` (Gemma)."""
 
     def __init__(
         self,
@@ -151,8 +191,10 @@ class DenseMLP(nn.Module):
         *,
         dtype: torch.dtype,
         tp: TPGroup | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         tp = tp or TPGroup.single()
         rows = even_segments(intermediate_size, tp, "intermediate_size")
         d, i = hidden_size, intermediate_size
@@ -174,7 +216,7 @@ class DenseMLP(nn.Module):
             gate, up = self.gate_up_proj(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class FusedLinear(Prepackable):
@@ -235,11 +277,63 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, D]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Norms around each block (Gemma 3): x + post_attn(attn(norm(x))), then
+    x + post_ff(mlp(pre_ff(x)))."""
+
+    def __init__(
+        self,
+        self_attn: Attention,
+        mlp: nn.Module,
+        input_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module,
+        pre_feedforward_layernorm: nn.Module,
+        post_feedforward_layernorm: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.pre_feedforward_layernorm = pre_feedforward_layernorm
+        self.post_feedforward_layernorm = post_feedforward_layernorm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: ForwardBatch | DecodeBatch,
+    ) -> torch.Tensor:  # [T, D]
+        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class ParallelDecoderLayer(nn.Module):
+    """Attention and MLP side by side on one norm (Cohere): x + attn(norm(x)) + mlp(norm(x))."""
+
+    def __init__(self, self_attn: Attention, mlp: nn.Module, input_layernorm: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: ForwardBatch | DecodeBatch,
+    ) -> torch.Tensor:  # [T, D]
+        normed = self.input_layernorm(hidden)
+        return hidden + self.self_attn(normed, cos_sin, batch) + self.mlp(normed)
 
 
 # Temporary weight elements the gathered MoE path may copy (T·k pairs × one expert's gate/up and

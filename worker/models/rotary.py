@@ -1,5 +1,5 @@
-"""Rotary position embeddings, numerically as transformers computes them (default and YaRN
-inverse frequencies; rotate-half on the leading `rotary_dim` channels of each head)."""
+"""Rotary position embeddings, numerically as transformers computes them (default, linear and
+YaRN inverse frequencies; rotate-half on the leading `rotary_dim` channels of each head)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     pos_freqs = rope.theta**exponents  # [R/2] float32
     if rope.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
+    if rope.rope_type == "linear":
+        return 1.0 / pos_freqs / rope.factor, 1.0
     return _yarn(rope, pos_freqs)
 
 
@@ -87,3 +89,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)  # [T, heads, D]
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i + 1) of x [T, heads, D] by frequency i (Cohere's RoPE),
+    in float32 (cos / sin as given, upcast), then back to x's dtype."""
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]  # [T, heads, D/2]
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]  # [T, 1, D/2]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)

@@ -35,7 +35,9 @@ from swaserve.proto.text.harmony import SPECIAL_TOKENS as HARMONY_SPECIAL_TOKENS
 from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swaserve.worker.models.config import (
+    COHERE2,
     FULL_ATTENTION,
+    GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
     SLIDING_ATTENTION,
@@ -48,7 +50,12 @@ from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import weight_map
 from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4_SCALES
 
-ARCHITECTURES = {"gpt-oss": GPT_OSS, "mimo-v2-flash": MIMO_V2_FLASH}
+ARCHITECTURES = {
+    "gpt-oss": GPT_OSS,
+    "mimo-v2-flash": MIMO_V2_FLASH,
+    "gemma3": GEMMA3,
+    "cohere2": COHERE2,
+}
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
 HARMONY_TOKENS = HARMONY_SPECIAL_TOKENS
@@ -61,6 +68,18 @@ MIMO_ADDED_TOKENS = mimo.ADDED_TOKENS
 `<think>` / `<tool_call>` tokens (ids from 262, special ones first), and its chat template is
 MiMo's format (`proto.text.mimo.CHAT_TEMPLATE`): its chat is rendered and parsed as the
 published model's is."""
+GEMMA_SPECIAL_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+GEMMA_CHAT_TEMPLATE = """\
+{{- bos_token -}}
+{%- set first = messages[0].content + '\n\n' if messages and messages[0].role == 'system' else '' -%}
+{%- set turns = messages[1:] if messages and messages[0].role == 'system' else messages -%}
+{%- for m in turns -%}
+{{- '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role) + '\n' -}}
+{{- (first if loop.first else '') + m.content | trim + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""
+"""Gemma's chat format (with `native_chat`): `<start_of_turn>user|model ... <end_of_turn>`, a
+system message folded into the first user turn; `<end_of_turn>` joins the EOS ids."""
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
     "{{ message['content'] }}<|eos|>{% endfor %}"
@@ -136,6 +155,8 @@ def make_tiny_model(
     template = CHAT_TEMPLATE
     if harmony or (native_chat and arch == "gpt-oss"):
         special = HARMONY_TOKENS
+    elif native_chat and arch == "gemma3":
+        special, template = GEMMA_SPECIAL_TOKENS, GEMMA_CHAT_TEMPLATE
     elif native_chat:
         special, added, template = MIMO_SPECIAL_TOKENS, MIMO_ADDED_TOKENS, mimo.CHAT_TEMPLATE
     tokens = 256 + len(SPECIAL_TOKENS) + len(special) + len(added)
@@ -182,6 +203,39 @@ def make_tiny_model(
                 "original_max_position_embeddings": 4096,
             },
         }
+    elif arch == "gemma3":
+        dk = head_dim or head
+        hf = common | {
+            "model_type": "gemma3_text",
+            "head_dim": dk,
+            "layer_types": layer_types
+            or [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(num_layers)],
+            "intermediate_size": 2 * hidden_size,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 3 * dk // 2,  # not Dk: the scale is its own
+            "rms_norm_eps": 1e-6,
+            "attention_bias": False,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                FULL_ATTENTION: {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0},
+                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        }
+        del hf["hidden_act"], hf["num_experts_per_tok"]
+    elif arch == "cohere2":
+        hf = common | {
+            "model_type": "cohere2",
+            "layer_types": layer_types
+            or [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(num_layers)],
+            "intermediate_size": 2 * hidden_size,
+            "layer_norm_eps": 1e-5,
+            "logit_scale": 0.5,  # the default 0.0625 flattens a tiny model's logits
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+        del hf["num_experts_per_tok"], hf["rms_norm_eps"]
     else:
         full_every_6th = [
             FULL_ATTENTION if i == 0 or (i + 1) % 6 == 0 else SLIDING_ATTENTION
@@ -228,6 +282,8 @@ def make_tiny_model(
             "weight_block_size": list(fp8_block_size),
             "modules_to_not_convert": list(FP8_MODULES_TO_NOT_CONVERT),
         }
+    if special == GEMMA_SPECIAL_TOKENS:  # generation ends at a turn's end, as Gemma's does
+        hf["eos_token_id"] = [EOS_ID, 256 + len(SPECIAL_TOKENS) + 1]
     hf |= overrides
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -276,12 +332,13 @@ def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tens
             continue
         seen.add(id(meta))
         noise = torch.randn(meta.shape, generator=gen, dtype=torch.float32)  # [param shape] float32
-        weights[name] = (_mean(name) + _std(name) * noise).to(meta.dtype)
+        weights[name] = (_mean(name, config.architecture) + _std(name) * noise).to(meta.dtype)
     return weights
 
 
-def _mean(name: str) -> float:
-    return 1.0 if name.endswith("norm.weight") else 0.0
+def _mean(name: str, architecture: str) -> float:
+    """Norm weights near 1 (near 0 for Gemma, whose norms scale by 1 + weight)."""
+    return 1.0 if name.endswith("norm.weight") and architecture != GEMMA3 else 0.0
 
 
 def _std(name: str) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.worker.models.config import GPT_OSS, MIMO_V2_FLASH
+from swaserve.worker.models.config import COHERE2, GEMMA3, GPT_OSS, MIMO_V2_FLASH
 from swaserve.worker.models.errors import UnknownArchitectureError
 
 
@@ -128,7 +128,18 @@ MIMO_V2_FLASH_WEIGHTS = WeightMap(
     ),
 )
 
-WEIGHT_MAPS: dict[str, WeightMap] = {GPT_OSS: GPT_OSS_WEIGHTS, MIMO_V2_FLASH: MIMO_V2_FLASH_WEIGHTS}
+GEMMA3_WEIGHTS = WeightMap()
+"""Gemma 3 text checkpoints (`Gemma3ForCausalLM`) use the module names as they are."""
+
+COHERE2_WEIGHTS = WeightMap()
+"""Cohere2 checkpoints use the module names as they are (no lm_head when tied)."""
+
+WEIGHT_MAPS: dict[str, WeightMap] = {
+    GPT_OSS: GPT_OSS_WEIGHTS,
+    MIMO_V2_FLASH: MIMO_V2_FLASH_WEIGHTS,
+    GEMMA3: GEMMA3_WEIGHTS,
+    COHERE2: COHERE2_WEIGHTS,
+}
 
 
 def weight_map(architecture: str) -> WeightMap:

@@ -24,10 +24,11 @@ from swaserve.worker import Engine, EngineConfig, SamplingParams
         {"disable_hybrid_swa_memory": True, "page_size": 2},
     ],
 )
-def test_random_lifecycle(tiny_model_factory: Callable[..., Path], seed: int, mode: dict) -> None:
-    path = tiny_model_factory(
-        "mimo-v2-flash", num_layers=3, sliding_window_size=4, hidden_size=32, seed=2
-    )
+@pytest.mark.parametrize("arch", ["mimo-v2-flash", "gemma3"])
+def test_random_lifecycle(
+    tiny_model_factory: Callable[..., Path], seed: int, mode: dict, arch: str
+) -> None:
+    path = tiny_model_factory(arch, num_layers=3, sliding_window_size=4, hidden_size=32, seed=2)
     engine = Engine(
         EngineConfig(
             model=str(path),

@@ -286,6 +286,14 @@ def models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def gemma_models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
+    """Gemma 3 (5:1 local / global, sandwich norms) at the same windows."""
+    return {
+        w: tiny_model_factory("gemma3", num_layers=6, sliding_window_size=w, seed=3) for w in (4, 8)
+    }
+
+
 FUZZ_SETTINGS = dict(
     deadline=None,
     derandomize=True,
@@ -300,6 +308,14 @@ def test_every_request_ends_within_bounded_steps(
     models: dict[int, Path], config: dict, plan: list[Arrival]
 ) -> None:
     check_liveness(models, config, plan)
+
+
+@settings(max_examples=12, **FUZZ_SETTINGS)  # type: ignore[arg-type]
+@given(config=engine_configs, plan=arrivals)
+def test_every_request_ends_within_bounded_steps_on_gemma3(
+    gemma_models: dict[int, Path], config: dict, plan: list[Arrival]
+) -> None:
+    check_liveness(gemma_models, config, plan)
 
 
 @pytest.mark.slow

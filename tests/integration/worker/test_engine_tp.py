@@ -98,6 +98,8 @@ MODELS = {
     # One KV head per layer kind < tp = 2: the KV head is replicated on both ranks.
     "gpt-oss-kv1": dict(num_layers=4, num_heads=4, num_kv_heads=1),
     "mimo-v2-flash": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    "gemma3": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    "cohere2": dict(num_layers=4, num_heads=4, num_kv_heads=2),
 }
 
 
@@ -105,7 +107,7 @@ MODELS = {
 def test_tp2_equals_tp1(
     name: str, tiny_model_factory: Callable[..., Path], engines: list[Engine]
 ) -> None:
-    arch = "mimo-v2-flash" if name.startswith("mimo") else "gpt-oss"
+    arch = "mimo-v2-flash" if name.startswith("mimo") else name.removesuffix("-kv1")
     model_dir = tiny_model_factory(
         arch, sliding_window_size=W, hidden_size=32, seed=5, **MODELS[name]
     )

@@ -108,6 +108,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_kv_heads=2,
         hidden_size=64,
     ),
+    # Gemma 3: W = 4, GQA 2, local and global alternating (per-kind RoPE: linear on global).
+    "gemma3-w4-gqa2-sfsf": dict(
+        arch="gemma3", num_layers=4, sliding_window_size=4, num_kv_heads=2, layer_types=[S, F, S, F]
+    ),
+    # Gemma 3's own 5:1 pattern, W = 3, MQA, head_dim 16 over hidden 32 (Dk != D / H).
+    "gemma3-w3-mqa-5to1": dict(
+        arch="gemma3", num_layers=6, sliding_window_size=3, num_kv_heads=1, head_dim=16
+    ),
+    # Cohere2: 3 sliding (interleaved RoPE) : 1 global (NoPE), W = 4, GQA 2, parallel blocks.
+    "cohere2-w4-gqa2-sssf": dict(
+        arch="cohere2", num_layers=4, sliding_window_size=4, num_kv_heads=2
+    ),
+    # Global first and last, W = 2, MHA.
+    "cohere2-w2-mha-fssf": dict(
+        arch="cohere2",
+        num_layers=4,
+        sliding_window_size=2,
+        num_kv_heads=4,
+        layer_types=[F, S, S, F],
+    ),
 }
 SLOW = {"gpt-oss-w16-gqa4", "mimo-w16-kv2x4-fssssf"}
 NAMES = [

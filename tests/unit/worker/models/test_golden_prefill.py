@@ -83,6 +83,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
         mlp_layer_types=["dense", "sparse", "dense"],
     ),
+    # Cohere2: interleaved RoPE on sliding layers, NoPE global ones, LayerNorm, logit scale.
+    "cohere2-w3-sssf": dict(arch="cohere2", num_layers=4, sliding_window_size=3, num_kv_heads=2),
+    # Gemma 3: sandwich norms, per-head q/k norms, linear RoPE on global layers, softcap.
+    "gemma3-w2-gqa2": dict(
+        arch="gemma3",
+        num_layers=3,
+        sliding_window_size=2,
+        num_kv_heads=2,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
 }
 
 
@@ -146,7 +156,7 @@ def test_decode_after_cached_prefix_matches_prefill_logits(tiny) -> None:
     assert (ours - theirs[half - 1 :]).abs().max().item() < TOLERANCE, name
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2"])
 def test_bfloat16_prefill_runs_close_to_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, arch=arch, num_layers=2, sliding_window_size=3, seed=3)
     ids = prompt(16, seed=4)

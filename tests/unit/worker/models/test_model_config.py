@@ -13,6 +13,8 @@ import torch
 
 from swaserve.worker.kv.kv_pool import KVLayout
 from swaserve.worker.models.config import (
+    COHERE2,
+    GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
     load_model_config,
@@ -209,12 +211,12 @@ def our_visible_keys(window: int, seq_len: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", [0, 1, 2, 5, 9])
-@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "mimo-sliding_window_size"])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "mimo-sliding_window_size", "gemma3"])
 def test_window_matches_transformers_masks(arch: str, window: int, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     make_tiny_model(
         tmp_path,
-        arch="gpt-oss" if arch == "gpt-oss" else "mimo-v2-flash",
+        arch="mimo-v2-flash" if arch.startswith("mimo") else arch,
         num_layers=2,
         sliding_window_size=window,
     )
@@ -228,6 +230,69 @@ def test_window_matches_transformers_masks(arch: str, window: int, tmp_path: Pat
     assert ours.sliding_window_size == window
     seq_len = window + 6
     assert torch.equal(hf_visible_keys(hf_config, seq_len), our_visible_keys(window, seq_len))
+
+
+def test_gemma3_reads_transformers_own_configs_new_and_older_fields() -> None:
+    """What `Gemma3TextConfig` writes (nested per-kind RoPE), and the fields the published
+    checkpoints carry (`rope_theta` for global layers, `rope_local_base_freq` for local ones,
+    `rope_scaling` for global ones only, `sliding_window_pattern`): the same model."""
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.Gemma3TextConfig(
+        num_hidden_layers=12,
+        head_dim=32,
+        sliding_window=512,
+        query_pre_attn_scalar=144,
+        rope_parameters={
+            F: {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            S: {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ).to_dict() | {"architectures": ["Gemma3ForCausalLM"]}
+    older = {k: v for k, v in saved.items() if k not in ("rope_parameters", "layer_types")}
+    older |= {
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window_pattern": 6,
+    }
+    for hf in (saved, older):
+        config = parse_model_config(hf)
+        assert config.architecture == GEMMA3
+        assert config.sliding_window_size == 511
+        assert config.layer_types == ((S,) * 5 + (F,)) * 2
+        assert config.attention_scale == 144**-0.5
+        assert config.full_attention.rope.rope_type == "linear"
+        assert config.full_attention.rope.factor == 8.0
+        assert config.full_attention.rope.theta == 1e6
+        assert (config.swa_attention.rope.rope_type, config.swa_attention.rope.theta) == (
+            "default",
+            1e4,
+        )
+        assert config.tie_word_embeddings and config.rms_norm_eps == 1e-6
+        assert config.hidden_act == "gelu_pytorch_tanh" and config.final_logit_softcapping is None
+    with pytest.raises(ModelConfigError, match="use_bidirectional_attention"):
+        parse_model_config(saved | {"use_bidirectional_attention": True})
+    with pytest.raises(ModelConfigError, match="attn_logit_softcapping"):
+        parse_model_config(saved | {"attn_logit_softcapping": 50.0})
+
+
+def test_cohere2_reads_transformers_own_config() -> None:
+    """`Cohere2Config`'s defaults: 3 sliding : 1 global, NoPE global layers, interleaved RoPE,
+    head dim hidden / heads, LayerNorm eps, logit scale, tied embeddings."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Cohere2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8
+    ).to_dict() | {"architectures": ["Cohere2ForCausalLM"]}
+    config = parse_model_config(hf)
+    assert config.architecture == COHERE2
+    assert config.layer_types == (S, S, S, F) * 2
+    assert config.full_attention.rope is None
+    rope = config.swa_attention.rope
+    assert rope is not None and rope.interleaved and rope.theta == 10_000.0
+    assert config.swa_attention.head_dim == 16 and config.sliding_window_size == 4095
+    assert (config.logit_scale, config.rms_norm_eps) == (0.0625, 1e-5)
+    assert config.tie_word_embeddings
+    with pytest.raises(ModelConfigError, match="hidden_act"):
+        parse_model_config(hf | {"hidden_act": "gelu"})
 
 
 def write(tmp_path: Path, hf: dict[str, Any]) -> Path:

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from swaserve.worker.models.config import RopeConfig, load_model_config
-from swaserve.worker.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from swaserve.worker.models.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_interleaved,
+    inverse_frequencies,
+)
 from swaserve.worker.models.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -50,6 +55,41 @@ def test_mimo_partial_rope_matches_transformers(head_dim: int, tmp_path: Path) -
         assert torch.equal(inv_freq, getattr(theirs, f"{kind}_inv_freq"))
         assert scaling == 1.0
         assert rope.rotary_dim == 2 * inv_freq.numel()
+
+
+def test_gemma3_per_kind_and_linear_rope_match_transformers(tmp_path: Path) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    make_tiny_model(tmp_path, arch="gemma3", num_layers=6, head_dim=16)
+    theirs = Gemma3RotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    config = load_model_config(tmp_path)
+    assert config.full_attention.rope.rope_type == "linear"
+    for kind in ("full_attention", "sliding_attention"):
+        rope = config.full_attention.rope if kind == "full_attention" else config.swa_attention.rope
+        inv_freq, scaling = inverse_frequencies(rope)
+        assert torch.equal(inv_freq, getattr(theirs, f"{kind}_inv_freq"))
+        assert scaling == getattr(theirs, f"{kind}_attention_scaling") == 1.0
+
+
+def test_cohere2_interleaved_rope_matches_transformers(tmp_path: Path) -> None:
+    from transformers.models.cohere2 import modeling_cohere2 as hf
+
+    make_tiny_model(tmp_path, arch="cohere2", num_layers=4, hidden_size=64)
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
+    rope = load_model_config(tmp_path).swa_attention.rope
+    assert rope is not None and rope.interleaved
+    positions = torch.arange(7)
+    cos, sin = RotaryEmbedding(rope).cos_sin(positions, torch.bfloat16)
+    their_cos, their_sin = hf.Cohere2RotaryEmbedding(hf_config)(
+        torch.zeros(1, dtype=torch.bfloat16), positions[None]
+    )
+    assert torch.equal(cos, their_cos[0, :, ::2]) and torch.equal(sin, their_sin[0, :, ::2])
+    q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ours = apply_rotary_interleaved(q, cos, sin)
+    theirs, _ = hf.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], q.transpose(0, 1)[None], their_cos, their_sin
+    )
+    assert torch.equal(ours, theirs[0].transpose(0, 1))
 
 
 def test_apply_rotary_passes_trailing_channels_and_keeps_norm() -> None:

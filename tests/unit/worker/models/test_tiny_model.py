@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from swaserve.cluster.cli import main
+from swaserve.proto.text.chat_template import ChatTemplate
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.loader import SINGLE_FILE
 from swaserve.worker.models.tiny import (
@@ -25,7 +26,12 @@ from swaserve.worker.models.tiny import (
 
 @pytest.mark.parametrize(
     ("arch", "hf_class"),
-    [("gpt-oss", "GptOssForCausalLM"), ("mimo-v2-flash", "MiMoV2FlashForCausalLM")],
+    [
+        ("gpt-oss", "GptOssForCausalLM"),
+        ("mimo-v2-flash", "MiMoV2FlashForCausalLM"),
+        ("gemma3", "Gemma3ForCausalLM"),
+        ("cohere2", "Cohere2ForCausalLM"),
+    ],
 )
 def test_transformers_reads_the_config(arch: str, hf_class: str, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
@@ -87,6 +93,28 @@ def test_chat_template_renders_through_transformers(tmp_path: Path) -> None:
         261,
     ]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BOS_ID, EOS_ID)
+
+
+def test_gemma3s_native_chat_renders_as_transformers_and_ends_at_end_of_turn(
+    tmp_path: Path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tiny_model(tmp_path, arch="gemma3", num_layers=2, native_chat=True)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    ours = ChatTemplate.from_model_dir(tmp_path).render(messages, add_generation_prompt=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.startswith("<|bos|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n")
+    assert ours.endswith("<start_of_turn>model\n")
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn in load_model_config(tmp_path).eos_token_ids
 
 
 def test_make_tiny_model_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
