@@ -38,12 +38,14 @@ GPT_OSS = "GptOssForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 COHERE2 = "Cohere2ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2)
+OLMO3 = "Olmo3ForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2, OLMO3)
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt_oss": GPT_OSS,
     "mimo_v2_flash": MIMO_V2_FLASH,
     "gemma3_text": GEMMA3,
     "cohere2": COHERE2,
+    "olmo3": OLMO3,
 }
 
 
@@ -67,6 +69,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     # Pairs (2i, 2i + 1) rotate together, computed in float32 (Cohere); else rotate-half.
     interleaved: bool = False
+    # cos / sin stay float32 and the rotation runs in float32, then casts back (OLMo 3).
+    float32: bool = False
 
     @property
     def freq_dim(self) -> int:

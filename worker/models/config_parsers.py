@@ -14,6 +14,7 @@ from swaserve.worker.models.config import (
     GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
+    OLMO3,
     SLIDING_ATTENTION,
     AttentionKindConfig,
     ModelConfig,
@@ -475,9 +476,64 @@ class Cohere2ConfigParser(ConfigParser):
         )
 
 
+class Olmo3ConfigParser(ConfigParser):
+    """transformers' Olmo3Config: three sliding layers per global one by default, one KV
+    shape, no sinks; per-kind RoPE (nested `rope_parameters`, or the older `rope_theta` with
+    `rope_scaling` for the global layers only — the sliding ones then keep θ 5·10⁵, as
+    `Olmo3Config` reads it), rotated in float32 as its model does; SwiGLU MLP."""
+
+    architecture = OLMO3
+    DEFAULT_THETA = 500_000.0
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        n = self.required_int("num_hidden_layers")
+        types = self.layer_types(
+            n, [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(n)]
+        )
+        heads = common["num_heads"]
+        head_dim = self.optional_int("head_dim", common["hidden_size"] // heads)
+        kv_heads = self.optional_int("num_key_value_heads", heads)
+        nested = self.hf.get("rope_parameters")
+        ropes = {}
+        for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+            params = dict(nested.get(kind) or {}) if isinstance(nested, Mapping) else {}
+            if not params:
+                if kind == FULL_ATTENTION:
+                    params = dict(self.hf.get("rope_scaling") or {})
+                    params.setdefault("rope_theta", self.hf.get("rope_theta", self.DEFAULT_THETA))
+                params.setdefault("rope_type", "default")
+            params.setdefault("rope_theta", self.DEFAULT_THETA)
+            if params.get("rope_type", params.get("type")) == "default":
+                params["partial_rotary_factor"] = 1.0
+            ropes[kind] = dataclasses.replace(self.rope(params, head_dim, 1.0), float32=True)
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[FULL_ATTENTION])
+        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[SLIDING_ATTENTION])
+        self.check_heads(heads, full, "attention")
+        act = str(self.hf.get("hidden_act") or "silu")
+        if act != "silu":
+            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
+        bias = bool(self.hf.get("attention_bias", False))
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("dense",) * n,
+            sliding_window_size=self.window(types),
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+        )
+
+
 PARSERS: dict[str, type[ConfigParser]] = {
     GPT_OSS: GptOssConfigParser,
     MIMO_V2_FLASH: MiMoConfigParser,
     GEMMA3: Gemma3ConfigParser,
     COHERE2: Cohere2ConfigParser,
+    OLMO3: Olmo3ConfigParser,
 }

@@ -68,6 +68,38 @@ class RMSNorm(nn.Module):
         return (self.weight * h).to(x.dtype)
 
 
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection (all heads at once: OLMo's q_norm / k_norm), in
+    float32, weight before the cast. Under TP a rank holds `segment` of the `full_size`
+    channels: the sum of squares is all-reduced over the group, divided by `replication` (the
+    ranks that hold each KV head, when tp exceeds the KV heads)."""
+
+    def __init__(
+        self,
+        full_size: int,
+        segment: tuple[int, int],
+        eps: float,
+        *,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+        replication: int = 1,
+    ) -> None:
+        super().__init__()
+        self.tp = tp or TPGroup.single()
+        local = segment[1] - segment[0]
+        self.weight = nn.Parameter(torch.empty(local, dtype=dtype))  # [local]
+        self.param_shards = {"weight": ParamShard((full_size,), 0, (segment,), local)}
+        self.full_size, self.eps, self.replication = full_size, eps, replication
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)  # [T, local] float32
+        squares = h.pow(2).sum(-1, keepdim=True)  # [T, 1]
+        if self.tp.world_size > 1:
+            squares = self.tp.all_reduce(squares) / self.replication
+        h = h * torch.rsqrt(squares / self.full_size + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm without bias in float32 (Cohere): (x - mean) / std · weight, cast back."""
 
@@ -132,6 +164,7 @@ class Attention(nn.Module):
         self.interleaved_rope = kind.rope is not None and kind.rope.interleaved
         self.q_norm: nn.Module | None = None  # per head, over Dk
         self.k_norm: nn.Module | None = None
+        self.norms_whole_projection = False  # q_norm / k_norm take [T, H·Dk] (OLMo)
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
 
     def fuse_projections(self) -> None:
@@ -153,12 +186,14 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(hidden)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.norms_whole_projection and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, Dk]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dk]
         v = v.view(t, self.num_kv_heads, self.v_head_dim)  # [T, Hkv, Dv]
         if self.value_scale is not None:
             v = v * self.value_scale
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.norms_whole_projection and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_sin is not None:
             rotate = apply_rotary_interleaved if self.interleaved_rope else apply_rotary

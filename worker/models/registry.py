@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.cohere2 import Cohere2ForCausalLM
-from swaserve.worker.models.config import COHERE2, GEMMA3, GPT_OSS, MIMO_V2_FLASH
+from swaserve.worker.models.config import COHERE2, GEMMA3, GPT_OSS, MIMO_V2_FLASH, OLMO3
 from swaserve.worker.models.errors import UnknownArchitectureError
 from swaserve.worker.models.gemma3 import Gemma3ForCausalLM
 from swaserve.worker.models.gpt_oss import GptOssForCausalLM
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
+from swaserve.worker.models.olmo3 import Olmo3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[HybridCausalLM]] = {
     GPT_OSS: GptOssForCausalLM,
     MIMO_V2_FLASH: MiMoV2FlashForCausalLM,
     GEMMA3: Gemma3ForCausalLM,
     COHERE2: Cohere2ForCausalLM,
+    OLMO3: Olmo3ForCausalLM,
 }
 
 

@@ -71,7 +71,10 @@ class RotaryEmbedding:
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, rotary_dim / 2] in `dtype` for positions [T] int64."""
+        """cos, sin: [T, rotary_dim / 2] in `dtype` (float32 for a `float32` rope) for
+        positions [T] int64."""
+        if self.rope.float32:
+            dtype = torch.float32
         inv_freq = self._inv_freq_by_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)
@@ -84,11 +87,13 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading 2·R/2 channels of x [T, heads, D] rotate-half style; the rest pass."""
+    """Rotate the leading 2·R/2 channels of x [T, heads, D] rotate-half style; the rest pass.
+    In cos / sin's precision when it is higher than x's (float32 tables), cast back to x's."""
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)  # [T, heads, D]
+    rotated = (x1 * c - x2 * s).to(x.dtype), (x2 * c + x1 * s).to(x.dtype)
+    return torch.cat((*rotated, rest), dim=-1)  # [T, heads, D]
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from swaserve.worker.models.config import (
     GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
+    OLMO3,
     SLIDING_ATTENTION,
     parse_model_config,
 )
@@ -55,6 +56,7 @@ ARCHITECTURES = {
     "mimo-v2-flash": MIMO_V2_FLASH,
     "gemma3": GEMMA3,
     "cohere2": COHERE2,
+    "olmo3": OLMO3,
 }
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
@@ -223,6 +225,28 @@ def make_tiny_model(
             },
         }
         del hf["hidden_act"], hf["num_experts_per_tok"]
+    elif arch == "olmo3":
+        hf = common | {
+            "model_type": "olmo3",
+            "head_dim": head_dim or head,
+            "layer_types": layer_types
+            or [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(num_layers)],
+            "intermediate_size": 2 * hidden_size,
+            "attention_bias": False,
+            "rope_parameters": {
+                FULL_ATTENTION: {
+                    "rope_type": "yarn",
+                    "rope_theta": 500_000.0,
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 1024,
+                    "attention_factor": 1.2,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 500_000.0},
+            },
+        }
+        del hf["num_experts_per_tok"]
     elif arch == "cohere2":
         hf = common | {
             "model_type": "cohere2",

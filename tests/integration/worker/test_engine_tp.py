@@ -100,6 +100,9 @@ MODELS = {
     "mimo-v2-flash": dict(num_layers=4, num_heads=4, num_kv_heads=2),
     "gemma3": dict(num_layers=4, num_heads=4, num_kv_heads=2),
     "cohere2": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    "olmo3": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    # One KV head < tp = 2: k_norm's sum of squares counts the replicated head once.
+    "olmo3-kv1": dict(num_layers=4, num_heads=4, num_kv_heads=1),
 }
 
 

@@ -128,6 +128,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_kv_heads=4,
         layer_types=[F, S, S, F],
     ),
+    # OLMo 3: post-norm blocks, q/k norms over the whole projection, YaRN on global layers.
+    "olmo3-w4-gqa2-sssf": dict(arch="olmo3", num_layers=4, sliding_window_size=4, num_kv_heads=2),
+    "olmo3-w3-mqa-sfsf": dict(
+        arch="olmo3", num_layers=4, sliding_window_size=3, num_kv_heads=1, layer_types=[S, F, S, F]
+    ),
 }
 SLOW = {"gpt-oss-w16-gqa4", "mimo-w16-kv2x4-fssssf"}
 NAMES = [

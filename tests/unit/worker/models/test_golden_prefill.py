@@ -83,6 +83,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
         mlp_layer_types=["dense", "sparse", "dense"],
     ),
+    # OLMo 3: post-norm blocks, projection-wide q/k norms, YaRN on the global layer.
+    "olmo3-w2-ssf": dict(
+        arch="olmo3",
+        num_layers=3,
+        sliding_window_size=2,
+        num_kv_heads=2,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
     # Cohere2: interleaved RoPE on sliding layers, NoPE global ones, LayerNorm, logit scale.
     "cohere2-w3-sssf": dict(arch="cohere2", num_layers=4, sliding_window_size=3, num_kv_heads=2),
     # Gemma 3: sandwich norms, per-head q/k norms, linear RoPE on global layers, softcap.
@@ -156,7 +164,7 @@ def test_decode_after_cached_prefix_matches_prefill_logits(tiny) -> None:
     assert (ours - theirs[half - 1 :]).abs().max().item() < TOLERANCE, name
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2"])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3"])
 def test_bfloat16_prefill_runs_close_to_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, arch=arch, num_layers=2, sliding_window_size=3, seed=3)
     ids = prompt(16, seed=4)

@@ -17,6 +17,7 @@ from swaserve.worker.models.config import (
     GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
+    OLMO3,
     load_model_config,
     parse_model_config,
     sliding_window_size_from_hf,
@@ -273,6 +274,43 @@ def test_gemma3_reads_transformers_own_configs_new_and_older_fields() -> None:
         parse_model_config(saved | {"use_bidirectional_attention": True})
     with pytest.raises(ModelConfigError, match="attn_logit_softcapping"):
         parse_model_config(saved | {"attn_logit_softcapping": 50.0})
+
+
+def test_olmo3_reads_transformers_own_config_and_the_older_rope_fields() -> None:
+    """`Olmo3Config`'s nested per-kind RoPE, and the older `rope_theta` + `rope_scaling`,
+    which go to the global layers only: the sliding ones keep θ 5·10⁵ (as Olmo3Config reads)."""
+    transformers = pytest.importorskip("transformers")
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2,
+    }
+    saved = transformers.Olmo3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=8,
+        rope_parameters={
+            F: {"rope_theta": 1e6, **yarn},
+            S: {"rope_type": "default", "rope_theta": 5e5},
+        },
+    ).to_dict() | {"architectures": ["Olmo3ForCausalLM"]}
+    older = {k: v for k, v in saved.items() if k != "rope_parameters"}
+    older |= {"rope_theta": 1e6, "rope_scaling": yarn}
+    for hf in (saved, older):
+        config = parse_model_config(hf)
+        assert config.architecture == OLMO3 and config.layer_types == (S, S, S, F) * 2
+        full, swa = config.full_attention.rope, config.swa_attention.rope
+        assert full is not None and swa is not None
+        assert (full.rope_type, full.theta, full.factor, full.attention_factor) == (
+            "yarn",
+            1e6,
+            8.0,
+            1.2,
+        )
+        assert (swa.rope_type, swa.theta) == ("default", 5e5)
+        assert full.float32 and swa.float32
+        assert config.swa_attention.num_kv_heads == 4 and config.sliding_window_size == 4095
 
 
 def test_cohere2_reads_transformers_own_config() -> None:

@@ -31,6 +31,7 @@ from swaserve.worker.models.tiny import (
         ("mimo-v2-flash", "MiMoV2FlashForCausalLM"),
         ("gemma3", "Gemma3ForCausalLM"),
         ("cohere2", "Cohere2ForCausalLM"),
+        ("olmo3", "Olmo3ForCausalLM"),
     ],
 )
 def test_transformers_reads_the_config(arch: str, hf_class: str, tmp_path: Path) -> None:
