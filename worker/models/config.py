@@ -39,13 +39,15 @@ MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 COHERE2 = "Cohere2ForCausalLM"
 OLMO3 = "Olmo3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2, OLMO3)
+EXAONE4 = "Exaone4ForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2, OLMO3, EXAONE4)
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt_oss": GPT_OSS,
     "mimo_v2_flash": MIMO_V2_FLASH,
     "gemma3_text": GEMMA3,
     "cohere2": COHERE2,
     "olmo3": OLMO3,
+    "exaone4": EXAONE4,
 }
 
 
@@ -54,7 +56,7 @@ class RopeConfig:
     """RoPE of one layer kind, as transformers' ROPE_INIT_FUNCTIONS read it (rotate-half style on
     the leading `rotary_dim` channels of each head; the rest pass through)."""
 
-    rope_type: str  # "default", "linear" (positions divided by `factor`) or "yarn"
+    rope_type: str  # "default", "linear" (positions divided by `factor`), "llama3" or "yarn"
     theta: float
     head_dim: int
     partial_rotary_factor: float = 1.0
@@ -67,6 +69,9 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
     # Pairs (2i, 2i + 1) rotate together, computed in float32 (Cohere); else rotate-half.
     interleaved: bool = False
     # cos / sin stay float32 and the rotation runs in float32, then casts back (OLMo 3).

@@ -10,6 +10,7 @@ from typing import Any
 
 from swaserve.worker.models.config import (
     COHERE2,
+    EXAONE4,
     FULL_ATTENTION,
     GEMMA3,
     GPT_OSS,
@@ -26,7 +27,7 @@ from swaserve.worker.models.config import (
 from swaserve.worker.models.errors import MissingConfigFieldError, ModelConfigError
 from swaserve.worker.models.quantization import parse_quantization_config
 
-ROPE_TYPES = ("default", "linear", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigParser:
@@ -114,6 +115,21 @@ class ConfigParser:
         if rope_type == "linear":
             return RopeConfig(
                 "linear", float(theta), head_dim, partial, factor=float(params["factor"])
+            )
+        if rope_type == "llama3":
+            if params.get("original_max_position_embeddings") is None:
+                raise MissingConfigFieldError(
+                    "rope_parameters.original_max_position_embeddings", self.source, "llama3 RoPE"
+                )
+            return RopeConfig(
+                "llama3",
+                float(theta),
+                head_dim,
+                partial,
+                factor=float(params["factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             )
         original = params.get("original_max_position_embeddings")
         if original is None:
@@ -530,10 +546,70 @@ class Olmo3ConfigParser(ConfigParser):
         )
 
 
+class Exaone4ConfigParser(ConfigParser):
+    """transformers' Exaone4Config: local and global layers by `layer_types`, or by
+    `sliding_window_pattern` (an int: every n-th layer global; a string such as "LLLG",
+    repeated); with a window the global layers have no position encoding, without one every
+    layer has RoPE (one `rope_parameters`, Llama 3 scaling in the published checkpoints);
+    SwiGLU MLP; no biases."""
+
+    architecture = EXAONE4
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        n = self.required_int("num_hidden_layers")
+        hybrid = self.hf.get("sliding_window") is not None
+        types = self.layer_types(
+            n, self._default_layer_types(n) if hybrid else [FULL_ATTENTION] * n
+        )
+        heads = common["num_heads"]
+        head_dim = self.optional_int("head_dim", common["hidden_size"] // heads)
+        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", self.hf.get("rope_theta", 10_000.0))
+        params["partial_rotary_factor"] = 1.0
+        rope = self.rope(params, head_dim, 1.0)
+        kv_heads = self.optional_int("num_key_value_heads", heads)
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, None if hybrid else rope)
+        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope)
+        self.check_heads(heads, full, "attention")
+        act = str(self.hf.get("hidden_act") or "silu")
+        if act != "silu":
+            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("dense",) * n,
+            sliding_window_size=self.window(types) if hybrid else None,
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=False,
+            o_proj_bias=False,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+        )
+
+    def _default_layer_types(self, n: int) -> list[str]:
+        pattern = self.hf.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str):
+            if not pattern or set(pattern) - {"L", "G"}:
+                raise self.fail(f"sliding_window_pattern {pattern!r} is not made of L and G")
+            return [
+                SLIDING_ATTENTION if pattern[i % len(pattern)] == "L" else FULL_ATTENTION
+                for i in range(n)
+            ]
+        if not is_int(pattern) or pattern < 1:
+            raise self.fail("sliding_window_pattern must be an int >= 1 or a string of L / G")
+        return [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+
+
 PARSERS: dict[str, type[ConfigParser]] = {
     GPT_OSS: GptOssConfigParser,
     MIMO_V2_FLASH: MiMoConfigParser,
     GEMMA3: Gemma3ConfigParser,
     COHERE2: Cohere2ConfigParser,
     OLMO3: Olmo3ConfigParser,
+    EXAONE4: Exaone4ConfigParser,
 }

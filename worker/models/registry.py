@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.cohere2 import Cohere2ForCausalLM
-from swaserve.worker.models.config import COHERE2, GEMMA3, GPT_OSS, MIMO_V2_FLASH, OLMO3
+from swaserve.worker.models.config import (
+    COHERE2,
+    EXAONE4,
+    GEMMA3,
+    GPT_OSS,
+    MIMO_V2_FLASH,
+    OLMO3,
+)
 from swaserve.worker.models.errors import UnknownArchitectureError
+from swaserve.worker.models.exaone4 import Exaone4ForCausalLM
 from swaserve.worker.models.gemma3 import Gemma3ForCausalLM
 from swaserve.worker.models.gpt_oss import GptOssForCausalLM
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
@@ -17,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[HybridCausalLM]] = {
     GEMMA3: Gemma3ForCausalLM,
     COHERE2: Cohere2ForCausalLM,
     OLMO3: Olmo3ForCausalLM,
+    EXAONE4: Exaone4ForCausalLM,
 }
 
 

@@ -1,5 +1,5 @@
-"""Rotary position embeddings, numerically as transformers computes them (default, linear and
-YaRN inverse frequencies; rotate-half on the leading `rotary_dim` channels of each head)."""
+"""Rotary position embeddings, numerically as transformers computes them (default, linear,
+Llama 3 and YaRN inverse frequencies; rotate-half on the leading `rotary_dim` channels of each head)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,25 @@ def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / pos_freqs, 1.0
     if rope.rope_type == "linear":
         return 1.0 / pos_freqs / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        return _llama3(rope, 1.0 / pos_freqs), 1.0
     return _yarn(rope, pos_freqs)
+
+
+def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3's scaling (transformers' `_compute_llama3_parameters`): low frequencies divided
+    by `factor`, high ones kept, the band between interpolated smoothly."""
+    factor, context = rope.factor, rope.original_max_position_embeddings
+    low_wavelen = context / rope.low_freq_factor
+    high_wavelen = context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [R/2] float32
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _yarn(rope: RopeConfig, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:

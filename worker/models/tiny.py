@@ -36,6 +36,7 @@ from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swaserve.worker.models.config import (
     COHERE2,
+    EXAONE4,
     FULL_ATTENTION,
     GEMMA3,
     GPT_OSS,
@@ -57,6 +58,7 @@ ARCHITECTURES = {
     "gemma3": GEMMA3,
     "cohere2": COHERE2,
     "olmo3": OLMO3,
+    "exaone4": EXAONE4,
 }
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
@@ -225,6 +227,23 @@ def make_tiny_model(
             },
         }
         del hf["hidden_act"], hf["num_experts_per_tok"]
+    elif arch == "exaone4":
+        hf = common | {
+            "model_type": "exaone4",
+            "head_dim": head_dim or head,
+            "layer_types": layer_types
+            or [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(num_layers)],
+            "intermediate_size": 2 * hidden_size,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 1_000_000.0,
+                "factor": 16.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+        del hf["num_experts_per_tok"]
     elif arch == "olmo3":
         hf = common | {
             "model_type": "olmo3",

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.worker.models.config import COHERE2, GEMMA3, GPT_OSS, MIMO_V2_FLASH, OLMO3
+from swaserve.worker.models.config import (
+    COHERE2,
+    EXAONE4,
+    GEMMA3,
+    GPT_OSS,
+    MIMO_V2_FLASH,
+    OLMO3,
+)
 from swaserve.worker.models.errors import UnknownArchitectureError
 
 
@@ -137,12 +144,16 @@ COHERE2_WEIGHTS = WeightMap()
 OLMO3_WEIGHTS = WeightMap()
 """OLMo 3 checkpoints use the module names as they are."""
 
+EXAONE4_WEIGHTS = WeightMap()
+"""EXAONE 4 checkpoints use the module names as they are."""
+
 WEIGHT_MAPS: dict[str, WeightMap] = {
     GPT_OSS: GPT_OSS_WEIGHTS,
     MIMO_V2_FLASH: MIMO_V2_FLASH_WEIGHTS,
     GEMMA3: GEMMA3_WEIGHTS,
     COHERE2: COHERE2_WEIGHTS,
     OLMO3: OLMO3_WEIGHTS,
+    EXAONE4: EXAONE4_WEIGHTS,
 }
 
 

@@ -80,7 +80,9 @@ def tensor_names(path: Path) -> set[str]:
         return set(f.keys())
 
 
-@pytest.fixture(scope="module", params=["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3"])
+@pytest.fixture(
+    scope="module", params=["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4"]
+)
 def saved_by_transformers(
     request: pytest.FixtureRequest,
     tiny_model_factory: Callable[..., Path],
@@ -119,7 +121,7 @@ def test_save_pretrained_writes_the_original_layout(saved_by_transformers: Refer
             checkpoint_format="original",
         )
         assert tensor_names(tiny) == names  # the tiny writer's original layout is transformers'
-    elif arch == "Olmo3ForCausalLM":  # module names as they are
+    elif arch in ("Olmo3ForCausalLM", "Exaone4ForCausalLM"):  # module names as they are
         assert "model.layers.1.self_attn.q_norm.weight" in names
         assert "model.layers.1.post_feedforward_layernorm.weight" in names
     elif arch == "Cohere2ForCausalLM":  # module names as they are; the LM head is the embedding

@@ -86,7 +86,9 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3"])
+@pytest.mark.parametrize(
+    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4"]
+)
 def test_compiled_decode_equals_transformers_and_eager(
     arch: str, tiny_model_factory: Callable[..., Path]
 ) -> None:

@@ -103,6 +103,7 @@ MODELS = {
     "olmo3": dict(num_layers=4, num_heads=4, num_kv_heads=2),
     # One KV head < tp = 2: k_norm's sum of squares counts the replicated head once.
     "olmo3-kv1": dict(num_layers=4, num_heads=4, num_kv_heads=1),
+    "exaone4": dict(num_layers=4, num_heads=4, num_kv_heads=2),
 }
 
 

@@ -133,6 +133,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "olmo3-w3-mqa-sfsf": dict(
         arch="olmo3", num_layers=4, sliding_window_size=3, num_kv_heads=1, layer_types=[S, F, S, F]
     ),
+    # EXAONE 4: LLLG, NoPE global layers, per-head q/k norms, post-norm blocks, Llama 3 RoPE.
+    "exaone4-w4-gqa2-lllg": dict(
+        arch="exaone4", num_layers=4, sliding_window_size=4, num_kv_heads=2
+    ),
 }
 SLOW = {"gpt-oss-w16-gqa4", "mimo-w16-kv2x4-fssssf"}
 NAMES = [

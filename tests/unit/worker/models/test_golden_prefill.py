@@ -83,6 +83,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
         mlp_layer_types=["dense", "sparse", "dense"],
     ),
+    # EXAONE 4: NoPE global layer, per-head q/k norms, post-norm blocks, Llama 3 RoPE.
+    "exaone4-w2-lllg": dict(arch="exaone4", num_layers=4, sliding_window_size=2, num_kv_heads=2),
     # OLMo 3: post-norm blocks, projection-wide q/k norms, YaRN on the global layer.
     "olmo3-w2-ssf": dict(
         arch="olmo3",
@@ -164,7 +166,9 @@ def test_decode_after_cached_prefix_matches_prefill_logits(tiny) -> None:
     assert (ours - theirs[half - 1 :]).abs().max().item() < TOLERANCE, name
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3"])
+@pytest.mark.parametrize(
+    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4"]
+)
 def test_bfloat16_prefill_runs_close_to_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, arch=arch, num_layers=2, sliding_window_size=3, seed=3)
     ids = prompt(16, seed=4)

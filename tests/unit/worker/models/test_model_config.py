@@ -14,6 +14,7 @@ import torch
 from swaserve.worker.kv.kv_pool import KVLayout
 from swaserve.worker.models.config import (
     COHERE2,
+    EXAONE4,
     GEMMA3,
     GPT_OSS,
     MIMO_V2_FLASH,
@@ -311,6 +312,26 @@ def test_olmo3_reads_transformers_own_config_and_the_older_rope_fields() -> None
         assert (swa.rope_type, swa.theta) == ("default", 5e5)
         assert full.float32 and swa.float32
         assert config.swa_attention.num_kv_heads == 4 and config.sliding_window_size == 4095
+
+
+def test_exaone4_layer_patterns_and_nope_global_layers() -> None:
+    """EXAONE 4's layers by `sliding_window_pattern` (an int, or "LLLG" as the published
+    configs write it): NoPE global layers with a window; RoPE everywhere without one."""
+    transformers = pytest.importorskip("transformers")
+    base = transformers.Exaone4Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8
+    ).to_dict() | {"architectures": ["Exaone4ForCausalLM"]}
+    del base["layer_types"]
+    for pattern in (4, "LLLG"):
+        config = parse_model_config(base | {"sliding_window_pattern": pattern})
+        assert config.architecture == EXAONE4 and config.layer_types == (S, S, S, F) * 2
+        assert config.full_attention.rope is None and config.swa_attention.rope is not None
+        assert config.sliding_window_size == 4095
+    dense = parse_model_config(base | {"sliding_window": None})
+    assert dense.layer_types == (F,) * 8 and dense.full_attention.rope is not None
+    assert dense.sliding_window_size is None
+    with pytest.raises(ModelConfigError, match="sliding_window_pattern"):
+        parse_model_config(base | {"sliding_window_pattern": "LLXG"})
 
 
 def test_cohere2_reads_transformers_own_config() -> None:

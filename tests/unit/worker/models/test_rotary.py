@@ -92,6 +92,19 @@ def test_cohere2_interleaved_rope_matches_transformers(tmp_path: Path) -> None:
     assert torch.equal(ours, theirs[0].transpose(0, 1))
 
 
+def test_llama3_rope_matches_transformers(tmp_path: Path) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    make_tiny_model(tmp_path, arch="exaone4", num_layers=4, head_dim=64, hidden_size=64)
+    rope = load_model_config(tmp_path).swa_attention.rope
+    assert rope is not None and rope.rope_type == "llama3"
+    theirs, their_scaling = ROPE_INIT_FUNCTIONS["llama3"](
+        transformers.AutoConfig.from_pretrained(tmp_path), "cpu"
+    )
+    inv_freq, scaling = inverse_frequencies(rope)
+    assert torch.equal(inv_freq, theirs) and scaling == their_scaling == 1.0
+
+
 def test_apply_rotary_passes_trailing_channels_and_keeps_norm() -> None:
     rope = RopeConfig("default", 10_000.0, head_dim=10, partial_rotary_factor=0.5)
     assert (rope.freq_dim, rope.rotary_dim) == (5, 6)  # HF: int(10 · 0.5) = 5 → 3 frequencies

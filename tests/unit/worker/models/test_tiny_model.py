@@ -32,6 +32,7 @@ from swaserve.worker.models.tiny import (
         ("gemma3", "Gemma3ForCausalLM"),
         ("cohere2", "Cohere2ForCausalLM"),
         ("olmo3", "Olmo3ForCausalLM"),
+        ("exaone4", "Exaone4ForCausalLM"),
     ],
 )
 def test_transformers_reads_the_config(arch: str, hf_class: str, tmp_path: Path) -> None:
