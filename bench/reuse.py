@@ -7,7 +7,7 @@ Each workload runs its requests one after another through one `Engine` per mode:
 - `hybrid-no-repair`: checkpoints only (`enable_window_repair=False`);
 - `cold`: no prefix cache (the prefill a cache saves).
 
-Workloads (a tiny GPT-OSS, W = 32, 2 SWA layers, float32):
+Workloads (a tiny model, GPT-OSS by default or any family with `--arch`, W = 32, float32):
 
 - `chat`: multi-turn chat whose history is re-rendered — the answer in the next prompt is the
   generated one without its first tokens, as GPT-OSS's and MiMo's templates drop the reasoning;
@@ -20,7 +20,7 @@ Per mode and workload: prefill tokens computed (counted at the model's input), t
 of prompt tokens (the engine's `cached_tokens`), and whether every greedy answer equals the cold
 run's. Ratios: hybrid cached share ÷ one pool's, and cold prefill ÷ hybrid prefill.
 
-    python bench/reuse.py [--json]
+    python bench/reuse.py [--json] [--arch gpt-oss|gemma3|cohere2|olmo3|exaone4|mimo-v2-flash]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch
 
 from swaserve.proto.kv_rules import window_repair_tokens
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.models.tiny import make_tiny_model
+from swaserve.worker.models.config import load_model_config
+from swaserve.worker.models.tiny import ARCHITECTURES, make_tiny_model
 from swaserve.worker.runner.model_input import ModelInput
 
 MODES = {
@@ -156,8 +157,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--arch", choices=sorted(ARCHITECTURES), default="gpt-oss", help="tiny model family"
+    )
     parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
-    parser.add_argument("--layers", type=int, default=4, help="alternating SWA / full layers")
+    parser.add_argument("--layers", type=int, default=4, help="layers (the family's pattern)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=2048, help="chunked prefill size")
@@ -192,20 +196,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    num_swa = args.layers // 2
-    repair = window_repair_tokens(num_swa, args.window, args.page_size)
-    if args.long_prefix_tokens == 0:
-        args.long_prefix_tokens = 16 * num_swa * args.window + args.window
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(
             Path(tmp),
-            arch="gpt-oss",
+            arch=args.arch,
             num_layers=args.layers,
             sliding_window_size=args.window,
             hidden_size=args.hidden,
             seed=args.seed,
             vocab_size=320,
         )
+        num_swa = len(load_model_config(model).swa_layer_ids)
+        args.swa_layers = num_swa
+        repair = window_repair_tokens(num_swa, args.window, args.page_size)
+        if args.long_prefix_tokens == 0:
+            args.long_prefix_tokens = 16 * num_swa * args.window + args.window
         results: dict[str, dict[str, Counts]] = {}
         answers: dict[str, dict[str, list]] = {}
         ratio = {}
@@ -244,7 +249,8 @@ def summarize(
 ) -> dict:
     report: dict = {
         "window": args.window,
-        "swa_layers": args.layers // 2,
+        "arch": args.arch,
+        "swa_layers": args.swa_layers,
         "page_size": args.page_size,
         "repair_tokens": repair,
         "workloads": {},
@@ -281,7 +287,7 @@ def summarize(
 
 def print_table(report: dict, repair: int, args: argparse.Namespace) -> None:
     print(
-        f"W={args.window}, L_swa={args.layers // 2}, P={args.page_size}, chunk={args.chunk}, "
+        f"W={args.window}, L_swa={args.swa_layers}, P={args.page_size}, chunk={args.chunk}, "
         f"R = L_swa * W = {repair}"
     )
     header = (
