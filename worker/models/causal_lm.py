@@ -19,7 +19,14 @@ from torch import nn
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import Attention, DecoderLayer, FusedLinear, RMSNorm
+from swaserve.worker.models.layers import (
+    Attention,
+    DecoderLayer,
+    DenseMLP,
+    FusedLinear,
+    RMSNorm,
+    SandwichDecoderLayer,
+)
 from swaserve.worker.models.rotary import RotaryEmbedding
 from swaserve.worker.models.tp_layers import ParallelLMHead, VocabParallelEmbedding
 from swaserve.worker.runner.parallel import TPGroup
@@ -198,3 +205,40 @@ class HybridCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class DenseHybridCausalLM(HybridCausalLM):
+    """A `HybridCausalLM` whose every layer has one dense gated MLP (`DenseMLP`, the config's
+    activation): Gemma 3, Cohere2, OLMo 3, EXAONE 4."""
+
+    # q and k normalized per head (over Dk, by `make_norm`) before RoPE: Gemma 3, EXAONE 4.
+    qk_norm_per_head: ClassVar[bool] = False
+
+    def make_attention(self, layer_id: int) -> Attention:
+        attention = super().make_attention(layer_id)
+        if self.qk_norm_per_head:
+            head_dim = self.config.attention_kind(layer_id).head_dim
+            attention.q_norm = self.make_norm(head_dim)
+            attention.k_norm = self.make_norm(head_dim)
+        return attention
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        return DenseMLP(
+            self.config.hidden_size,
+            self.config.intermediate_size,
+            dtype=self.dtype,
+            tp=self.tp,
+            activation=self.config.hidden_act,
+        )
+
+    def post_norm_layer(self, layer_id: int) -> SandwichDecoderLayer:
+        """A post-norm block (OLMo, EXAONE): x + norm(attn(x)), then x + norm(mlp(x))."""
+        d = self.config.hidden_size
+        return SandwichDecoderLayer(
+            self.make_attention(layer_id),
+            self.make_mlp(layer_id),
+            nn.Identity(),
+            self.make_norm(d),
+            nn.Identity(),
+            self.make_norm(d),
+        )

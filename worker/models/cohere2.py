@@ -8,25 +8,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from swaserve.worker.models.causal_lm import HybridCausalLM
-from swaserve.worker.models.layers import DenseMLP, LayerNorm, ParallelDecoderLayer
+from swaserve.worker.models.causal_lm import DenseHybridCausalLM
+from swaserve.worker.models.layers import LayerNorm, ParallelDecoderLayer
 
 
-class Cohere2ForCausalLM(HybridCausalLM):
+class Cohere2ForCausalLM(DenseHybridCausalLM):
     def make_layer(self, layer_id: int) -> nn.Module:
         return ParallelDecoderLayer(
             self.make_attention(layer_id),
             self.make_mlp(layer_id),
             self.make_norm(self.config.hidden_size),
-        )
-
-    def make_mlp(self, layer_id: int) -> nn.Module:
-        return DenseMLP(
-            self.config.hidden_size,
-            self.config.intermediate_size,
-            dtype=self.dtype,
-            tp=self.tp,
-            activation=self.config.hidden_act,
         )
 
     def make_norm(self, hidden_size: int) -> LayerNorm:

@@ -174,6 +174,66 @@ class ConfigParser:
         )
 
 
+class DenseConfigParser(ConfigParser):
+    """A model whose every layer has one dense gated MLP (`intermediate_size`) and one KV shape
+    for both kinds, attention without sinks: the parts its parsers share."""
+
+    activations: tuple[str, ...] = ("silu",)
+
+    def every_nth_global(self, n: int, default_pattern: int) -> tuple[str, ...]:
+        """`layer_types`, else every `sliding_window_pattern`-th layer global, the rest local."""
+        pattern = self.optional_int("sliding_window_pattern", default_pattern)
+        return self.layer_types(
+            n, [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+        )
+
+    def activation(self, name: str = "hidden_act") -> str:
+        act = str(self.hf.get(name) or self.activations[0])
+        if act not in self.activations:
+            raise self.fail(f"{name} {act!r} is not supported; supported: {self.activations}")
+        return act
+
+    def flat_rope(self, head_dim: int, default_theta: float = 10_000.0) -> RopeConfig:
+        """One RoPE for every layer that has one: `rope_parameters`, or the older `rope_scaling`
+        and `rope_theta`; the whole head rotates."""
+        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", self.hf.get("rope_theta", default_theta))
+        params["partial_rotary_factor"] = 1.0
+        return self.rope(params, head_dim, 1.0)
+
+    def dense_config(
+        self,
+        common: dict[str, Any],
+        types: tuple[str, ...],
+        head_dim: int,
+        kv_heads: int,
+        ropes: Mapping[str, RopeConfig | None],
+        act: str,
+        **extra: Any,
+    ) -> ModelConfig:
+        """The `ModelConfig` of layers `types`, `ropes` by kind (None: NoPE)."""
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[FULL_ATTENTION])
+        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[SLIDING_ATTENTION])
+        self.check_heads(common["num_heads"], full, "attention")
+        bias = bool(self.hf.get("attention_bias", False))
+        return ModelConfig(
+            **common,
+            layer_types=types,
+            mlp_layer_types=("dense",) * len(types),
+            sliding_window_size=self.window(types) if SLIDING_ATTENTION in types else None,
+            full_attention=full,
+            swa_attention=swa,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+            **extra,
+        )
+
+
 class GptOssConfigParser(ConfigParser):
     """transformers' GptOssConfig: all layers have sinks and q/k/v/o biases (attention_bias);
     one YaRN RoPE for both kinds; every layer is MoE."""
@@ -368,7 +428,7 @@ class MiMoConfigParser(ConfigParser):
         return moe
 
 
-class Gemma3ConfigParser(ConfigParser):
+class Gemma3ConfigParser(DenseConfigParser):
     """transformers' Gemma3TextConfig: local (sliding) and global layers, 5:1 by default
     (`sliding_window_pattern`), one KV shape, no sinks; per-kind RoPE (nested
     `rope_parameters`, or the older `rope_theta` for global layers, `rope_local_base_freq` for
@@ -376,6 +436,7 @@ class Gemma3ConfigParser(ConfigParser):
     query_pre_attn_scalar^-0.5; GeGLU MLP; tied embeddings by default."""
 
     architecture = GEMMA3
+    activations = ("gelu_pytorch_tanh", "silu")
     _DEFAULT_THETA: Mapping[str, float] = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
 
     def parse(self) -> ModelConfig:
@@ -387,34 +448,15 @@ class Gemma3ConfigParser(ConfigParser):
         if self.hf.get("attn_logit_softcapping") is not None:
             raise self.fail("attn_logit_softcapping is not supported (Gemma 3 does not use it)")
         n = self.required_int("num_hidden_layers")
-        pattern = self.optional_int("sliding_window_pattern", 6)
-        types = self.layer_types(
-            n, [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
-        )
         head_dim = self.optional_int("head_dim", 256)
-        kv_heads = self.required_int("num_key_value_heads")
-        rope = self._rope_by_kind(head_dim)
-        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope[FULL_ATTENTION])
-        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope[SLIDING_ATTENTION])
-        self.check_heads(common["num_heads"], full, "attention")
-        act = str(self.hf.get("hidden_activation") or "gelu_pytorch_tanh")
-        if act not in ("gelu_pytorch_tanh", "silu"):
-            raise self.fail(f"hidden_activation {act!r} is not supported")
         cap = self.hf.get("final_logit_softcapping")
-        bias = bool(self.hf.get("attention_bias", False))
-        return ModelConfig(
-            **common,
-            layer_types=types,
-            mlp_layer_types=("dense",) * n,
-            sliding_window_size=self.window(types),
-            full_attention=full,
-            swa_attention=swa,
-            attention_bias=bias,
-            o_proj_bias=bias,
-            attention_value_scale=None,
-            hidden_act=act,
-            intermediate_size=self.required_int("intermediate_size"),
-            moe=MoEConfig(0, 0, 0),
+        return self.dense_config(
+            common,
+            self.every_nth_global(n, 6),
+            head_dim,
+            self.required_int("num_key_value_heads"),
+            self._rope_by_kind(head_dim),
+            self.activation("hidden_activation"),
             attention_scale=self.number("query_pre_attn_scalar", 256.0) ** -0.5,
             final_logit_softcapping=None
             if cap is None
@@ -440,7 +482,7 @@ class Gemma3ConfigParser(ConfigParser):
         return out
 
 
-class Cohere2ConfigParser(ConfigParser):
+class Cohere2ConfigParser(DenseConfigParser):
     """transformers' Cohere2Config: three sliding layers per global one by default
     (`sliding_window_pattern` 4), global layers without position encoding, interleaved RoPE on
     the sliding ones (one `rope_parameters`, or `rope_theta`), head dim hidden / heads whatever
@@ -453,46 +495,23 @@ class Cohere2ConfigParser(ConfigParser):
         common = self.common()
         common["rms_norm_eps"] = self.number("layer_norm_eps", 1e-5)
         common["tie_word_embeddings"] = bool(self.hf.get("tie_word_embeddings", True))
-        n = self.required_int("num_hidden_layers")
-        pattern = self.optional_int("sliding_window_pattern", 4)
-        types = self.layer_types(
-            n, [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
-        )
         heads = common["num_heads"]
         if common["hidden_size"] % heads:
             raise self.fail("hidden_size is not a multiple of num_attention_heads")
         head_dim = common["hidden_size"] // heads  # as Cohere2Config sets it
-        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
-        params.setdefault("rope_type", "default")
-        params.setdefault("rope_theta", self.hf.get("rope_theta", 10_000.0))
-        params["partial_rotary_factor"] = 1.0
-        rope = dataclasses.replace(self.rope(params, head_dim, 1.0), interleaved=True)
-        kv_heads = self.optional_int("num_key_value_heads", heads)
-        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, None)
-        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope)
-        self.check_heads(heads, full, "attention")
-        act = str(self.hf.get("hidden_act") or "silu")
-        if act != "silu":
-            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
-        bias = bool(self.hf.get("attention_bias", False))
-        return ModelConfig(
-            **common,
-            layer_types=types,
-            mlp_layer_types=("dense",) * n,
-            sliding_window_size=self.window(types),
-            full_attention=full,
-            swa_attention=swa,
-            attention_bias=bias,
-            o_proj_bias=bias,
-            attention_value_scale=None,
-            hidden_act=act,
-            intermediate_size=self.required_int("intermediate_size"),
-            moe=MoEConfig(0, 0, 0),
+        rope = dataclasses.replace(self.flat_rope(head_dim), interleaved=True)
+        return self.dense_config(
+            common,
+            self.every_nth_global(self.required_int("num_hidden_layers"), 4),
+            head_dim,
+            self.optional_int("num_key_value_heads", heads),
+            {FULL_ATTENTION: None, SLIDING_ATTENTION: rope},
+            self.activation(),
             logit_scale=self.number("logit_scale", 0.0625),
         )
 
 
-class Olmo3ConfigParser(ConfigParser):
+class Olmo3ConfigParser(DenseConfigParser):
     """transformers' Olmo3Config: three sliding layers per global one by default, one KV
     shape, no sinks; per-kind RoPE (nested `rope_parameters`, or the older `rope_theta` with
     `rope_scaling` for the global layers only — the sliding ones then keep θ 5·10⁵, as
@@ -504,9 +523,6 @@ class Olmo3ConfigParser(ConfigParser):
     def parse(self) -> ModelConfig:
         common = self.common()
         n = self.required_int("num_hidden_layers")
-        types = self.layer_types(
-            n, [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(n)]
-        )
         heads = common["num_heads"]
         head_dim = self.optional_int("head_dim", common["hidden_size"] // heads)
         kv_heads = self.optional_int("num_key_value_heads", heads)
@@ -523,30 +539,12 @@ class Olmo3ConfigParser(ConfigParser):
             if params.get("rope_type", params.get("type")) == "default":
                 params["partial_rotary_factor"] = 1.0
             ropes[kind] = dataclasses.replace(self.rope(params, head_dim, 1.0), float32=True)
-        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[FULL_ATTENTION])
-        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[SLIDING_ATTENTION])
-        self.check_heads(heads, full, "attention")
-        act = str(self.hf.get("hidden_act") or "silu")
-        if act != "silu":
-            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
-        bias = bool(self.hf.get("attention_bias", False))
-        return ModelConfig(
-            **common,
-            layer_types=types,
-            mlp_layer_types=("dense",) * n,
-            sliding_window_size=self.window(types),
-            full_attention=full,
-            swa_attention=swa,
-            attention_bias=bias,
-            o_proj_bias=bias,
-            attention_value_scale=None,
-            hidden_act=act,
-            intermediate_size=self.required_int("intermediate_size"),
-            moe=MoEConfig(0, 0, 0),
+        return self.dense_config(
+            common, self.every_nth_global(n, 4), head_dim, kv_heads, ropes, self.activation()
         )
 
 
-class Exaone4ConfigParser(ConfigParser):
+class Exaone4ConfigParser(DenseConfigParser):
     """transformers' Exaone4Config: local and global layers by `layer_types`, or by
     `sliding_window_pattern` (an int: every n-th layer global; a string such as "LLLG",
     repeated); with a window the global layers have no position encoding, without one every
@@ -564,31 +562,14 @@ class Exaone4ConfigParser(ConfigParser):
         )
         heads = common["num_heads"]
         head_dim = self.optional_int("head_dim", common["hidden_size"] // heads)
-        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
-        params.setdefault("rope_type", "default")
-        params.setdefault("rope_theta", self.hf.get("rope_theta", 10_000.0))
-        params["partial_rotary_factor"] = 1.0
-        rope = self.rope(params, head_dim, 1.0)
-        kv_heads = self.optional_int("num_key_value_heads", heads)
-        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, None if hybrid else rope)
-        swa = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope)
-        self.check_heads(heads, full, "attention")
-        act = str(self.hf.get("hidden_act") or "silu")
-        if act != "silu":
-            raise self.fail(f"hidden_act {act!r} is not supported (only 'silu')")
-        return ModelConfig(
-            **common,
-            layer_types=types,
-            mlp_layer_types=("dense",) * n,
-            sliding_window_size=self.window(types) if hybrid else None,
-            full_attention=full,
-            swa_attention=swa,
-            attention_bias=False,
-            o_proj_bias=False,
-            attention_value_scale=None,
-            hidden_act=act,
-            intermediate_size=self.required_int("intermediate_size"),
-            moe=MoEConfig(0, 0, 0),
+        rope = self.flat_rope(head_dim)
+        return self.dense_config(
+            common,
+            types,
+            head_dim,
+            self.optional_int("num_key_value_heads", heads),
+            {FULL_ATTENTION: None if hybrid else rope, SLIDING_ATTENTION: rope},
+            self.activation(),
         )
 
     def _default_layer_types(self, n: int) -> list[str]:

@@ -9,36 +9,12 @@ from typing import ClassVar
 
 from torch import nn
 
-from swaserve.worker.models.causal_lm import HybridCausalLM
-from swaserve.worker.models.layers import Attention, DenseMLP, SandwichDecoderLayer
+from swaserve.worker.models.causal_lm import DenseHybridCausalLM
 
 
-class Exaone4ForCausalLM(HybridCausalLM):
+class Exaone4ForCausalLM(DenseHybridCausalLM):
     norm_weight_after_cast: ClassVar[bool] = True
+    qk_norm_per_head: ClassVar[bool] = True
 
     def make_layer(self, layer_id: int) -> nn.Module:
-        d = self.config.hidden_size
-        return SandwichDecoderLayer(
-            self.make_attention(layer_id),
-            self.make_mlp(layer_id),
-            nn.Identity(),
-            self.make_norm(d),
-            nn.Identity(),
-            self.make_norm(d),
-        )
-
-    def make_attention(self, layer_id: int) -> Attention:
-        attention = super().make_attention(layer_id)
-        head_dim = self.config.attention_kind(layer_id).head_dim
-        attention.q_norm = self.make_norm(head_dim)
-        attention.k_norm = self.make_norm(head_dim)
-        return attention
-
-    def make_mlp(self, layer_id: int) -> nn.Module:
-        return DenseMLP(
-            self.config.hidden_size,
-            self.config.intermediate_size,
-            dtype=self.dtype,
-            tp=self.tp,
-            activation=self.config.hidden_act,
-        )
+        return self.post_norm_layer(layer_id)

@@ -18,33 +18,18 @@ from typing import ClassVar
 
 from torch import nn
 
-from swaserve.worker.models.causal_lm import HybridCausalLM
-from swaserve.worker.models.layers import Attention, DenseMLP, RMSNorm, SandwichDecoderLayer
+from swaserve.worker.models.causal_lm import DenseHybridCausalLM
+from swaserve.worker.models.layers import RMSNorm, SandwichDecoderLayer
 
 
-class Gemma3ForCausalLM(HybridCausalLM):
+class Gemma3ForCausalLM(DenseHybridCausalLM):
     embed_scale: ClassVar[bool] = True
+    qk_norm_per_head: ClassVar[bool] = True
 
     def make_layer(self, layer_id: int) -> nn.Module:
         d = self.config.hidden_size
         norms = [self.make_norm(d) for _ in range(4)]
         return SandwichDecoderLayer(self.make_attention(layer_id), self.make_mlp(layer_id), *norms)
-
-    def make_attention(self, layer_id: int) -> Attention:
-        attention = super().make_attention(layer_id)
-        head_dim = self.config.attention_kind(layer_id).head_dim
-        attention.q_norm = self.make_norm(head_dim)
-        attention.k_norm = self.make_norm(head_dim)
-        return attention
-
-    def make_mlp(self, layer_id: int) -> nn.Module:
-        return DenseMLP(
-            self.config.hidden_size,
-            self.config.intermediate_size,
-            dtype=self.dtype,
-            tp=self.tp,
-            activation=self.config.hidden_act,
-        )
 
     def make_norm(self, hidden_size: int) -> RMSNorm:
         return RMSNorm(

@@ -12,27 +12,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from swaserve.worker.models.causal_lm import HybridCausalLM
+from swaserve.worker.models.causal_lm import DenseHybridCausalLM
 from swaserve.worker.models.layers import (
     Attention,
-    DenseMLP,
     ProjectionRMSNorm,
-    SandwichDecoderLayer,
 )
 from swaserve.worker.runner.parallel import kv_head_range
 
 
-class Olmo3ForCausalLM(HybridCausalLM):
+class Olmo3ForCausalLM(DenseHybridCausalLM):
     def make_layer(self, layer_id: int) -> nn.Module:
-        d = self.config.hidden_size
-        return SandwichDecoderLayer(
-            self.make_attention(layer_id),
-            self.make_mlp(layer_id),
-            nn.Identity(),
-            self.make_norm(d),
-            nn.Identity(),
-            self.make_norm(d),
-        )
+        return self.post_norm_layer(layer_id)
 
     def make_attention(self, layer_id: int) -> Attention:
         attention = super().make_attention(layer_id)
@@ -55,12 +45,3 @@ class Olmo3ForCausalLM(HybridCausalLM):
         )
         attention.norms_whole_projection = True
         return attention
-
-    def make_mlp(self, layer_id: int) -> nn.Module:
-        return DenseMLP(
-            self.config.hidden_size,
-            self.config.intermediate_size,
-            dtype=self.dtype,
-            tp=self.tp,
-            activation=self.config.hidden_act,
-        )
