@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_before:.2f})",
         flush=True,
     )
-    with local_ray(), tempfile.TemporaryDirectory() as tmp:
+    with local_ray(max(8, args.replicas + 2)), tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(
             tmp,
             arch=args.arch,

@@ -81,14 +81,15 @@ def make_model(path: str | Path, args: argparse.Namespace) -> Path:
 
 
 @contextlib.contextmanager
-def local_ray() -> Iterator[None]:
-    """A local Ray started here and shut down after, unless one is up already."""
+def local_ray(num_cpus: int = 8) -> Iterator[None]:
+    """A local Ray started here and shut down after, unless one is up already. `num_cpus`:
+    logical CPUs, one per worker replica plus room for the router and an ingress."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     own_ray = not ray.is_initialized()
     if own_ray:
         ray.init(
             address="local",  # a new Ray of our own, never one that RAY_ADDRESS names
-            num_cpus=8,  # logical: 2 workers + router (+ ingress) fit on a 2-core machine
+            num_cpus=num_cpus,  # logical: 8 fits 2 workers + router (+ ingress) on 2 cores
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
             log_to_driver=False,
