@@ -69,7 +69,6 @@ class JobBuilder:
     def __init__(self, cluster: RoutedCluster) -> None:
         self.cluster = cluster
         self._template: ChatTemplate | None = None
-        self._format: ChatFormat | bool | None = False  # False: not looked up yet
 
     @property
     def info(self) -> ModelInfo:
@@ -86,9 +85,7 @@ class JobBuilder:
     @property
     def format(self) -> ChatFormat | None:
         """The chat format the model speaks (harmony, MiMo's), else None: plain text."""
-        if self._format is False:
-            self._format = chat_format(self.cluster.tokenizer)
-        return self._format
+        return chat_format(self.cluster.tokenizer)
 
     def completion_job(self, req: CompletionRequest, arrival_s: float) -> Job:
         self._check_common(req)

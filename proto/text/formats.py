@@ -7,6 +7,7 @@ A model with neither has no parser: its output is plain text."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,10 @@ class ChatFormat:
         )
 
 
+@functools.lru_cache(maxsize=8)
 def chat_format(tokenizer: TextTokenizer | None) -> ChatFormat | None:
-    """The format `tokenizer`'s model speaks, or None (plain text)."""
+    """The format `tokenizer`'s model speaks, or None (plain text); looked up once per
+    tokenizer (every request of a server asks)."""
     if tokenizer is None:
         return None
     ids = harmony.special_ids(tokenizer.tokenizer)

@@ -131,16 +131,10 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 def special_ids(tokenizer: Any) -> dict[str, int] | None:
     """The format's tokens → their ids in `tokenizer` (a `tokenizers.Tokenizer`), or None when
     it lacks one the parser needs (the model does not speak this format)."""
-    ids = {
-        name: tokenizer.token_to_id(name) for name in SPECIAL_TOKENS + ADDED_TOKENS + (IM_START,)
-    }
+    ids = {name: tokenizer.token_to_id(name) for name in SPECIAL_TOKENS + ADDED_TOKENS}
     if any(ids[name] is None for name in REQUIRED_TOKENS):
         return None
     return {k: v for k, v in ids.items() if v is not None}
-
-
-def stop_ids(special: dict[str, int]) -> tuple[int, ...]:
-    return tuple(special[t] for t in STOP_TOKENS if t in special)
 
 
 def json_value(raw: str, schema: Any) -> Any:
