@@ -1,6 +1,12 @@
 """Pure KV rules shared by the worker and the router (which must not import each other).
 
 - `cdiv` / `page_floor` / `page_ceil`: page arithmetic.
+- `read_start` / `needed_before`: a local layer's span rule. A sliding window W: a query at q
+  reads keys [q - W, q]. Chunked attention with chunk C (Llama 4): a query at q reads
+  [floor(q / C)·C, q], nothing before its chunk. A chunked model passes W = C - 1 (the most
+  keys before a query any query reads) wherever the rules only size things (pools, admission,
+  kernels' masks) and `attention_chunk_size` = C wherever the rule decides what is read, freed
+  or matched.
 - `valid_match_length`: the SWA window rule of a prefix match (architecture §6). A matched path is a
   sequence of runs, each live (SWA KV held) or a tombstone (full KV only). A match may end only
   where at least W live tokens precede the end, or where no tombstone lies before it:
@@ -9,7 +15,9 @@
       # ends:    ok at 8          no at 14  ok at 17 (5 live tokens since the tombstone)
 
   The radix cache (`SWARadixCache._walk`), the KV-event mirror (`bench/kv_event_mirror.py`)
-  call it; the router's one-walk-for-all-workers bit-mask match is tested against it.
+  call it; the router's one-walk-for-all-workers bit-mask match is tested against it. Under
+  the chunk rule a match of length L needs the live KV of [floor(L / C)·C, L): a chunk boundary
+  needs none, so a match may end at one inside a tombstone.
 - `prefix_reuse`: what a match lets a request skip once window repair is allowed (architecture §6): a
   path whose full KV is cached but whose window before the end was freed may be resumed by
   recomputing its last R = `window_repair_tokens(...)` tokens (their SWA KV only), where that
@@ -46,20 +54,63 @@ def page_ceil(n: int, page_size: int) -> int:
     return cdiv(n, page_size) * page_size
 
 
-def valid_match_length(runs: Iterable[tuple[int, bool]], sliding_window_size: int) -> int:
+def read_start(position: int, sliding_window_size: int, attention_chunk_size: int | None) -> int:
+    """The first key a local layer's query at `position` reads: `position - W` (at least 0)
+    under a sliding window, the start of its chunk under chunked attention."""
+    if attention_chunk_size:
+        return position // attention_chunk_size * attention_chunk_size
+    return max(0, position - sliding_window_size)
+
+
+def needed_before(end: int, sliding_window_size: int, attention_chunk_size: int | None) -> int:
+    """Live tokens right before `end` that the next token's local layers read: W (fewer near
+    the start) under a window, `end mod C` under chunks (0 at a chunk boundary)."""
+    return end - read_start(end, sliding_window_size, attention_chunk_size)
+
+
+def check_span_rule(
+    sliding_window_size: int, attention_chunk_size: int | None, page_size: int
+) -> None:
+    """Raise ValueError unless a chunked rule is consistent: W = C - 1 and C a multiple of P
+    (chunk boundaries are page boundaries: whole pages are freed and matched)."""
+    c = attention_chunk_size
+    if c is None:
+        return
+    if not isinstance(c, int) or c < 1 or c % page_size:
+        raise ValueError(f"attention_chunk_size={c!r} must be a positive multiple of P={page_size}")
+    if sliding_window_size != c - 1:
+        raise ValueError(
+            f"a chunked rule reads at most C - 1 = {c - 1} keys before a query; "
+            f"got sliding_window_size={sliding_window_size}"
+        )
+
+
+def valid_match_length(
+    runs: Iterable[tuple[int, bool]],
+    sliding_window_size: int,
+    attention_chunk_size: int | None = None,
+) -> int:
     """Longest end of the matched path `runs` ((num_tokens, is_tombstone) in path order) at
-    which a match may stop under the window rule. Ends are only considered at run boundaries:
-    a caller that needs finer ends splits its runs (the radix cache's nodes, the mirror's pages)."""
+    which a match may stop under the span rule. Window rule: ends are only considered at run
+    boundaries (a caller that needs finer ends splits its runs: the radix cache's nodes, the
+    mirror's pages). Chunk rule: also at the chunk boundaries inside a run (they need no live
+    KV); a caller splits its run there."""
     best = 0
     end = 0
     live_run: float = float("inf")  # live tokens since the last tombstone; inf: none yet
+    c = attention_chunk_size
     for num_tokens, tombstone in runs:
         if tombstone:
             live_run = 0
         else:
             live_run += num_tokens
-        end += num_tokens
-        if live_run >= sliding_window_size:
+        start, end = end, end + num_tokens
+        if c:
+            if live_run >= end % c:
+                best = end
+            elif end // c * c > start:  # inside this run, past it nothing is valid
+                best = end // c * c
+        elif live_run >= sliding_window_size:
             best = end
     return best
 
@@ -77,11 +128,19 @@ class PrefixReuse:
         return self.match_len - self.repair_len
 
 
-def window_repair_tokens(num_swa_layers: int, sliding_window_size: int, page_size: int) -> int:
+def window_repair_tokens(
+    num_swa_layers: int,
+    sliding_window_size: int,
+    page_size: int,
+    attention_chunk_size: int | None = None,
+) -> int:
     """R: the receptive field of a window, L_swa · W tokens, page-rounded up. Recomputing the R
     tokens before a match end through all layers (full layers reading their cached KV, SWA
     layers seeing only the recomputed range) makes the SWA KV of the last W of them exact: each
-    SWA layer moves the inexact left edge W tokens to the right."""
+    SWA layer moves the inexact left edge W tokens to the right. 0 under the chunk rule (see
+    `prefix_reuse`: a chunk boundary is always a valid end)."""
+    if attention_chunk_size:
+        return 0
     if num_swa_layers < 0 or sliding_window_size < 0 or page_size < 1:
         raise ValueError(
             f"bad arguments: num_swa_layers={num_swa_layers}, "
@@ -91,7 +150,10 @@ def window_repair_tokens(num_swa_layers: int, sliding_window_size: int, page_siz
 
 
 def prefix_reuse(
-    runs: Iterable[tuple[int, bool]], sliding_window_size: int, repair_tokens: int = 0
+    runs: Iterable[tuple[int, bool]],
+    sliding_window_size: int,
+    repair_tokens: int = 0,
+    attention_chunk_size: int | None = None,
 ) -> PrefixReuse:
     """The best resume point of the matched path `runs` ((num_tokens, is_tombstone) in path
     order; every run has full KV): the plain match under the window rule, or, when
@@ -100,9 +162,14 @@ def prefix_reuse(
 
         # runs [live 40][tomb 200][live 8], W = 32, R = 64
         # plain: 40 (8 live tokens before 248 are not a window)   repaired: 248 - 64 = 184 saved
+
+    Under the chunk rule a repair never pays: recomputing from the last chunk boundary b
+    before the path's end skips b tokens, which the plain match at b skips already.
     """
     runs = list(runs)
-    valid = valid_match_length(runs, sliding_window_size)
+    valid = valid_match_length(runs, sliding_window_size, attention_chunk_size)
+    if attention_chunk_size:
+        return PrefixReuse(valid)
     full = sum(n for n, _ in runs)
     if repair_tokens > 0 and full - repair_tokens > valid:
         return PrefixReuse(full, repair_tokens)

@@ -41,6 +41,7 @@ class Headroom:
     decode_steps_total: int = 0  # ... steps that only decoded ...
     decode_s_total: float = 0.0  # ... and their seconds (a first token waits for one step)
     sliding_window_size: int = 0
+    attention_chunk_size: int = 0  # C of chunked local layers (W = C - 1); 0: a sliding window
     window_repair_tokens: int = 0  # R of a window repair (architecture §6); 0: it does not repair
     page_size: int = 1
     chunked_prefill_size: int = 0

@@ -164,12 +164,15 @@ class ExactCacheView(PageTables):
         token_ids: Sequence[int],
         windows: Mapping[int, int],
         repair_tokens: Mapping[int, int] | None = None,
+        chunk_sizes: Mapping[int, int] | None = None,
     ) -> dict[int, int]:
         """Tokens of `token_ids` (whole pages) that each worker of `windows` (worker -> its W)
-        would skip: `prefix_reuse(runs, W, R).saved_tokens` over the pages it holds in a row
-        from the root, R = `repair_tokens[worker]` (see `cache_view.match_runs`). A query:
-        changes nothing."""
-        return match_runs(self._prompt_runs(token_ids), self.page_size, windows, repair_tokens)
+        would skip: `prefix_reuse(runs, W, R, C).saved_tokens` over the pages it holds in a row
+        from the root, R = `repair_tokens[worker]`, C = `chunk_sizes[worker]` (see
+        `cache_view.match_runs`). A query: changes nothing."""
+        return match_runs(
+            self._prompt_runs(token_ids), self.page_size, windows, repair_tokens, chunk_sizes
+        )
 
     def match_columns(
         self,
@@ -178,11 +181,12 @@ class ExactCacheView(PageTables):
         windows: np.ndarray,
         repairs: np.ndarray,
         keys: list[int] | None = None,
+        chunks: np.ndarray | None = None,
     ) -> np.ndarray:
         """`match` for the workers of the bit mask `members`, by worker (`walk_runs`);
         `keys`: `prompt_keys(token_ids)`, when the caller has them already."""
         runs = self.runs(self.prompt_keys(token_ids) if keys is None else keys)
-        return walk_runs(runs, self.page_size, members, windows, repairs)
+        return walk_runs(runs, self.page_size, members, windows, repairs, chunks=chunks)
 
     def runs(self, keys: list[int]) -> list[tuple[int, int, int]]:
         """(held, tomb, pages) runs of the pages of fingerprints `keys` (a prompt's whole

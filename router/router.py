@@ -368,7 +368,9 @@ class Router:
         exact = bits_mask(among & t.kv_events)
         if exact and self._exact is not None:
             runs = self._exact.runs(keys)
-            hits = walk_runs(runs, self._exact.page_size, exact, t.window, t.repair)
+            hits = walk_runs(
+                runs, self._exact.page_size, exact, t.window, t.repair, chunks=t.span_chunk
+            )
             if self._inflight is not None and len(self._inflight):
                 flying = self._inflight.match_columns(keys, exact, t.capacity)
                 if flying.any():

@@ -13,6 +13,10 @@ A worker that repairs windows (R > 0) may instead resume at the end of all the p
 in a row, F, recomputing the last R: it skips max(valid, F - R). Cut the prompt above at 8
 with R = 2 and it skips 6 instead of 4.
 
+A worker with chunked local layers (C > 0, W = C - 1) matches by the chunk rule instead: an end
+needs live KV only back to its chunk's start, none at a chunk boundary
+(`kv_rules.valid_match_length`); the walk answers those workers one by one over their own runs.
+
 A prompt routed to a worker whose report does not show it cached yet extends that worker's
 run (`inflight_extends`): the pages past its view's run are new KV, live once the prefill ends.
 """
@@ -23,20 +27,28 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from swaserve.proto.kv_rules import valid_match_length
+
 
 def match_runs(
     runs: Iterable[tuple[int, int, int]],
     page_size: int,
     windows: Mapping[int, int],
     repair_tokens: Mapping[int, int] | None = None,
+    chunk_sizes: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
     """Tokens that each worker of `windows` (worker -> its W) would skip, given `runs`: the
     (held, tomb, pages) of a prompt's whole pages from the root, as far as any worker holds
     them, pages in a row with equal masks as one run. `prefix_reuse(runs, W, R).saved_tokens`
     over the pages each worker holds in a row, R = `repair_tokens[worker]` (absent or 0: the
-    worker does not repair). `walk_runs` over the workers as columns."""
+    worker does not repair); `chunk_sizes[worker]` its C when its local layers are chunked.
+    `walk_runs` over the workers as columns."""
     members, w, r = worker_columns(windows, repair_tokens)
-    best = walk_runs(runs, page_size, members, w, r)
+    chunks = np.zeros(len(w), np.int64)
+    for k, c in (chunk_sizes or {}).items():
+        if k in windows:
+            chunks[k] = c
+    best = walk_runs(list(runs), page_size, members, w, r, chunks=chunks)
     return {k: int(best[k]) for k in windows}
 
 
@@ -62,6 +74,8 @@ def walk_runs(
     members: int,
     windows: np.ndarray,
     repairs: np.ndarray,
+    *,
+    chunks: np.ndarray | None = None,
 ) -> np.ndarray:
     """`match_runs` for the workers of the bit mask `members`, with their W and R (> 0: it
     repairs) in int64 arrays indexed by worker (`members` < 2^len); returns the tokens each
@@ -78,7 +92,14 @@ def walk_runs(
     workers change at once.
     """
     p = page_size
+    chunked = members & bits_mask(chunks > 0) if chunks is not None else 0
     best = np.zeros(len(windows), np.int64)
+    if chunked:
+        assert chunks is not None
+        runs = list(runs)
+        members &= ~chunked
+        for k in mask_bits(chunked).tolist():
+            best[k] = _chunk_walk(runs, p, k, int(chunks[k]))
     alive = members
     tombs_matter = members & bits_mask(windows > 0)  # with W = 0 every end is valid
     repairing = members & bits_mask(repairs > 0)
@@ -123,6 +144,17 @@ def walk_runs(
     if alive & repairing & ~ok:
         _repair(best, alive & repairing & ~ok, end, repairs)
     return best
+
+
+def _chunk_walk(runs: list[tuple[int, int, int]], page_size: int, worker: int, chunk: int) -> int:
+    """The match of one worker with chunked local layers: its held run of pages under the
+    chunk rule (`kv_rules.valid_match_length`)."""
+    bit, own = 1 << worker, []
+    for held, tomb, pages in runs:
+        if not held & bit:
+            break
+        own.append((page_size * pages, bool(tomb & bit)))
+    return valid_match_length(own, chunk - 1, chunk)
 
 
 def held_tokens(

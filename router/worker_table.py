@@ -50,6 +50,7 @@ _COLUMNS: tuple[tuple[str, type, object], ...] = (
     ("hybrid", np.bool_, False),
     ("window", np.int64, 0),  # W
     ("repair", np.int64, 0),  # R (0: it does not repair)
+    ("span_chunk", np.int64, 0),  # C of chunked local layers (0: a sliding window)
     ("page", np.int64, 1),  # P
     ("chunk", np.int64, NO_CHUNK),
     ("full_budget", np.int64, 0),  # `WorkerState.budgets()`
@@ -78,6 +79,7 @@ class WorkerTable:
     hybrid: np.ndarray
     window: np.ndarray
     repair: np.ndarray
+    span_chunk: np.ndarray
     page: np.ndarray
     chunk: np.ndarray
     full_budget: np.ndarray
@@ -256,6 +258,7 @@ def _reported(state: WorkerState) -> dict[str, object]:
             hybrid=h.hybrid,
             window=h.sliding_window_size,
             repair=max(0, h.window_repair_tokens),
+            span_chunk=max(0, h.attention_chunk_size),
             page=h.page_size,
             chunk=h.chunked_prefill_size or NO_CHUNK,
             full_free=h.full_free_tokens,

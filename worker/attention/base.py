@@ -38,6 +38,8 @@ class AttentionLayer:
     v_head_dim: int  # Dv
     scaling: float  # softmax scale, usually Dk ** -0.5
     sliding_window_size: int | None = None  # W for SWA layers, None for full layers
+    # C of a chunked local layer (then W = C - 1): a query at p sees [floor(p / C)·C, p]
+    attention_chunk_size: int | None = None
 
     @property
     def is_swa(self) -> bool:

@@ -217,6 +217,7 @@ class FlashAttentionBackend(AttentionBackend):
         sliding_window_size: int | None = None,
         *,
         kernel: Callable[..., Any] | None = None,  # None: vllm-flash-attn, imported on first use
+        attention_chunk_size: int | None = None,  # chunked SWA layers (W = C - 1)
     ) -> None:
         dtype = _kv_dtype(kv_pool)
         if kernel is None and dtype not in FLASH_DTYPES:
@@ -226,6 +227,7 @@ class FlashAttentionBackend(AttentionBackend):
             )
         self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
+        self.attention_chunk_size = attention_chunk_size
         self._kernel = None if kernel is None else adapt_varlen(kernel)
         self.page_size = kv_pool.page_size
         self._paged = self._paged_views() if self.page_size % BLOCK_TOKENS == 0 else None
@@ -257,6 +259,7 @@ class FlashAttentionBackend(AttentionBackend):
             self.sliding_window_size,
             two_pools=isinstance(self.kv_pool, SWAKVPool),
             decode_table=False,
+            attention_chunk_size=self.attention_chunk_size,
         )
         ext = [s - p for p, s in zip(base.prefix_lens, base.seq_lens, strict=True)]
         batch.attn_metadata = FlashMetadata(

@@ -7,6 +7,9 @@ For request i, with new tokens at positions `[prefix_i, seq_i)` and slot-table r
     #                                                              swa_floor_i)
     #   two pools:   SWA ids:  slot_table.swa[row_i] (translated by rank 0), window only
     #   single pool: full ids of the same range (the window mask still applies)
+    # chunked SWA layers (`attention_chunk_size` C, W = C - 1): kv_start_i = floor(prefix_i / C)·C;
+    #   an extend never crosses a multiple of C (the scheduler cuts it there), so every query of
+    #   it reads its own chunk and the window mask of C - 1 hides nothing inside the read range
 
 Key j of a request's read range sits at position `kv_start_i + j`; new token r of the request at
 position `prefix_i + r`.
@@ -180,6 +183,7 @@ def build_attention_metadata(
     two_pools: bool,
     check_swa_reads: bool | None = None,
     decode_table: bool = True,
+    attention_chunk_size: int | None = None,
 ) -> AttentionMetadata:
     """Turn the batch's slot-table rows into each layer kind's reads (see the module docstring).
 
@@ -187,7 +191,8 @@ def build_attention_metadata(
     says whether SWA layers read the SWA table. `check_swa_reads` (default: on CPU, where it costs
     no device sync) raises `MissingSWAKV` when a position an SWA window needs has no SWA slot.
     `decode_table`: also gather the padded decode table (`KVReads.decode_slots`; the torch
-    backend reads it, a paged kernel does not).
+    backend reads it, a paged kernel does not). `attention_chunk_size`: the SWA layers are
+    chunked (raises ValueError for an extend that crosses a chunk boundary).
     """
     if sliding_window_size is not None and sliding_window_size < 0:
         raise ValueError(f"sliding_window_size must be >= 0, got {sliding_window_size}")
@@ -204,7 +209,17 @@ def build_attention_metadata(
     ends = np.cumsum(extend)  # [B] int64
     decode_ids = np.flatnonzero(extend == 1)  # [Bd] int64
     swa_starts = np.zeros_like(seq)  # [B] int64
-    if sliding_window_size is not None:
+    if sliding_window_size is not None and attention_chunk_size:
+        c = attention_chunk_size
+        swa_starts = prefix // c * c
+        crossing = np.flatnonzero((seq > prefix) & ((seq - 1) // c * c != swa_starts))
+        if crossing.size:
+            i = int(crossing[0])
+            raise ValueError(
+                f"request {i}: the extend [{prefix[i]}, {seq[i]}) crosses a multiple of the "
+                f"attention chunk C={c}; chunked layers read one chunk per extend"
+            )
+    elif sliding_window_size is not None:
         swa_starts = np.maximum(prefix - sliding_window_size, 0)
         if batch.swa_floor is not None:  # a window repair sees nothing before its start
             swa_starts = np.maximum(swa_starts, batch.swa_floor.numpy())

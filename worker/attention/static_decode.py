@@ -10,6 +10,7 @@ For decode row b (its new token at position p_b, slot-table row r_b):
 
     # full layers read positions [0, p_b]              slot_table.full[r_b], padded to Lf
     # SWA layers read positions  [max(0, p_b - W), p_b] the SWA (or single-pool) row, W + 1 wide
+    #   (chunked layers, W = C - 1: [floor(p_b / C)·C, p_b], C wide)
 
 A padded column repeats the row's newest position (the token just written, always live) and is
 masked with -inf; a padded request (b >= B) reads row 0 at position 0 and writes its K/V into the
@@ -120,6 +121,7 @@ def decode_metadata(
     out_swa_loc: torch.Tensor | None,  # [Bp] int64 (two pools)
     full_cols: torch.Tensor,  # [Lf] int64, Lf >= every positions_b + 1
     sliding_window_size: int | None,
+    attention_chunk_size: int | None = None,
 ) -> DecodeMetadata:
     """The step's metadata from its fixed-shape inputs, on the device (see the module docstring)."""
     ends = positions + 1  # [Bp] int64
@@ -128,7 +130,11 @@ def decode_metadata(
     if sliding_window_size is not None:
         assert swa_table is not None
         window = sliding_window_size
-        starts = torch.clamp(positions - window, min=0)  # [Bp] int64
+        if attention_chunk_size:
+            starts = torch.div(positions, attention_chunk_size, rounding_mode="floor")
+            starts = starts * attention_chunk_size  # [Bp] int64
+        else:
+            starts = torch.clamp(positions - window, min=0)  # [Bp] int64
         cols = torch.arange(window + 1, dtype=torch.int64, device=full_cols.device)  # [W + 1]
         swa = padded_reads(swa_table, rows, starts, ends, cols)
     return DecodeMetadata(out_full_loc, out_swa_loc, full, swa, sliding_window_size, positions)

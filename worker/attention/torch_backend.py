@@ -34,18 +34,29 @@ class TorchAttentionBackend(AttentionBackend):
     """Attention in plain torch over the worker's KV memory (one pool or two).
 
     `kv_pool` is this rank's KV buffers (one pool or two); `sliding_window_size` is the model's W
-    (None when it has no SWA layers); every SWA layer must use it.
+    (None when it has no SWA layers); every SWA layer must use it. `attention_chunk_size` C:
+    the SWA layers are chunked (Llama 4: W = C - 1, reads start at the query's chunk).
     """
 
     name = "torch"
 
-    def __init__(self, kv_pool: SWAKVPool | KVPool, sliding_window_size: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_pool: SWAKVPool | KVPool,
+        sliding_window_size: int | None = None,
+        *,
+        attention_chunk_size: int | None = None,
+    ) -> None:
         self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
+        self.attention_chunk_size = attention_chunk_size
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = build_attention_metadata(
-            batch, self.sliding_window_size, two_pools=isinstance(self.kv_pool, SWAKVPool)
+            batch,
+            self.sliding_window_size,
+            two_pools=isinstance(self.kv_pool, SWAKVPool),
+            attention_chunk_size=self.attention_chunk_size,
         )
 
     def forward(

@@ -37,6 +37,7 @@ class ModelShape(Protocol):
     """What the host side needs to know of the model (`models.ModelConfig` provides it)."""
 
     sliding_window_size: int
+    attention_chunk_size: int | None  # C of chunked local layers (then W = C - 1)
     swa_layer_ids: Sequence[int]
     full_layer_ids: Sequence[int]
     max_position_embeddings: int
@@ -102,6 +103,7 @@ class HostState:
             decode_steps_total=self.stats.decode_steps,
             decode_s_total=self.stats.decode_s,
             sliding_window_size=self.window or 0,
+            attention_chunk_size=(self.tree.attention_chunk_size or 0) if self.tree else 0,
             page_size=self.plan.page_size,
             chunked_prefill_size=self.scheduler.limits.chunked_prefill_size or 0,
             hybrid=self.hybrid,
@@ -121,17 +123,18 @@ def build_host_state(
     allocator = build_kv_allocator(plan)  # host state: rank 0's, whatever the device
     p = config.page_size
     window = model.sliding_window_size if model.swa_layer_ids else None
+    attn_chunk = model.attention_chunk_size if model.swa_layer_ids else None
     hybrid = is_hybrid(allocator, window)
     repairs = (
         config.enable_prefix_cache and config.enable_window_repair and bool(model.full_layer_ids)
     )
     repair = (
-        window_repair_tokens(len(model.swa_layer_ids), window, p)
+        window_repair_tokens(len(model.swa_layer_ids), window, p, attn_chunk)
         if repairs and hybrid and window
         else 0
     )
     stats = EngineStats()
-    tree = _prefix_cache(config, model, allocator, window, hybrid, repair)
+    tree = _prefix_cache(config, model, allocator, window, hybrid, repair, attn_chunk)
     max_model_len = min(
         config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
     )
@@ -145,6 +148,7 @@ def build_host_state(
         page_size=p,
         sliding_window_size=window,
         window_repair_tokens=repair,
+        attention_chunk_size=attn_chunk,
         stats=stats,
     )
     chunk = _chunk_size(config, plan, window, hybrid)
@@ -164,6 +168,7 @@ def build_host_state(
         max_model_len=max_model_len,
         swa_eviction_interval=config.swa_eviction_interval,
         sliding_window_size=window,
+        attention_chunk_size=attn_chunk,
         schedule_policy=config.schedule_policy,
         schedule_conservativeness=config.schedule_conservativeness,
     )
@@ -191,9 +196,11 @@ def _prefix_cache(
     window: int | None,
     hybrid: bool,
     repair: int,
+    attn_chunk: int | None,
 ) -> SWARadixCache | None:
     """The prefix cache (none when disabled): pure-SWA models get `PureSWARadixCache`; a
-    single pool keeps every token, so its window is 1 (no tombstone ever ends a match)."""
+    single pool keeps every token, so its window is 1 (no tombstone ever ends a match) and it
+    has no chunk rule."""
     if not config.enable_prefix_cache:
         return None
     cls = PureSWARadixCache if hybrid and not model.full_layer_ids else SWARadixCache
@@ -204,6 +211,7 @@ def _prefix_cache(
         config.page_size,
         window_repair_tokens=repair,
         checkpoint_slack_tokens=config.window_checkpoint_slack_tokens if hybrid and window else 0,
+        attention_chunk_size=attn_chunk if hybrid and window else None,
     )
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swaserve.proto.kv_rules import cdiv, page_floor
+from swaserve.proto.kv_rules import cdiv, page_floor, read_start
 from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.request import Request
 from swaserve.worker.engine.stats import EngineStats
@@ -84,6 +84,7 @@ class KVCacheManager:
         page_size: int,
         sliding_window_size: int | None,
         window_repair_tokens: int = 0,
+        attention_chunk_size: int | None = None,
         stats: EngineStats,
     ) -> None:
         self.allocator = allocator
@@ -91,6 +92,7 @@ class KVCacheManager:
         self.slot_table = slot_table
         self.page_size = page_size
         self.sliding_window_size = sliding_window_size
+        self.attention_chunk_size = attention_chunk_size  # C: chunked local layers (Llama 4)
         self.stats = stats
         self.hybrid = is_hybrid(allocator, sliding_window_size)
         # Admission may take a repaired match when the engine repairs windows (R > 0: decided
@@ -208,7 +210,7 @@ class KVCacheManager:
         """Free the out-of-window SWA slots of `reqs` — a decoding request's once at least
         `decode_interval` are due, a prefilling one's all — in one allocator call, and release
         the tree's SWA lock of each whose window has moved past its cached prefix."""
-        w = self.sliding_window_size
+        w, c = self.sliding_window_size, self.attention_chunk_size
         if not self.hybrid or w is None:
             return
         assert isinstance(self.allocator, SWATokenAllocator)
@@ -229,21 +231,21 @@ class KVCacheManager:
                 page_size=self.page_size,
                 radix_cache=radix,
                 min_free_tokens=interval,
+                attention_chunk_size=c,
             )
             if due is not None:
                 parts.append(due)
             holds_swa_lock = self.tree is not None and lock is not None and not lock.swa_released
-            if holds_swa_lock and req.num_computed - w >= state.cache_protected_len:
+            left = (
+                read_start(req.num_computed, w, c) >= state.cache_protected_len
+                if c
+                else req.num_computed - w >= state.cache_protected_len
+            )
+            if holds_swa_lock and left:
                 assert lock is not None
                 swa_unlocks.append(lock)
                 holds_swa_lock = False
-            # The free boundary never passes num_computed - W, and the SWA lock goes once the
-            # window leaves the cached prefix: nothing is due before the smaller of the two.
-            next_due = max(state.swa_evicted_seqlen, state.cache_protected_len)
-            next_due += max(interval, 1) + w
-            if holds_swa_lock:
-                next_due = min(next_due, state.cache_protected_len + w)
-            state.next_check_len = next_due
+            state.next_check_len = self._next_due(state, interval, holds_swa_lock)
         if swa_unlocks:
             assert self.tree is not None
             self.tree.release_requests_swa(swa_unlocks)
@@ -251,6 +253,22 @@ class KVCacheManager:
             freed = np.concatenate(parts)  # [n] int64, a copy of the rows' slots
             self.allocator.free_swa(torch.from_numpy(freed))
             self.stats.swa_freed_tokens += len(freed)
+
+    def _next_due(self, state: SWAFreeState, interval: int, holds_swa_lock: bool) -> int:
+        """The computed length before which nothing of a request is due: the free boundary
+        never passes num_computed - W (under chunks: its chunk start), and the SWA lock goes
+        once the window (chunk) leaves the cached prefix; the smaller of the two."""
+        w, c = self.sliding_window_size or 0, self.attention_chunk_size
+        start = max(state.swa_evicted_seqlen, state.cache_protected_len)
+        if c:
+            next_due = cdiv(start + max(interval, 1), c) * c
+            if holds_swa_lock:
+                next_due = min(next_due, cdiv(state.cache_protected_len, c) * c)
+            return next_due
+        next_due = start + max(interval, 1) + w
+        if holds_swa_lock:
+            next_due = min(next_due, state.cache_protected_len + w)
+        return next_due
 
     # ---- caching and release -------------------------------------------------------------
     def cache_unfinished(self, req: Request) -> None:

@@ -106,6 +106,7 @@ class SchedulerLimits:
     max_model_len: int
     swa_eviction_interval: int
     sliding_window_size: int | None  # None: the model has no SWA layers
+    attention_chunk_size: int | None = None  # C: an extend never crosses a multiple of C
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0  # scales the new-token ratio; < 1 admits more
 
@@ -380,6 +381,8 @@ class Scheduler:
     def _prefill_len(self, req: Request, budget: int, first: bool) -> int:
         """Tokens of `req` to compute this step within `budget` (0 = wait)."""
         pending = req.pending_tokens
+        if c := self.limits.attention_chunk_size:  # the kernels read one chunk per extend
+            pending = min(pending, (req.num_computed // c + 1) * c - req.num_computed)
         if self.limits.chunked_prefill_size is None:
             return pending if pending <= budget or first else 0
         if budget <= 0:

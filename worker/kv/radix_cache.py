@@ -30,6 +30,12 @@ Window repair (`match_prefix(key, allow_repair=True)`, R = `window_repair_tokens
 full KV is cached but that has no live window before its end may be resumed by recomputing the
 SWA KV of its last R tokens, where that saves more than the plain match (`prefix_reuse`).
 
+Chunked attention (`attention_chunk_size` C, Llama 4): a match of length L needs the live KV of
+[floor(L / C)·C, L) only, so a chunk boundary is a valid end even inside a tombstone (the walk
+splits the node there); a lock holds SWA KV back to the chunk start of its end; a checkpoint
+keeps what the resumes within S + P tokens of its end read (at most C + S + P); repair is off
+(a chunk boundary is always as good, `prefix_reuse`).
+
 Frees are batched: every public mutating method gives slots back to the allocator once, at
 its end.
 """
@@ -41,7 +47,13 @@ import itertools
 import torch
 
 from swaserve.proto.kv_events import KVCleared, KVRevived, KVTombstoned
-from swaserve.proto.kv_rules import page_ceil, prefix_reuse
+from swaserve.proto.kv_rules import (
+    check_span_rule,
+    needed_before,
+    page_ceil,
+    prefix_reuse,
+    read_start,
+)
 from swaserve.worker.kv.allocator import SWATokenAllocator
 from swaserve.worker.kv.radix_node import LockHandle, MatchResult, PrefixLock, RadixNode, RadixTree
 from swaserve.worker.kv.swa_freeing import SWAFreeState
@@ -66,6 +78,7 @@ class SWARadixCache(RadixTree):
         enable_kv_events: bool = True,
         window_repair_tokens: int = 0,
         checkpoint_slack_tokens: int = 0,
+        attention_chunk_size: int | None = None,
     ) -> None:
         if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
             raise ValueError(
@@ -76,11 +89,16 @@ class SWARadixCache(RadixTree):
                 f"window_repair_tokens={window_repair_tokens} is not a non-negative multiple "
                 f"of P={page_size}"
             )
+        check_span_rule(sliding_window_size, attention_chunk_size, page_size)
         super().__init__(allocator, page_size, enable_kv_events=enable_kv_events)
         self.sliding_window_size = sliding_window_size
-        self.window_repair_tokens = 0 if self.hollow_tombstones else window_repair_tokens
+        self.attention_chunk_size = attention_chunk_size
+        self.window_repair_tokens = (
+            0 if self.hollow_tombstones or attention_chunk_size else window_repair_tokens
+        )
         if checkpoint_slack_tokens < 0:
             raise ValueError(f"checkpoint_slack_tokens={checkpoint_slack_tokens} is negative")
+        self.checkpoint_slack_tokens = checkpoint_slack_tokens
         self.checkpoint_tokens = (
             page_ceil(sliding_window_size + checkpoint_slack_tokens, page_size) + page_size
         )
@@ -201,8 +219,12 @@ class SWARadixCache(RadixTree):
 
     def inc_lock_ref(self, node: RadixNode) -> LockHandle:
         """Lock full KV from `node` to the root and SWA KV from `node` up to the node that
-        completes W tokens (or the first tombstone). Pass the handle to `dec_lock_ref`."""
-        swa_open, swa_tokens, top = True, 0, None
+        completes W tokens (under chunks: reaches the chunk start of `node`'s end), or the
+        first tombstone. Pass the handle to `dec_lock_ref`."""
+        need = self.sliding_window_size
+        if self.attention_chunk_size:
+            need = needed_before(self._end_of(node), need, self.attention_chunk_size)
+        swa_open, swa_tokens, top = need > 0, 0, None
         for x in self._up(node):
             if x.full_lock == 0:
                 self._full_evictable -= x.full_slots
@@ -216,7 +238,7 @@ class SWARadixCache(RadixTree):
                     self._swa_protected += len(x.key)
                 x.swa_lock += 1
                 top, swa_tokens = x, swa_tokens + len(x.key)
-                swa_open = swa_tokens < self.sliding_window_size
+                swa_open = swa_tokens < need
         if top is None or swa_open:
             return LockHandle(holds_swa=top is not None, swa_lock_id=None)
         if top.lock_id is None:
@@ -264,16 +286,31 @@ class SWARadixCache(RadixTree):
                 break
         if not handle.holds_swa or node.parent is None or node.tombstone:
             return
-        keep = self.checkpoint_tokens
+        keep = self._checkpoint_len(node)
         if not node.children and node.swa_lock == 0 and len(node.key) > keep:
             self._tombstone(self._split(node, len(node.key) - keep))  # the interior
         self._keep_window(node)
+
+    def _end_of(self, node: RadixNode) -> int:
+        """The position where `node`'s run ends (its depth in tokens)."""
+        return sum(len(x.key) for x in self._up(node))
+
+    def _checkpoint_len(self, end: RadixNode) -> int:
+        """Tokens before `end`'s end a window checkpoint keeps: `checkpoint_tokens` under a
+        window; under chunks what the resumes at most S + P tokens before the end read."""
+        if not self.attention_chunk_size:
+            return self.checkpoint_tokens
+        at = self._end_of(end)
+        earliest = max(
+            0, at - page_ceil(self.checkpoint_slack_tokens, self.page_size) - self.page_size
+        )
+        return at - read_start(earliest, self.sliding_window_size, self.attention_chunk_size)
 
     def _keep_window(self, end: RadixNode) -> None:
         """Mark the live nodes of the last `checkpoint_tokens` before `end`'s end as window
         checkpoints (splitting the topmost at the boundary); stops at a tombstone. Newly
         marked nodes join the checkpoint LRU parents first, as `_touch` orders them."""
-        need, x, marked = self.checkpoint_tokens, end, []
+        need, x, marked = self._checkpoint_len(end), end, []
         while need > 0 and x.parent is not None and not x.tombstone:
             if not x.checkpoint:
                 if len(x.key) > need:
@@ -377,10 +414,15 @@ class SWARadixCache(RadixTree):
             [(len(c.key), c.tombstone) for c in path],
             self.sliding_window_size,
             self.window_repair_tokens if allow_repair else 0,
+            self.attention_chunk_size,
         )
         num_used, end = 0, 0
         while num_used < len(path) and end + len(path[num_used].key) <= reuse.match_len:
             end += len(path[num_used].key)
+            num_used += 1
+        if end < reuse.match_len:  # a chunk boundary inside the next node: end the match there
+            upper = self._split(path[num_used], reuse.match_len - end)
+            path[num_used : num_used + 1] = [upper, path[num_used]]
             num_used += 1
         return path, num_used, reuse.repair_len
 

@@ -10,7 +10,10 @@ Positions of one request, with `pre_len` tokens already in the KV cache:
 `boundary = floor_P(pre_len - W)` with the chunk cache (no prefix tree), and
 `floor_P(min(pre_len - max(W, P), floor_P(pre_len) - W))` with the radix cache: the tree receives
 the page-aligned prefix `[0, floor_P(pre_len))`, whose end stays matchable only while the W tokens
-before it keep their SWA KV. In both modes it never reaches the page holding token `pre_len - 1`.
+before it keep their SWA KV. Under chunked attention (`attention_chunk_size` C) the next query
+and the tree's end both read only their chunk, so `boundary = floor(pre_len / C)·C` in both
+modes: a request gives back its whole previous chunk at each boundary. In every mode it never
+reaches the page holding token `pre_len - 1`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from swaserve.proto.kv_rules import read_start
 from swaserve.worker.kv.allocator import SWATokenAllocator
 
 SlotsT = TypeVar("SlotsT", torch.Tensor, np.ndarray)
@@ -38,7 +42,12 @@ class SWAFreeState:
 
 
 def swa_free_boundary(
-    pre_len: int, *, sliding_window_size: int, page_size: int, radix_cache: bool
+    pre_len: int,
+    *,
+    sliding_window_size: int,
+    page_size: int,
+    radix_cache: bool,
+    attention_chunk_size: int | None = None,
 ) -> int:
     """End (exclusive) of the positions whose SWA KV is out of the window; page-floored."""
     if pre_len < 0 or sliding_window_size < 0 or page_size <= 0:
@@ -46,7 +55,9 @@ def swa_free_boundary(
             f"bad arguments: pre_len={pre_len}, sliding_window_size={sliding_window_size}, "
             f"page_size={page_size}"
         )
-    if radix_cache:
+    if attention_chunk_size:
+        limit = read_start(pre_len, sliding_window_size, attention_chunk_size)
+    elif radix_cache:
         aligned_end = pre_len // page_size * page_size
         limit = min(
             pre_len - max(sliding_window_size, page_size), aligned_end - sliding_window_size
@@ -67,6 +78,7 @@ def free_swa_out_of_window_slots(
     sliding_window_size: int,
     radix_cache: bool,
     min_free_tokens: int = 0,
+    attention_chunk_size: int | None = None,
 ) -> int:
     """Free the SWA slots of positions `[max(swa_evicted_seqlen, cache_protected_len), boundary)`.
 
@@ -82,6 +94,7 @@ def free_swa_out_of_window_slots(
         page_size=allocator.page_size,
         radix_cache=radix_cache,
         min_free_tokens=min_free_tokens,
+        attention_chunk_size=attention_chunk_size,
     )
     if due is None:
         return 0
@@ -98,6 +111,7 @@ def take_out_of_window_range(
     page_size: int,
     radix_cache: bool,
     min_free_tokens: int = 0,
+    attention_chunk_size: int | None = None,
 ) -> SlotsT | None:
     """The full slots whose SWA KV is due to be freed (see `free_swa_out_of_window_slots`), with
     `state.swa_evicted_seqlen` already moved past them; None when nothing is due. The caller
@@ -117,6 +131,7 @@ def take_out_of_window_range(
         sliding_window_size=sliding_window_size,
         page_size=page_size,
         radix_cache=radix_cache,
+        attention_chunk_size=attention_chunk_size,
     )
     if boundary <= start or boundary - start < min_free_tokens:
         state.swa_evicted_seqlen = start

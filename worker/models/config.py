@@ -2,9 +2,12 @@
 and frozen. No transformers import: this reads the JSON the way transformers' `GptOssConfig` /
 `MiMoV2FlashConfig` would and applies the same defaults, so that our model and HF's agree.
 
-Layer kinds: every layer is `"full_attention"` or `"sliding_attention"` (SWA). The two kinds may
-differ in KV heads, head dims, sinks and RoPE (`AttentionKindConfig`); the window W is shared.
-The per-architecture readers of config.json live in `config_parsers.py`.
+Layer kinds: every layer is `"full_attention"` or `"sliding_attention"` (local: SWA). The two
+kinds may differ in KV heads, head dims, sinks and RoPE (`AttentionKindConfig`); the local span
+rule is shared: a sliding window W, or chunked attention with chunk C (`attention_chunk_size`;
+Llama 4's `"chunked_attention"` layers, stored with W = C - 1). `layer_cache_specs()` is the
+per-layer declaration the KV memory is laid out from. The per-architecture readers of
+config.json live in `config_parsers.py`.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ SLIDING_ATTENTION = "sliding_attention"
 GPT_OSS = "GptOssForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
+LLAMA4 = "Llama4ForCausalLM"
 COHERE2 = "Cohere2ForCausalLM"
 OLMO3 = "Olmo3ForCausalLM"
 EXAONE4 = "Exaone4ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2, OLMO3, EXAONE4)
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2, OLMO3, EXAONE4, LLAMA4)
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt_oss": GPT_OSS,
     "mimo_v2_flash": MIMO_V2_FLASH,
@@ -48,6 +52,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "cohere2": COHERE2,
     "olmo3": OLMO3,
     "exaone4": EXAONE4,
+    "llama4_text": LLAMA4,
 }
 
 
@@ -100,6 +105,18 @@ class AttentionKindConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerCacheSpec:
+    """What one layer keeps in the KV cache: `rule` "full" (every token), "window" (the W tokens
+    before each query, `span` = W) or "chunked" (the query's chunk, `span` = C), with the KV
+    shape of one rank."""
+
+    layer_id: int
+    rule: str
+    span: int | None
+    layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Routed experts. GPT-OSS: softmax over the top-k router logits, clamped SwiGLU experts with
     biases. MiMo-V2-Flash: DeepSeek-V3 sigmoid router with grouped top-k, plain SwiGLU experts."""
@@ -113,6 +130,8 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # Llama 4: an always-on shared expert (a dense SwiGLU of this width); 0: none.
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +168,13 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # Logits are multiplied by it (Cohere's logit_scale); None: as they are.
     logit_scale: float | None = None
+    # C of chunked local layers (Llama 4); then sliding_window_size = C - 1. None: a window.
+    attention_chunk_size: int | None = None
+    # NoPE layers scale q by log1p(floor((pos + 1) / floor_scale)) · attn_scale + 1 (Llama 4's
+    # temperature tuning): (floor_scale, attn_scale); None: no scaling.
+    attention_temperature: tuple[float, float] | None = None
+    # q and k of RoPE layers are RMS-normalized per head, without weight, after RoPE (Llama 4).
+    qk_l2_norm_after_rope: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -161,6 +187,26 @@ class ModelConfig:
     @property
     def swa_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION]
+
+    def layer_cache_specs(self, tp_size: int = 1) -> tuple[LayerCacheSpec, ...]:
+        """Per layer, its attention's cache rule and KV shape on one rank of a TP group of
+        `tp_size`: layers with one rule share a pool (the full pool; the local pool)."""
+        out = []
+        for i in range(self.num_layers):
+            kind = self.attention_kind(i)
+            rule = (
+                "full"
+                if not self.is_swa_layer(i)
+                else "chunked"
+                if self.attention_chunk_size
+                else "window"
+            )
+            span = None if rule == "full" else self.attention_chunk_size or self.sliding_window_size
+            heads = num_kv_heads_per_rank(kind.num_kv_heads, tp_size)
+            out.append(
+                LayerCacheSpec(i, rule, span, KVLayout(heads, kind.head_dim, kind.v_head_dim))
+            )
+        return tuple(out)
 
     def is_swa_layer(self, layer_id: int) -> bool:
         return self.layer_types[layer_id] == SLIDING_ATTENTION
@@ -181,6 +227,7 @@ class ModelConfig:
             v_head_dim=kind.v_head_dim,
             scaling=self.attention_scale or kind.head_dim**-0.5,
             sliding_window_size=self.sliding_window_size if self.is_swa_layer(layer_id) else None,
+            attention_chunk_size=self.attention_chunk_size if self.is_swa_layer(layer_id) else None,
         )
 
     def check_tp_size(self, tp_size: int) -> None:
@@ -201,13 +248,18 @@ class ModelConfig:
         heads: an even share, or one replicated head when tp exceeds them), from which that
         rank's KV pools are sized and laid out. Raises `ShardingError` when they do not split."""
 
+        specs = self.layer_cache_specs(tp_size)
+        local = [s for s in specs if s.rule != "full"]
+        if len({(s.rule, s.span, s.layout) for s in local}) > 1:
+            raise ModelConfigError(f"{self.source}: the local layers declare more than one rule")
+
         def layout(kind: AttentionKindConfig) -> KVLayout:
             heads = num_kv_heads_per_rank(kind.num_kv_heads, tp_size)
             return KVLayout(heads, kind.head_dim, kind.v_head_dim)
 
         return KVModelSpec(
-            full_layer_ids=self.full_layer_ids,
-            swa_layer_ids=self.swa_layer_ids,
+            full_layer_ids=[s.layer_id for s in specs if s.rule == "full"],
+            swa_layer_ids=[s.layer_id for s in local],
             full_layout=layout(self.full_attention),
             swa_layout=layout(self.swa_attention),
             sliding_window_size=self.sliding_window_size or 0,

@@ -14,6 +14,7 @@ from swaserve.worker.models.config import (
     FULL_ATTENTION,
     GEMMA3,
     GPT_OSS,
+    LLAMA4,
     MIMO_V2_FLASH,
     OLMO3,
     SLIDING_ATTENTION,
@@ -586,6 +587,105 @@ class Exaone4ConfigParser(DenseConfigParser):
         return [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
 
 
+class Llama4ConfigParser(ConfigParser):
+    """transformers' Llama4TextConfig (or the `text_config` of a Llama4Config): chunked local
+    layers with RoPE (interleaved pairs, float32) and, by `use_qk_norm`, a weightless per-head
+    RMS norm of q and k after it; global layers without position encoding, their queries scaled
+    by the temperature tuning (`attn_temperature_tuning`, `floor_scale`, `attn_scale`). The
+    kinds follow `layer_types` ("chunked_attention" / "full_attention", derived from
+    `no_rope_layers` and `attention_chunk_size` when absent); a RoPE layer must be a chunked
+    one and a NoPE layer a global one. MoE layers (`moe_layers`, else every
+    `interleave_moe_layer_step`-th) route each token to `num_experts_per_tok` of
+    `num_local_experts` SwiGLU experts by a sigmoid of the top logits, plus a shared expert;
+    the other layers have a dense SwiGLU of `intermediate_size_mlp`."""
+
+    architecture = LLAMA4
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        common["max_position_embeddings"] = self.optional_int("max_position_embeddings", 4096 * 32)
+        n = self.required_int("num_hidden_layers")
+        heads = common["num_heads"]
+        head_dim = self.optional_int("head_dim", common["hidden_size"] // heads)
+        kv_heads = self.optional_int("num_key_value_heads", heads)
+        chunk = self.hf.get("attention_chunk_size", 8192)
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
+            raise self.fail(f"attention_chunk_size must be an int >= 1, got {chunk!r}")
+        interval = self.optional_int("no_rope_layer_interval", 4)
+        no_rope = self.hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+        if not isinstance(no_rope, list) or len(no_rope) != n:
+            raise self.fail(f"no_rope_layers must list one flag per layer ({n})")
+        raw_types = self.hf.get("layer_types") or [
+            "chunked_attention" if r and chunk is not None else FULL_ATTENTION for r in no_rope
+        ]
+        if not isinstance(raw_types, list) or len(raw_types) != n:
+            raise self.fail(f"layer_types must list one kind per layer ({n})")
+        types = []
+        for i, (kind, rope_on) in enumerate(zip(raw_types, no_rope, strict=True)):
+            if kind not in ("chunked_attention", FULL_ATTENTION):
+                raise self.fail(f"layer_types entry {kind!r} is not chunked or full attention")
+            if (kind == "chunked_attention") != bool(rope_on):
+                raise self.fail(
+                    f"layer {i} is {kind} with RoPE {'on' if rope_on else 'off'}: swaserve serves "
+                    "Llama 4 with RoPE exactly on its chunked layers"
+                )
+            types.append(SLIDING_ATTENTION if kind == "chunked_attention" else FULL_ATTENTION)
+        chunked = SLIDING_ATTENTION in types
+        if chunked and chunk is None:
+            raise MissingConfigFieldError("attention_chunk_size", self.source, "chunked layers")
+        params = dict(self.hf.get("rope_parameters") or self.hf.get("rope_scaling") or {})
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", self.hf.get("rope_theta", 500_000.0))
+        params["partial_rotary_factor"] = 1.0
+        rope = dataclasses.replace(self.rope(params, head_dim, 1.0), interleaved=True, float32=True)
+        full = AttentionKindConfig(kv_heads, head_dim, head_dim, False, None)
+        local = AttentionKindConfig(kv_heads, head_dim, head_dim, False, rope)
+        self.check_heads(heads, full, "attention")
+        step = self.optional_int("interleave_moe_layer_step", 1)
+        moe_layers = self.hf.get("moe_layers")
+        if moe_layers is None:
+            moe_layers = list(range(step - 1, n, step))
+        if not isinstance(moe_layers, list) or any(
+            not is_int(i) or not 0 <= i < n for i in moe_layers
+        ):
+            raise self.fail(f"moe_layers must list layer ids in [0, {n})")
+        experts = self.optional_int("num_local_experts", 16)
+        top_k = self.optional_int("num_experts_per_tok", 1)
+        if top_k > experts:
+            raise self.fail(f"num_experts_per_tok={top_k} exceeds num_local_experts={experts}")
+        expert_size = self.optional_int("intermediate_size", 8192)
+        act = str(self.hf.get("hidden_act") or "silu")
+        if act != "silu":
+            raise self.fail(f"hidden_act {act!r} is not supported; supported: ('silu',)")
+        bias = bool(self.hf.get("attention_bias", False))
+        temperature = None
+        if self.hf.get("attn_temperature_tuning", True):
+            temperature = (self.number("floor_scale", 8192.0), self.number("attn_scale", 0.1))
+        return ModelConfig(
+            **common,
+            layer_types=tuple(types),
+            mlp_layer_types=tuple("sparse" if i in moe_layers else "dense" for i in range(n)),
+            sliding_window_size=chunk - 1 if chunked else None,
+            attention_chunk_size=chunk if chunked else None,
+            full_attention=full,
+            swa_attention=local,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            attention_value_scale=None,
+            hidden_act=act,
+            intermediate_size=self.optional_int("intermediate_size_mlp", 16384),
+            moe=MoEConfig(
+                experts,
+                top_k,
+                expert_size,
+                norm_topk_prob=False,
+                shared_expert_intermediate_size=expert_size,
+            ),
+            attention_temperature=temperature,
+            qk_l2_norm_after_rope=bool(self.hf.get("use_qk_norm", True)),
+        )
+
+
 PARSERS: dict[str, type[ConfigParser]] = {
     GPT_OSS: GptOssConfigParser,
     MIMO_V2_FLASH: MiMoConfigParser,
@@ -593,4 +693,5 @@ PARSERS: dict[str, type[ConfigParser]] = {
     COHERE2: Cohere2ConfigParser,
     OLMO3: Olmo3ConfigParser,
     EXAONE4: Exaone4ConfigParser,
+    LLAMA4: Llama4ConfigParser,
 }

@@ -166,6 +166,12 @@ class Attention(nn.Module):
         self.k_norm: nn.Module | None = None
         self.norms_whole_projection = False  # q_norm / k_norm take [T, H·Dk] (OLMo)
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
+        # Llama 4: RoPE layers RMS-normalize q and k per head after RoPE, without weight; NoPE
+        # layers scale q by a function of its position (temperature tuning).
+        self.l2_norm_eps = (
+            config.rms_norm_eps if config.qk_l2_norm_after_rope and kind.rope is not None else None
+        )
+        self.temperature = config.attention_temperature if kind.rope is None else None
 
     def fuse_projections(self) -> None:
         """After the load: q/k/v in one weight (`qkv_proj`, one matmul), unless one of them is
@@ -198,9 +204,22 @@ class Attention(nn.Module):
         if cos_sin is not None:
             rotate = apply_rotary_interleaved if self.interleaved_rope else apply_rotary
             q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
+        if self.l2_norm_eps is not None:
+            q, k = l2_norm(q, self.l2_norm_eps), l2_norm(k, self.l2_norm_eps)
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            pos = batch.positions.float()  # [T] float32
+            scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q.float() * scale[:, None, None]).to(q.dtype)
         sinks = None if self.sinks is None else self.sinks.float()  # [H] float32
         out = self.backend.forward(q, k, v, self.layer, batch, sinks=sinks)  # [T, H, Dv]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim without weight, in float32, cast back (Llama 4's qk norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def _scaled(heads: tuple[int, int], head_dim: int) -> tuple[tuple[int, int]]:

@@ -9,6 +9,7 @@ from swaserve.worker.models.config import (
     EXAONE4,
     GEMMA3,
     GPT_OSS,
+    LLAMA4,
     MIMO_V2_FLASH,
     OLMO3,
 )
@@ -16,6 +17,7 @@ from swaserve.worker.models.errors import UnknownArchitectureError
 from swaserve.worker.models.exaone4 import Exaone4ForCausalLM
 from swaserve.worker.models.gemma3 import Gemma3ForCausalLM
 from swaserve.worker.models.gpt_oss import GptOssForCausalLM
+from swaserve.worker.models.llama4 import Llama4ForCausalLM
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from swaserve.worker.models.olmo3 import Olmo3ForCausalLM
 
@@ -26,6 +28,7 @@ MODEL_REGISTRY: dict[str, type[HybridCausalLM]] = {
     COHERE2: Cohere2ForCausalLM,
     OLMO3: Olmo3ForCausalLM,
     EXAONE4: Exaone4ForCausalLM,
+    LLAMA4: Llama4ForCausalLM,
 }
 
 

@@ -40,6 +40,7 @@ from swaserve.worker.models.config import (
     FULL_ATTENTION,
     GEMMA3,
     GPT_OSS,
+    LLAMA4,
     MIMO_V2_FLASH,
     OLMO3,
     SLIDING_ATTENTION,
@@ -59,6 +60,7 @@ ARCHITECTURES = {
     "cohere2": COHERE2,
     "olmo3": OLMO3,
     "exaone4": EXAONE4,
+    "llama4": LLAMA4,
 }
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
@@ -227,6 +229,37 @@ def make_tiny_model(
             },
         }
         del hf["hidden_act"], hf["num_experts_per_tok"]
+    elif arch == "llama4":
+        kinds = layer_types or [
+            SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(num_layers)
+        ]
+        hf = common | {
+            "model_type": "llama4_text",
+            "head_dim": head_dim or head,
+            "attention_chunk_size": sliding_window_size,  # C: the local span of this family
+            "layer_types": [
+                "chunked_attention" if k == SLIDING_ATTENTION else FULL_ATTENTION for k in kinds
+            ],
+            "no_rope_layers": [int(k == SLIDING_ATTENTION) for k in kinds],
+            "moe_layers": list(range(1, num_layers, 2)),  # dense and MoE layers both
+            "num_local_experts": num_experts,
+            "intermediate_size": hidden_size,
+            "intermediate_size_mlp": 2 * hidden_size,
+            "use_qk_norm": True,
+            "attn_temperature_tuning": True,
+            "floor_scale": 4,  # the temperature changes every 4 positions (8192 published)
+            "attn_scale": 0.1,
+            "attention_bias": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+        del hf["sliding_window"]
     elif arch == "exaone4":
         hf = common | {
             "model_type": "exaone4",

@@ -29,6 +29,7 @@ from swaserve.worker.models.config import (
     EXAONE4,
     GEMMA3,
     GPT_OSS,
+    LLAMA4,
     MIMO_V2_FLASH,
     OLMO3,
 )
@@ -147,6 +148,10 @@ OLMO3_WEIGHTS = WeightMap()
 EXAONE4_WEIGHTS = WeightMap()
 """EXAONE 4 checkpoints use the module names as they are."""
 
+LLAMA4_WEIGHTS = WeightMap()
+"""Llama 4 text checkpoints (`Llama4ForCausalLM`) use the module names as they are, experts
+packed (gate_up_proj [E, D, 2I], down_proj [E, I, D])."""
+
 WEIGHT_MAPS: dict[str, WeightMap] = {
     GPT_OSS: GPT_OSS_WEIGHTS,
     MIMO_V2_FLASH: MIMO_V2_FLASH_WEIGHTS,
@@ -154,6 +159,7 @@ WEIGHT_MAPS: dict[str, WeightMap] = {
     COHERE2: COHERE2_WEIGHTS,
     OLMO3: OLMO3_WEIGHTS,
     EXAONE4: EXAONE4_WEIGHTS,
+    LLAMA4: LLAMA4_WEIGHTS,
 }
 
 

@@ -207,6 +207,7 @@ class DecodeStep:
         mode: str,
         graph_factory: Callable[[], Graph] | None = None,
         graph_breaks: bool = False,
+        attention_chunk_size: int | None = None,
     ) -> None:
         """`graph_breaks`: the model's forward breaks the graph (TP collectives run eagerly
         between compiled pieces, see `compile_options`)."""
@@ -220,6 +221,7 @@ class DecodeStep:
         self.model = model
         self.slot_table = slot_table
         self.window = sliding_window_size
+        self.attention_chunk_size = attention_chunk_size
         self.two_pools = two_pools
         self.device = device
         self.mode = mode
@@ -308,6 +310,7 @@ class DecodeStep:
             out_swa_loc=inputs[4] if self.two_pools else None,
             full_cols=cols,
             sliding_window_size=self.window,
+            attention_chunk_size=self.attention_chunk_size,
         )
         return self.model(DecodeBatch(inputs[0], inputs[1], meta)).float()
 

@@ -160,7 +160,11 @@ class ModelRunner:
             rows, max_len, with_swa=not plan.single_pool, device=device
         )
         backend_cls = select_backend(device, self.attention_backend, dtype=dtype)
-        self.backend = backend_cls(self.kv_pool, self.model_config.sliding_window_size)  # type: ignore[call-arg]
+        self.backend = backend_cls(
+            self.kv_pool,
+            self.model_config.sliding_window_size,
+            attention_chunk_size=self.model_config.attention_chunk_size,
+        )
         self.model.bind_backend(self.backend)
         if self.compile_mode is not None:
             self.decode_step = self.make_decode_step(self.compile_mode, self.graph_factory)
@@ -179,6 +183,7 @@ class ModelRunner:
             mode=mode,
             graph_factory=graph_factory,
             graph_breaks=self.tp.world_size > 1,
+            attention_chunk_size=self.model_config.attention_chunk_size,
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

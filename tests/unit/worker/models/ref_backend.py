@@ -60,6 +60,9 @@ class RefBackend(AttentionBackend):
             visible = k_pos <= q_pos
             if layer.sliding_window_size is not None:
                 visible &= k_pos >= q_pos - layer.sliding_window_size
+            if layer.attention_chunk_size:
+                c = layer.attention_chunk_size
+                visible &= k_pos // c == q_pos // c
             logits = logits.masked_fill(~visible, float("-inf"))
             if sinks is not None:
                 sink = sinks.to(logits.dtype)[:, None, None].expand(-1, seq - pre, 1)  # [H, n, 1]

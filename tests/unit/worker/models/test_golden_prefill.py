@@ -85,6 +85,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
     # EXAONE 4: NoPE global layer, per-head q/k norms, post-norm blocks, Llama 3 RoPE.
     "exaone4-w2-lllg": dict(arch="exaone4", num_layers=4, sliding_window_size=2, num_kv_heads=2),
+    # Llama 4: chunks of 4 (the prompt spans several), RoPE + qk L2 norm on chunked layers,
+    # NoPE global layers with temperature, dense and MoE (shared expert, 2 of 4) layers.
+    "llama4-c4-gqa2": dict(arch="llama4", num_layers=4, sliding_window_size=4, num_kv_heads=2),
+    # Llama 4: one expert per token as published, MHA, tied head, chunks of 3.
+    "llama4-c3-top1-tied": dict(
+        arch="llama4",
+        num_layers=3,
+        sliding_window_size=3,
+        num_kv_heads=4,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
     # OLMo 3: post-norm blocks, projection-wide q/k norms, YaRN on the global layer.
     "olmo3-w2-ssf": dict(
         arch="olmo3",
@@ -167,7 +180,7 @@ def test_decode_after_cached_prefix_matches_prefill_logits(tiny) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4"]
+    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4", "llama4"]
 )
 def test_bfloat16_prefill_runs_close_to_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, arch=arch, num_layers=2, sliding_window_size=3, seed=3)

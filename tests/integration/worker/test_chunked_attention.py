@@ -1,0 +1,182 @@
+"""Chunked attention (Llama 4) on two pools, through the real engine: greedy output equals
+transformers' at P = 1 and 4 with prefix hits; the local-layer KV a decoding request holds stays
+within C + I + 2P and drops to the current chunk's share at every chunk boundary; the engine's
+liveness property (every request ends, never a stall) holds on a chunked model; the prefix
+cache's chunk rule resumes at a chunk boundary inside a tombstone."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from test_engine_liveness import FUZZ_SETTINGS, Arrival, arrivals, check_liveness, engine_configs
+
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+C = 8
+MAX_NEW = 3 * C
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama4(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama4", num_layers=4, sliding_window_size=C, seed=5)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    """6 prompts over several chunks; half share a 2.5-chunk system prefix."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 250) for _ in range(5 * C // 2)]
+    out = []
+    for i in range(6):
+        body = [rng.randrange(1, 250) for _ in range(rng.randint(1, 6 * C))]
+        out.append(system + body if i % 2 else body)
+    return out
+
+
+def hf_greedy(model_dir: Path, batch: list[list[int]]) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    outs = []
+    with torch.no_grad():
+        for prompt in batch:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=None,
+            )
+            outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_equals_transformers_with_prefix_hits(llama4: Path, page_size: int) -> None:
+    batch = prompts(1)
+    expected = hf_greedy(llama4, batch)
+    engine = Engine(
+        EngineConfig(
+            model=str(llama4),
+            max_total_tokens=400,
+            swa_full_tokens_ratio=0.3,
+            chunked_prefill_size=12,  # chunks that do not line up with C: the cut is at C
+            page_size=page_size,
+            swa_eviction_interval=4,
+            max_running_requests=3,
+        )
+    )
+    try:
+        assert engine.tree is not None and engine.tree.attention_chunk_size == C
+        first = engine.generate(batch[:2], greedy(MAX_NEW))
+        rest = engine.generate(batch[2:], greedy(MAX_NEW))  # their system prefix is cached
+        engine.check()
+        assert [o.token_ids for o in first + rest] == expected
+        assert engine.stats.cached_tokens >= 2 * (5 * C // 2 // page_size * page_size)
+        assert engine.stats.swa_freed_tokens > 0 and engine.stats.tombstoned_pages > 0
+        assert engine.stats.window_repairs == 0  # a chunk boundary is always as good
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_decoding_request_holds_at_most_c_plus_i_plus_2p(
+    llama4: Path, page_size: int, prefix_cache: bool
+) -> None:
+    """Local-layer (SWA-pool) slots the request's own positions hold after every step: never
+    more than C + I + 2P; once a step crosses a chunk boundary nothing of the chunks before is
+    left but the page at the boundary (the tree's end stays matchable by it)."""
+    p, interval = page_size, 4
+    engine = Engine(
+        EngineConfig(
+            model=str(llama4),
+            max_total_tokens=256,
+            swa_full_tokens_ratio=0.5,
+            page_size=p,
+            swa_eviction_interval=interval,
+            enable_prefix_cache=prefix_cache,
+        )
+    )
+    try:
+        engine.add_request(list(range(1, 12)), greedy(8 * C), request_id="a")
+        held_at: dict[int, int] = {}
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.check()
+            running = engine.scheduler.running
+            if not running:
+                break
+            req = running[0]
+            n = req.num_computed
+            own = req.slots[req.swa.cache_protected_len : n]
+            held_at[n] = int((engine.allocator.translate(own) > 0).sum())
+        assert max(held_at.values()) <= C + interval + 2 * p
+        crossed = [n for n in held_at if n % C == 1 and n > C]
+        assert len(crossed) >= 6
+        for n in crossed:  # the step after a boundary: one page of the chunks before is left
+            assert held_at[n] <= 1 + p, (n, held_at[n])
+        for n, held in held_at.items():  # the current chunk's tokens and that page (I < C)
+            if n > C:
+                assert held <= (n - 1) % C + 1 + p, (n, held)
+    finally:
+        engine.shutdown()
+
+
+def test_a_match_resumes_at_a_chunk_boundary_inside_a_tombstone(llama4: Path) -> None:
+    """A long prompt prefilled through a small local pool leaves its first chunks tombstoned
+    (SWA eviction takes the oldest first). A new prompt that shares it up to C + 3 resumes at
+    the chunk boundary C inside the tombstone (the window rule would resume nowhere: no live
+    window before any end there), and its output is the solo run's."""
+    engine = Engine(
+        EngineConfig(
+            model=str(llama4),
+            max_total_tokens=256,
+            swa_full_tokens_ratio=32.5 / 256,
+            swa_eviction_interval=1,
+            window_checkpoint_slack_tokens=0,
+        )
+    )
+    fork = [*range(1, C + 4), 250, 251, 252]
+    try:
+        assert engine.plan.swa_tokens == 32
+        engine.generate([list(range(1, 6 * C))], greedy(1))
+        assert engine.stats.tombstoned_pages > 0
+        (out,) = engine.generate([fork], greedy(6))
+        assert out.cached_tokens == C
+        engine.check()
+    finally:
+        engine.shutdown()
+    solo = Engine(EngineConfig(model=str(llama4), max_total_tokens=256, enable_prefix_cache=False))
+    try:
+        (alone,) = solo.generate([fork], greedy(6))
+        assert alone.token_ids == out.token_ids
+    finally:
+        solo.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chunked_models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
+    """Llama 4 tiny models by `window` = C - 1 (the liveness fuzz sizes pools by W + P +
+    chunk); C = 4 and 8 as the fuzz's windows."""
+    return {
+        w: tiny_model_factory("llama4", num_layers=4, sliding_window_size=w, seed=3) for w in (4, 8)
+    }
+
+
+@settings(max_examples=12, **FUZZ_SETTINGS)  # type: ignore[arg-type]
+@given(config=engine_configs, plan=arrivals)
+def test_every_request_ends_within_bounded_steps_on_chunked_attention(
+    chunked_models: dict[int, Path], config: dict, plan: list[Arrival]
+) -> None:
+    check_liveness(chunked_models, config, plan)
