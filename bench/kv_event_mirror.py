@@ -62,18 +62,22 @@ class KVEventMirror:
         page_size: int,
         sliding_window_size: int,
         repair_tokens: int = 0,
+        attention_chunk_size: int | None = None,
     ) -> int:
         """Tokens of `token_ids` a worker would skip (`prefix_reuse(...).saved_tokens`): the
         longest cached run of whole pages, cut back to the last end that has
-        `sliding_window_size` live tokens before it (or no tombstone at all before it); with
-        `repair_tokens` R > 0, the whole run less R where that saves more."""
+        `sliding_window_size` live tokens before it (or no tombstone at all before it; under
+        chunks, live tokens back to its chunk's start); with `repair_tokens` R > 0, the whole
+        run less R where that saves more."""
         runs = []
         for h in page_hashes(token_ids, page_size):
             tombstone = self.pages.get(h)
             if tombstone is None:
                 break
             runs.append((page_size, tombstone))
-        return prefix_reuse(runs, sliding_window_size, repair_tokens).saved_tokens
+        return prefix_reuse(
+            runs, sliding_window_size, repair_tokens, attention_chunk_size
+        ).saved_tokens
 
     def _expect(self, hashes: Sequence[int], *, present: bool, what: str) -> None:
         for h in hashes:

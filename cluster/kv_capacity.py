@@ -1,6 +1,6 @@
 """KV capacity report: concurrent requests a KV budget holds with one pool, two pools at r = 0.8,
-and two pools at the auto ratio, against the bound. Used by `bench/kv_capacity.py` and
-`swaserve kv-capacity`."""
+SGLang's treatment of the model (`SGLANG_TREATMENT`), and two pools at the auto ratio, against
+the bound. Used by `bench/kv_capacity.py` and `swaserve kv-capacity`."""
 
 from __future__ import annotations
 
@@ -61,7 +61,69 @@ MODEL_HEADS: dict[str, dict[str, int]] = {
         swa_v_head_dim=128,
         sliding_window_size=1023,
     ),
+    # Llama 4 Scout / Maverick: 48 layers, 3 chunked : 1 global (36 : 12); 8 KV heads of dim
+    # 128; attention_chunk_size 8192: a chunked query reads at most C - 1 keys before it.
+    "llama-4-scout": dict(
+        num_full_layers=12,
+        num_swa_layers=36,
+        full_kv_heads=8,
+        full_head_dim=128,
+        full_v_head_dim=128,
+        swa_kv_heads=8,
+        swa_head_dim=128,
+        swa_v_head_dim=128,
+        sliding_window_size=8191,
+    ),
+    # Command A: 64 layers, 3 sliding : 1 global (48 : 16); 8 KV heads of dim 128; window 4096.
+    "command-a": dict(
+        num_full_layers=16,
+        num_swa_layers=48,
+        full_kv_heads=8,
+        full_head_dim=128,
+        full_v_head_dim=128,
+        swa_kv_heads=8,
+        swa_head_dim=128,
+        swa_v_head_dim=128,
+        sliding_window_size=4095,
+    ),
+    # OLMo 3 32B: 64 layers, 3 sliding : 1 global; 8 KV heads of dim 128; window 4096.
+    "olmo-3-32b": dict(
+        num_full_layers=16,
+        num_swa_layers=48,
+        full_kv_heads=8,
+        full_head_dim=128,
+        full_v_head_dim=128,
+        swa_kv_heads=8,
+        swa_head_dim=128,
+        swa_v_head_dim=128,
+        sliding_window_size=4095,
+    ),
+    # EXAONE 4.0 32B: 64 layers, LLLG (48 local : 16 global); 8 KV heads of dim 128; window 4096.
+    "exaone-4-32b": dict(
+        num_full_layers=16,
+        num_swa_layers=48,
+        full_kv_heads=8,
+        full_head_dim=128,
+        full_v_head_dim=128,
+        swa_kv_heads=8,
+        swa_head_dim=128,
+        swa_v_head_dim=128,
+        sliding_window_size=4095,
+    ),
 }
+
+SGLANG_TREATMENT: dict[str, tuple[str, int]] = {
+    "gpt-oss-120b": ("two pools", 127),
+    "mimo-v2-flash": ("two pools", 128),
+    "gemma-3-27b": ("one pool", 0),  # its Gemma 2 / 3 models force a single pool
+    "llama-4-scout": ("two pools", 8192),  # the chunk read as a sliding window of C
+    "command-a": ("one pool", 0),  # its Cohere2 model has no hybrid path
+    "olmo-3-32b": ("two pools", 4095),  # assumed: its hybrid path (not checked in its code)
+    "exaone-4-32b": ("one pool", 0),  # forced whenever the window pattern is set
+}
+"""How SGLang serves each model's KV: one pool, or two pools at its default ratio 0.8 with the
+window it reads (Llama 4: a window of C, keeping up to C + P tokens no query reads where
+swaserve frees whole chunks at each boundary)."""
 
 
 def model_shapes(tp_size: int = 1) -> dict[str, LayerShape]:
@@ -89,6 +151,7 @@ class CapacityRow:
     auto: int
     auto_ratio: float
     bound: int
+    sglang: int = 0  # SGLang's treatment (`SGLANG_TREATMENT`)
 
     def as_json(self) -> dict:
         return {
@@ -99,6 +162,7 @@ class CapacityRow:
             "auto": self.auto,
             "auto_ratio": round(self.auto_ratio, 6),
             "bound": self.bound,
+            "sglang": self.sglang,
         }
 
 
@@ -132,6 +196,17 @@ def capacity_row(
         swa_eviction_interval=swa_eviction_interval,
     )
     auto = plan_pools(**common, sliding_window_size=w, swa_full_tokens_ratio=r)
+    treatment, anchor_w = SGLANG_TREATMENT.get(model, ("one pool", 0))
+    if treatment == "one pool":
+        sglang = requests_that_fit(single, seq_len, **fit)
+    else:
+        anchor = plan_pools(**common, sliding_window_size=anchor_w, swa_full_tokens_ratio=0.8)
+        sglang = requests_that_fit(
+            anchor,
+            seq_len,
+            sliding_window_size=anchor_w,
+            swa_eviction_interval=swa_eviction_interval,
+        )
     return CapacityRow(
         model=model,
         seq_len=seq_len,
@@ -146,6 +221,7 @@ def capacity_row(
             page_size=page_size,
             swa_eviction_interval=swa_eviction_interval,
         ),
+        sglang=sglang,
     )
 
 
@@ -176,7 +252,8 @@ def format_table(rows: list[CapacityRow], kv_cache_bytes: int) -> str:
     lines = [
         f"KV budget {kv_cache_bytes / 1e9:.0f} GB, bf16; concurrent requests that fit "
         "(fraction of the bound in parentheses)",
-        f"{'model':<15} {'seq_len':>8} {'single pool':>16} {'r=0.8':>16} {'auto (r)':>26} {'bound':>7}",
+        f"{'model':<15} {'seq_len':>8} {'single pool':>16} {'r=0.8':>16} {'sglang':>16} "
+        f"{'auto (r)':>26} {'bound':>7}",
     ]
     for row in rows:
 
@@ -186,13 +263,14 @@ def format_table(rows: list[CapacityRow], kv_cache_bytes: int) -> str:
         auto = f"{cell(row.auto)} r={row.auto_ratio:.4f}"
         lines.append(
             f"{row.model:<15} {row.seq_len:>8} {cell(row.single_pool):>16} {cell(row.ratio_0_8):>16} "
-            f"{auto:>26} {row.bound:>7}"
+            f"{cell(row.sglang):>16} {auto:>26} {row.bound:>7}"
         )
     lines.append("")
     for row in rows:
         lines.append(
             f"{row.model} @ {row.seq_len}: auto / single pool = {row.auto / row.single_pool:.2f}x, "
-            f"r=0.8 / single pool = {row.ratio_0_8 / row.single_pool:.2f}x"
+            f"r=0.8 / single pool = {row.ratio_0_8 / row.single_pool:.2f}x, "
+            f"auto / sglang = {row.auto / max(row.sglang, 1):.2f}x"
         )
     return "\n".join(lines)
 

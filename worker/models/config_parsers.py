@@ -609,8 +609,8 @@ class Llama4ConfigParser(ConfigParser):
         head_dim = self.optional_int("head_dim", common["hidden_size"] // heads)
         kv_heads = self.optional_int("num_key_value_heads", heads)
         chunk = self.hf.get("attention_chunk_size", 8192)
-        if chunk is not None and (not is_int(chunk) or chunk < 1):
-            raise self.fail(f"attention_chunk_size must be an int >= 1, got {chunk!r}")
+        if chunk is not None and (not is_int(chunk) or chunk < 2):
+            raise self.fail(f"attention_chunk_size must be an int >= 2, got {chunk!r}")
         interval = self.optional_int("no_rope_layer_interval", 4)
         no_rope = self.hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
         if not isinstance(no_rope, list) or len(no_rope) != n:

@@ -81,7 +81,8 @@ def tensor_names(path: Path) -> set[str]:
 
 
 @pytest.fixture(
-    scope="module", params=["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4"]
+    scope="module",
+    params=["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4", "llama4"],
 )
 def saved_by_transformers(
     request: pytest.FixtureRequest,
@@ -124,6 +125,10 @@ def test_save_pretrained_writes_the_original_layout(saved_by_transformers: Refer
     elif arch in ("Olmo3ForCausalLM", "Exaone4ForCausalLM"):  # module names as they are
         assert "model.layers.1.self_attn.q_norm.weight" in names
         assert "model.layers.1.post_feedforward_layernorm.weight" in names
+    elif arch == "Llama4ForCausalLM":  # module names as they are, experts packed
+        assert "model.layers.1.feed_forward.experts.gate_up_proj" in names
+        assert "model.layers.1.feed_forward.shared_expert.up_proj.weight" in names
+        assert "model.layers.0.feed_forward.gate_proj.weight" in names  # a dense layer
     elif arch == "Cohere2ForCausalLM":  # module names as they are; the LM head is the embedding
         assert "model.layers.1.input_layernorm.weight" in names
         assert "lm_head.weight" not in names

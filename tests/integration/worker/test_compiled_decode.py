@@ -87,7 +87,7 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4"]
+    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4", "llama4"]
 )
 def test_compiled_decode_equals_transformers_and_eager(
     arch: str, tiny_model_factory: Callable[..., Path]

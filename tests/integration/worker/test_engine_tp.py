@@ -104,6 +104,8 @@ MODELS = {
     # One KV head < tp = 2: k_norm's sum of squares counts the replicated head once.
     "olmo3-kv1": dict(num_layers=4, num_heads=4, num_kv_heads=1),
     "exaone4": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    # Chunked attention, MoE with a shared expert (experts split over their intermediate dim).
+    "llama4": dict(num_layers=4, num_heads=4, num_kv_heads=2),
 }
 
 

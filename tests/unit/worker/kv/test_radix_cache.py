@@ -565,3 +565,75 @@ def test_checkpoints_are_evicted_last_and_lru_among_themselves() -> None:
     assert cache.evict(0, 1) == (8, 5)  # then the LRU checkpoint [23..27], with its tombstone
     assert [n.key[0] for n in cache._nodes()] == [10, 13]
     checked(allocator, cache)
+
+
+# ---- the chunk rule (Llama 4) -----------------------------------------------------------------
+
+
+def make_chunked(chunk: int = 4, page_size: int = 1, slack: int = 0):
+    allocator = SWATokenAllocator(128, 64, page_size=page_size)
+    cache = SWARadixCache(
+        allocator,
+        sliding_window_size=chunk - 1,
+        page_size=page_size,
+        attention_chunk_size=chunk,
+        checkpoint_slack_tokens=slack,
+        window_repair_tokens=8,  # ignored: a chunk boundary is always as good as a repair
+    )
+    return allocator, cache
+
+
+def test_chunk_rule_matches_to_a_boundary_inside_a_tombstone() -> None:
+    allocator, cache = make_chunked(chunk=4)
+    insert_fresh(allocator, cache, list(range(1, 11)), swa_evicted=7)  # [tomb 7][live 3]
+    assert cache.window_repair_tokens == 0
+    # End 10 needs [8, 10) live: yes. End 6 lies in the tombstone: back to the boundary 4,
+    # which splits the tombstone there.
+    assert cache.match_prefix(list(range(1, 11))).indices.numel() == 10
+    match = cache.match_prefix([*range(1, 7), 99], allow_repair=True)
+    assert match.indices.numel() == 4 and match.repair_len == 0
+    assert match.last_node.key == [1, 2, 3, 4] and match.last_node.tombstone
+    checked(allocator, cache)
+    # A window of 3 would find no end at all before 8: the boundary is what the chunk buys.
+    windowed_allocator, windowed = make(window=3)
+    insert_fresh(windowed_allocator, windowed, list(range(1, 11)), swa_evicted=7)
+    assert windowed.match_prefix([*range(1, 7), 99]).indices.numel() == 0
+
+
+def test_chunk_lock_holds_swa_back_to_the_chunk_start_only() -> None:
+    allocator, cache = make_chunked(chunk=4)
+    for n in (3, 6, 9):  # nodes [1..3] [4..6] [7..9]
+        insert_fresh(allocator, cache, list(range(1, n + 1)))
+    leaf = cache.match_prefix(list(range(1, 10))).last_node
+    handle = cache.inc_lock_ref(leaf)  # end 9 reads [8, 9): the node [7..9] only
+    assert sizes(cache) == (0, 9, 6, 3)
+    assert cache.evict(0, 100) == (0, 6)  # everything the lock leaves out is tombstoned
+    assert cache.match_prefix(list(range(1, 10))).indices.numel() == 9
+    cache.dec_lock_ref(leaf, handle)
+    checked(allocator, cache)
+    # At a boundary nothing is needed: the lock takes no SWA at all.
+    boundary_allocator, boundary = make_chunked(chunk=3)
+    insert_fresh(boundary_allocator, boundary, list(range(1, 7)))
+    node = boundary.match_prefix(list(range(1, 7))).last_node
+    held = boundary.inc_lock_ref(node)
+    assert not held.holds_swa and boundary.swa_protected_size() == 0
+    boundary.dec_lock_ref(node, held)
+    boundary.check()
+
+
+@pytest.mark.parametrize(("slack", "kept"), [(0, [9]), (2, [5, 6, 7, 8, 9])])
+def test_a_released_chunk_lock_keeps_what_resumes_near_the_prompt_end_read(
+    slack: int, kept: list[int]
+) -> None:
+    """Prompt [1..9] (positions 0..8) cached, decode moved on: the checkpoint keeps positions
+    [floor((9 - S - P) / C)·C, 9) (S = 0: the resumes at 9 and at the boundary 8 read only
+    position 8; S = 2: those down to 6 read from 4), the rest of the leaf's run is tombstoned."""
+    allocator, cache = make_chunked(chunk=4, slack=slack)
+    insert_fresh(allocator, cache, list(range(1, 10)))
+    tokens = list(range(1, 14))
+    kv, lock, state = start_request(allocator, cache, tokens)
+    cache.release_request_swa(lock)
+    live = [t for n in cache._nodes() if not n.tombstone for t in n.key if t <= 9]
+    assert sorted(live) == kept
+    cache.cache_finished_request(tokens, kv, lock, state)
+    checked(allocator, cache)

@@ -38,15 +38,20 @@ FULL_PAGES, SWA_PAGES = 48, 32
 keys = st.tuples(st.lists(st.integers(0, 1), min_size=2, max_size=7), st.integers(0, 3))
 
 
-def oracle_match_len(pages: dict[int, bool], tokens: list[int], p: int, window: int) -> int:
+def oracle_match_len(
+    pages: dict[int, bool], tokens: list[int], p: int, window: int, chunk: int | None = None
+) -> int:
     """Brute force: cached pages give per-token tombstone flags; the answer is the largest
-    page-aligned end with no tombstone before it or `window` live tokens right before it."""
+    page-aligned end with no tombstone before it or `window` live tokens right before it
+    (chunk rule: no tombstone from its chunk's start to it)."""
     flags: list[bool] = []
     for h in page_hashes(tokens, p):
         if h not in pages:
             break
         flags += [pages[h]] * p
     ends = range(0, len(flags) + 1, p)
+    if chunk:
+        return max(e for e in ends if not any(flags[e // chunk * chunk : e]))
     return max(
         e for e in ends if not any(flags[:e]) or (e >= window and not any(flags[e - window : e]))
     )
@@ -87,8 +92,16 @@ class RadixCacheMachine(RuleBasedStateMachine):
         window=st.sampled_from([1, 4, 8]),
         pure=st.booleans(),
         repair_pages=st.sampled_from([0, 1, 3]),
+        chunk_pages=st.sampled_from([0, 0, 1, 2, 3]),
     )
-    def setup(self, page_size: int, window: int, pure: bool, repair_pages: int) -> None:
+    def setup(
+        self, page_size: int, window: int, pure: bool, repair_pages: int, chunk_pages: int
+    ) -> None:
+        # chunk_pages > 0: the chunk rule with C = chunk_pages · max(P, 2) (W = C - 1), else
+        # the window.
+        self.chunk = chunk_pages * max(page_size, 2) or None
+        if self.chunk:
+            window = self.chunk - 1
         self.p, self.w = page_size, window
         self.alloc = SWATokenAllocator(
             FULL_PAGES * page_size, SWA_PAGES * page_size, page_size=page_size
@@ -99,6 +112,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             sliding_window_size=window,
             page_size=page_size,
             window_repair_tokens=repair_pages * page_size,
+            attention_chunk_size=self.chunk,
         )
         self.repair = self.cache.window_repair_tokens
 
@@ -121,8 +135,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self, tokens: list[int], allow_repair: bool = False
     ) -> tuple[torch.Tensor, RadixNode, int]:
         self.sync_mirror()
-        expected = oracle_match_len(self.mirror.pages, tokens, self.p, self.w)
-        assert self.mirror.match_length(tokens, self.p, self.w) == expected
+        expected = oracle_match_len(self.mirror.pages, tokens, self.p, self.w, self.chunk)
+        assert self.mirror.match_length(tokens, self.p, self.w, 0, self.chunk) == expected
         result = self.cache.match_prefix(tokens, allow_repair=allow_repair)
         cached = 0  # pages the tree holds along `tokens`, tombstones included
         for h in page_hashes(tokens, self.p):
@@ -165,7 +179,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
             return
         if data.draw(st.booleans()):  # what decode would have freed by now
             swa_evicted = swa_free_boundary(
-                n, sliding_window_size=self.w, page_size=self.p, radix_cache=True
+                n,
+                sliding_window_size=self.w,
+                page_size=self.p,
+                radix_cache=True,
+                attention_chunk_size=self.chunk,
             )
         else:  # anything that leaves the last page live
             swa_evicted = data.draw(st.integers(0, max(0, n // self.p - 1))) * self.p
@@ -200,6 +218,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             len(req.tokens),
             sliding_window_size=self.w,
             radix_cache=True,
+            attention_chunk_size=self.chunk,
         )
 
     @precondition(lambda self: self.requests)
