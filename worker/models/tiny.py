@@ -13,8 +13,9 @@ arguments give the same bytes. Every checkpoint layout the loader reads can be w
   the published checkpoints) or "fp8" (projection weights as float8_e4m3fn with block scales,
   DeepSeek / MiMo-V2-Flash style; `modules_to_not_convert` stay float).
 
-Used by tests, benches and the demo; `swaserve make-tiny-model DIR --arch gpt-oss|mimo-v2-flash
-[--format hf|original] [--quantization none|mxfp4|fp8]` runs it from the command line.
+Used by tests, benches and the demo; `swaserve make-tiny-model DIR --arch gpt-oss|mimo-v2-flash|
+gemma3|cohere2|olmo3|exaone4|llama4 [--format hf|original] [--quantization none|mxfp4|fp8]` runs
+it from the command line. For llama4 the window argument is the chunk C (`attention_chunk_size`).
 """
 
 from __future__ import annotations
