@@ -112,7 +112,10 @@ class Engine:
         self._broken: str | None = None  # why the TP group can no longer run
         translate = self.kv.translate if self.hybrid else None
         executor.warm_up_decode_step(two_pools=not self.plan.single_pool, window=self.window)
-        self._measure_prefill(min(CALIBRATION_TOKENS, host.slot_table.max_len), translate)
+        calibration = min(CALIBRATION_TOKENS, host.slot_table.max_len)
+        if self.model_config.attention_chunk_size and self.model_config.swa_layer_ids:
+            calibration = min(calibration, self.model_config.attention_chunk_size)  # one extend
+        self._measure_prefill(calibration, translate)
         self.sampler = Sampler(executor.device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}

@@ -180,3 +180,15 @@ def test_every_request_ends_within_bounded_steps_on_chunked_attention(
     chunked_models: dict[int, Path], config: dict, plan: list[Arrival]
 ) -> None:
     check_liveness(chunked_models, config, plan)
+
+
+def test_the_start_up_prefill_measurement_stays_within_one_chunk(llama4: Path) -> None:
+    """The engine times a prefill at start (the router's first speed estimate): on a chunked
+    model it is one chunk long, an extend the kernels can read."""
+    engine = Engine(EngineConfig(model=str(llama4), max_total_tokens=2048))
+    try:
+        assert engine.stats.prefill_tokens == C
+        (out,) = engine.generate([list(range(1, 5 * C))], greedy(4))
+        assert len(out.token_ids) == 4
+    finally:
+        engine.shutdown()
