@@ -40,10 +40,21 @@ class AttentionLayer:
     sliding_window_size: int | None = None  # W for SWA layers, None for full layers
     # C of a chunked local layer (then W = C - 1): a query at p sees [floor(p / C)·C, p]
     attention_chunk_size: int | None = None
+    # A KV-shared layer (Gemma 4) writes no KV and reads this earlier layer's (same kind)
+    kv_layer_id: int | None = None
 
     @property
     def is_swa(self) -> bool:
         return self.sliding_window_size is not None
+
+    @property
+    def kv_source(self) -> int:
+        """The layer whose KV buffers this layer reads."""
+        return self.layer_id if self.kv_layer_id is None else self.kv_layer_id
+
+    @property
+    def writes_kv(self) -> bool:
+        return self.kv_layer_id is None
 
 
 class SlotTranslator(Protocol):

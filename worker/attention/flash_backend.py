@@ -247,7 +247,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     def _paged_views(self) -> dict[int, PagedKV] | None:
         pool = self.kv_pool
-        ids = sorted(pool.layers_mapping) if isinstance(pool, SWAKVPool) else range(pool.num_layers)
+        ids = sorted(pool.layers_mapping) if isinstance(pool, SWAKVPool) else pool.layer_ids
         views = {i: paged_kv(*pool.get_kv_buffer(i)) for i in ids}
         if any(v is None for v in views.values()):
             return None
@@ -293,7 +293,8 @@ class FlashAttentionBackend(AttentionBackend):
         if isinstance(meta, DecodeMetadata):  # a captured decode step: no host-planned varlen
             if self._paged is None:
                 return static_decode(self.kv_pool, q, k, v, layer, meta, sinks)
-            meta.write_kv(self.kv_pool, layer.layer_id, k, v)
+            if layer.writes_kv:
+                meta.write_kv(self.kv_pool, layer.layer_id, k, v)
             cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)  # [Bp + 1]
             return self._attend(q, layer, self._decode_keys(meta, layer), cu_q, 1, sinks)
         if not isinstance(meta, FlashMetadata):
@@ -305,7 +306,8 @@ class FlashAttentionBackend(AttentionBackend):
         meta.base.reads(layer)  # raises if the layer does not match the batch
         kv = meta.swa if layer.is_swa else meta.full
         assert kv is not None  # reads() raised otherwise
-        meta.base.write_kv(self.kv_pool, layer.layer_id, k, v)
+        if layer.writes_kv:
+            meta.base.write_kv(self.kv_pool, layer.layer_id, k, v)
         return self._attend(q, layer, kv, meta.cu_seqlens_q, meta.max_seqlen_q, sinks)
 
     def _attend(
@@ -324,11 +326,11 @@ class FlashAttentionBackend(AttentionBackend):
         dv = layer.v_head_dim
         in_dtype = q.dtype
         if self._paged is not None:
-            view = self._paged[layer.layer_id]
+            view = self._paged[layer.kv_source]
             q = q.to(view.keys.dtype)
             keys, values, column = view.keys, view.values, view.v_column
         else:
-            k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+            k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.kv_source)  # [rows, Hkv, D]
             assert kv.slots is not None
             q = q.to(k_buf.dtype)
             keys, values = k_buf[kv.slots], v_buf[kv.slots]  # [N, Hkv, Dk|Dv]

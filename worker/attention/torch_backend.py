@@ -73,8 +73,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta = metadata_of(batch)
         check_shapes(q, k, v, layer, sinks)
         reads = meta.reads(layer)
-        meta.write_kv(self.kv_pool, layer.layer_id, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+        if layer.writes_kv:
+            meta.write_kv(self.kv_pool, layer.layer_id, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.kv_source)  # [rows, Hkv, D]
         if len(meta.decode_ids) == q.shape[0]:  # decodes only: rows are already in order
             return self._decode(q, k_buf, v_buf, reads, layer, sinks)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)  # [T, H, Dv]
@@ -189,8 +190,9 @@ def static_decode(
     step of a compiled or captured graph runs this). Traced by torch.compile, float32: our C++
     kernel over the pool rows (`cpu_kernels`) once the step has built it, else loops over the
     pool rows (`decode_attention_loops`); captured eager, as gathers and the attention kernels."""
-    meta.write_kv(kv_pool, layer.layer_id, k, v)
-    k_buf, v_buf = kv_pool.get_kv_buffer(layer.layer_id)  # [rows, Hkv, D]
+    if layer.writes_kv:
+        meta.write_kv(kv_pool, layer.layer_id, k, v)
+    k_buf, v_buf = kv_pool.get_kv_buffer(layer.kv_source)  # [rows, Hkv, D]
     reads = meta.reads(layer)
     if torch.compiler.is_compiling():
         kernel = cpu_kernels.decode_attention_op()

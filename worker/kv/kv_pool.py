@@ -51,9 +51,16 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         page_size: int = 1,
         device: str | torch.device = "cpu",
+        layer_ids: list[int] | None = None,
     ) -> None:
+        """`layer_ids`: the global id of each layout's layer (default 0, 1, ...): a model whose
+        KV-shared layers own no KV leaves their ids out."""
         if size < 0 or page_size <= 0:
             raise ValueError(f"bad KV pool shape: size={size}, page_size={page_size}")
+        self.layer_ids = list(range(len(layouts))) if layer_ids is None else list(layer_ids)
+        if len(self.layer_ids) != len(layouts):
+            raise ValueError(f"{len(self.layer_ids)} layer ids for {len(layouts)} layouts")
+        self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
         self.size = size
         self.num_layers = len(layouts)
         self.layouts = list(layouts)
@@ -82,10 +89,11 @@ class KVPool:
         return self.token_bytes() * (self.size + self.page_size)
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k_buffer[layer]
+        return self.k_buffer[self._index[layer]]
 
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffer[layer], self.v_buffer[layer]
+        i = self._index[layer]
+        return self.k_buffer[i], self.v_buffer[i]
 
     def set_kv_buffer(
         self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -95,8 +103,9 @@ class KVPool:
             raise ValueError(
                 f"set_kv_buffer: {loc.shape[0]} locations but k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
-        self.k_buffer[layer][loc] = k.to(self.dtype)
-        self.v_buffer[layer][loc] = v.to(self.dtype)
+        i = self._index[layer]
+        self.k_buffer[i][loc] = k.to(self.dtype)
+        self.v_buffer[i][loc] = v.to(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,12 @@ class KVModelSpec:
     full_layout: KVLayout
     swa_layout: KVLayout
     sliding_window_size: int
+    # Layers that own no KV: they read another layer's (Gemma 4's KV-shared layers).
+    shared_layer_ids: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
-        return len(self.full_layer_ids) + len(self.swa_layer_ids)
+        return len(self.full_layer_ids) + len(self.swa_layer_ids) + len(self.shared_layer_ids)
 
     @property
     def is_hybrid(self) -> bool:
@@ -51,9 +53,15 @@ class KVModelSpec:
             sliding_window_size=self.sliding_window_size,
         )
 
+    @property
+    def kv_layer_ids(self) -> list[int]:
+        """The layers that own KV, ascending."""
+        return sorted([*self.full_layer_ids, *self.swa_layer_ids])
+
     def layouts_by_layer(self) -> list[KVLayout]:
+        """The layout of each layer of `kv_layer_ids`, in that order."""
         swa = set(self.swa_layer_ids)
-        return [self.swa_layout if i in swa else self.full_layout for i in range(self.num_layers)]
+        return [self.swa_layout if i in swa else self.full_layout for i in self.kv_layer_ids]
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +219,12 @@ def build_kv_pool(
     p = plan.page_size
     if plan.single_pool:
         return KVPool(
-            plan.full_tokens, spec.layouts_by_layer(), dtype=dtype, page_size=p, device=device
+            plan.full_tokens,
+            spec.layouts_by_layer(),
+            dtype=dtype,
+            page_size=p,
+            device=device,
+            layer_ids=spec.kv_layer_ids,
         )
     return SWAKVPool(
         full_size=plan.full_tokens,

@@ -181,6 +181,18 @@ class HybridCausalLM(nn.Module):
         self.tie_weights()  # to_empty gives each module its own copy of a shared parameter
         return self
 
+    def run_layers(
+        self,
+        hidden: torch.Tensor,  # [T, D]: the input embeddings
+        cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],  # by layer kind (none: NoPE)
+        batch: ForwardBatch | DecodeBatch,
+    ) -> torch.Tensor:  # [T, D]
+        """The decoder layers in order; a model with inputs of its own per layer (Gemma 4)
+        overrides it."""
+        for layer, kind in zip(self.model.layers, self.config.layer_types, strict=True):
+            hidden = layer(hidden, cos_sin.get(kind), batch)
+        return hidden
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch) -> torch.Tensor:  # [N, vocab]
         """Run all layers over the batch's new tokens. Calls the backend's
@@ -194,8 +206,7 @@ class HybridCausalLM(nn.Module):
             kind: rotary.cos_sin(batch.positions, hidden.dtype)
             for kind, rotary in self.rotary.items()
         }
-        for layer, kind in zip(self.model.layers, self.config.layer_types, strict=True):
-            hidden = layer(hidden, cos_sin.get(kind), batch)
+        hidden = self.run_layers(hidden, cos_sin, batch)
         rows = batch.logits_indices()  # None: every row (a fixed-shape decode step)
         hidden = self.model.norm(hidden if rows is None else hidden[rows])  # [N, D]; per row
         logits = self.lm_head(hidden)  # [N, vocab]

@@ -40,15 +40,17 @@ SLIDING_ATTENTION = "sliding_attention"
 GPT_OSS = "GptOssForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
+GEMMA4 = "Gemma4ForCausalLM"
 LLAMA4 = "Llama4ForCausalLM"
 COHERE2 = "Cohere2ForCausalLM"
 OLMO3 = "Olmo3ForCausalLM"
 EXAONE4 = "Exaone4ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, COHERE2, OLMO3, EXAONE4, LLAMA4)
+SUPPORTED_ARCHITECTURES = (GPT_OSS, MIMO_V2_FLASH, GEMMA3, GEMMA4, COHERE2, OLMO3, EXAONE4, LLAMA4)
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt_oss": GPT_OSS,
     "mimo_v2_flash": MIMO_V2_FLASH,
     "gemma3_text": GEMMA3,
+    "gemma4_text": GEMMA4,
     "cohere2": COHERE2,
     "olmo3": OLMO3,
     "exaone4": EXAONE4,
@@ -61,7 +63,9 @@ class RopeConfig:
     """RoPE of one layer kind, as transformers' ROPE_INIT_FUNCTIONS read it (rotate-half style on
     the leading `rotary_dim` channels of each head; the rest pass through)."""
 
-    rope_type: str  # "default", "linear" (positions divided by `factor`), "llama3" or "yarn"
+    rope_type: str  # "default", "linear" (positions divided by `factor`), "llama3", "yarn" or
+    # "proportional" (Gemma 4: the first partial_rotary_factor of each half of the head rotates,
+    # with frequencies over the whole head_dim; the rest of the pairs have frequency 0)
     theta: float
     head_dim: int
     partial_rotary_factor: float = 1.0
@@ -90,6 +94,8 @@ class RopeConfig:
     @property
     def rotary_dim(self) -> int:
         """Channels that rotate: two per inverse frequency (HF's cos/sin width)."""
+        if self.rope_type == "proportional":
+            return self.head_dim
         return 2 * math.ceil(self.freq_dim / 2)
 
 
@@ -102,13 +108,14 @@ class AttentionKindConfig:
     v_head_dim: int  # Dv
     has_sinks: bool
     rope: RopeConfig | None  # None: no position encoding (NoPE layers: Cohere2's global ones)
+    k_eq_v: bool = False  # V is the K projection (no v_proj): Gemma 4's global layers
 
 
 @dataclass(frozen=True, slots=True)
 class LayerCacheSpec:
     """What one layer keeps in the KV cache: `rule` "full" (every token), "window" (the W tokens
-    before each query, `span` = W) or "chunked" (the query's chunk, `span` = C), with the KV
-    shape of one rank."""
+    before each query, `span` = W), "chunked" (the query's chunk, `span` = C) or "shared"
+    (nothing: it reads an earlier layer's KV), with the KV shape of one rank."""
 
     layer_id: int
     rule: str
@@ -175,6 +182,17 @@ class ModelConfig:
     attention_temperature: tuple[float, float] | None = None
     # q and k of RoPE layers are RMS-normalized per head, without weight, after RoPE (Llama 4).
     qk_l2_norm_after_rope: bool = False
+    # Per layer, the layer whose KV it reads: itself, or an earlier layer of its kind whose KV
+    # it shares (Gemma 4's KV-shared layers own no KV). Empty: every layer its own.
+    kv_source_layers: tuple[int, ...] = ()
+    # V is RMS-normalized per head without weight (Gemma 4).
+    value_norm: bool = False
+    # Gemma 4's per-layer inputs: an embedding of this width per layer (0: none), over a
+    # vocabulary of `per_layer_input_vocab_size`.
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
+    # KV-shared layers have an MLP twice as wide (Gemma 4's use_double_wide_mlp).
+    double_wide_shared_mlp: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -188,20 +206,31 @@ class ModelConfig:
     def swa_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION]
 
+    def kv_source(self, layer_id: int) -> int:
+        """The layer whose KV `layer_id` reads (itself unless it shares another's)."""
+        return self.kv_source_layers[layer_id] if self.kv_source_layers else layer_id
+
     def layer_cache_specs(self, tp_size: int = 1) -> tuple[LayerCacheSpec, ...]:
         """Per layer, its attention's cache rule and KV shape on one rank of a TP group of
-        `tp_size`: layers with one rule share a pool (the full pool; the local pool)."""
+        `tp_size`: layers with one rule share a pool (the full pool; the local pool); a
+        "shared" layer keeps nothing (it reads `kv_source(layer)`'s KV)."""
         out = []
         for i in range(self.num_layers):
             kind = self.attention_kind(i)
             rule = (
-                "full"
+                "shared"
+                if self.kv_source(i) != i
+                else "full"
                 if not self.is_swa_layer(i)
                 else "chunked"
                 if self.attention_chunk_size
                 else "window"
             )
-            span = None if rule == "full" else self.attention_chunk_size or self.sliding_window_size
+            span = (
+                None
+                if rule in ("full", "shared")
+                else self.attention_chunk_size or self.sliding_window_size
+            )
             heads = num_kv_heads_per_rank(kind.num_kv_heads, tp_size)
             out.append(
                 LayerCacheSpec(i, rule, span, KVLayout(heads, kind.head_dim, kind.v_head_dim))
@@ -228,6 +257,7 @@ class ModelConfig:
             scaling=self.attention_scale or kind.head_dim**-0.5,
             sliding_window_size=self.sliding_window_size if self.is_swa_layer(layer_id) else None,
             attention_chunk_size=self.attention_chunk_size if self.is_swa_layer(layer_id) else None,
+            kv_layer_id=None if self.kv_source(layer_id) == layer_id else self.kv_source(layer_id),
         )
 
     def check_tp_size(self, tp_size: int) -> None:
@@ -249,7 +279,7 @@ class ModelConfig:
         rank's KV pools are sized and laid out. Raises `ShardingError` when they do not split."""
 
         specs = self.layer_cache_specs(tp_size)
-        local = [s for s in specs if s.rule != "full"]
+        local = [s for s in specs if s.rule in ("window", "chunked")]
         if len({(s.rule, s.span, s.layout) for s in local}) > 1:
             raise ModelConfigError(f"{self.source}: the local layers declare more than one rule")
 
@@ -263,6 +293,7 @@ class ModelConfig:
             full_layout=layout(self.full_attention),
             swa_layout=layout(self.swa_attention),
             sliding_window_size=self.sliding_window_size or 0,
+            shared_layer_ids=tuple(s.layer_id for s in specs if s.rule == "shared"),
         )
 
 

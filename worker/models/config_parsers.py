@@ -13,6 +13,7 @@ from swaserve.worker.models.config import (
     EXAONE4,
     FULL_ATTENTION,
     GEMMA3,
+    GEMMA4,
     GPT_OSS,
     LLAMA4,
     MIMO_V2_FLASH,
@@ -28,7 +29,7 @@ from swaserve.worker.models.config import (
 from swaserve.worker.models.errors import MissingConfigFieldError, ModelConfigError
 from swaserve.worker.models.quantization import parse_quantization_config
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 class ConfigParser:
@@ -109,6 +110,9 @@ class ConfigParser:
         partial = float(params.get("partial_rotary_factor", default_partial))
         if rope_type == "default":
             return RopeConfig("default", float(theta), head_dim, partial)
+        if rope_type == "proportional":
+            factor = float(params.get("factor") or 1.0)
+            return RopeConfig("proportional", float(theta), head_dim, partial, factor=factor)
         if params.get("factor") is None:
             raise MissingConfigFieldError(
                 "rope_parameters.factor", self.source, f"{rope_type} RoPE"
@@ -587,6 +591,138 @@ class Exaone4ConfigParser(DenseConfigParser):
         return [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
 
 
+class Gemma4ConfigParser(DenseConfigParser):
+    """transformers' Gemma4TextConfig: local and global layers (5:1 by default, the last layer
+    always global); global layers with their own head dim and KV heads (`per_layer_config`, or
+    `global_head_dim` / `num_global_key_value_heads`), K = V on them with `attention_k_eq_v`;
+    per-kind RoPE (global: proportional); q / k / v RMS-normalized per head (v without
+    weight), softmax scale 1; the last `num_kv_shared_layers` layers read the KV of the last
+    earlier layer of their kind (and, with `use_double_wide_mlp`, have a twice as wide MLP);
+    per-layer inputs of `hidden_size_per_layer_input`; GeGLU; final logit soft-cap."""
+
+    architecture = GEMMA4
+    activations = ("gelu_pytorch_tanh", "silu")
+    _DEFAULT_ROPE: Mapping[str, Mapping[str, Any]] = {
+        SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+        FULL_ATTENTION: {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1_000_000.0,
+        },
+    }
+
+    def parse(self) -> ModelConfig:
+        common = self.common()
+        common["rms_norm_eps"] = self.number("rms_norm_eps", 1e-6)
+        common["tie_word_embeddings"] = bool(self.hf.get("tie_word_embeddings", True))
+        for name in ("use_bidirectional_attention", "enable_moe_block"):
+            if self.hf.get(name):
+                raise self.fail(f"{name} is not supported yet")
+        n = self.required_int("num_hidden_layers")
+        types = list(self.every_nth_global(n, 6))
+        types[-1] = FULL_ATTENTION  # as Gemma4TextConfig forces it
+        heads = common["num_heads"]
+        head_dim = self.optional_int("head_dim", 256)
+        kv_heads = self.optional_int("num_key_value_heads", 4)
+        k_eq_v = bool(self.hf.get("attention_k_eq_v", False))
+        global_dim, global_kv = self._global_shape(types, head_dim, kv_heads, k_eq_v)
+        nested = self.hf.get("rope_parameters") or {}
+        ropes = {}
+        for kind, dim in ((SLIDING_ATTENTION, head_dim), (FULL_ATTENTION, global_dim)):
+            params = dict(nested.get(kind) or self._DEFAULT_ROPE[kind])
+            params.setdefault("rope_theta", self._DEFAULT_ROPE[kind]["rope_theta"])
+            ropes[kind] = self.rope(params, dim, 1.0)
+        full = AttentionKindConfig(
+            global_kv, global_dim, global_dim, False, ropes[FULL_ATTENTION], k_eq_v
+        )
+        local = AttentionKindConfig(kv_heads, head_dim, head_dim, False, ropes[SLIDING_ATTENTION])
+        self.check_heads(heads, full, "global")
+        self.check_heads(heads, local, "local")
+        cap = self.hf.get("final_logit_softcapping")
+        per_layer = self.optional_int("hidden_size_per_layer_input", 256, minimum=0)
+        return ModelConfig(
+            **common,
+            layer_types=tuple(types),
+            mlp_layer_types=("dense",) * n,
+            sliding_window_size=self.window(tuple(types)) if SLIDING_ATTENTION in types else None,
+            full_attention=full,
+            swa_attention=local,
+            attention_bias=bool(self.hf.get("attention_bias", False)),
+            o_proj_bias=bool(self.hf.get("attention_bias", False)),
+            attention_value_scale=None,
+            hidden_act=self.activation("hidden_activation"),
+            intermediate_size=self.required_int("intermediate_size"),
+            moe=MoEConfig(0, 0, 0),
+            attention_scale=1.0,
+            final_logit_softcapping=None
+            if cap is None
+            else self.number("final_logit_softcapping", 0.0),
+            kv_source_layers=self._kv_sources(types),
+            value_norm=True,
+            per_layer_input_size=per_layer,
+            per_layer_input_vocab_size=self.optional_int(
+                "vocab_size_per_layer_input", common["vocab_size"]
+            )
+            if per_layer
+            else 0,
+            double_wide_shared_mlp=bool(self.hf.get("use_double_wide_mlp", False)),
+        )
+
+    def _global_shape(
+        self, types: list[str], head_dim: int, kv_heads: int, k_eq_v: bool
+    ) -> tuple[int, int]:
+        """(head dim, KV heads) of the global layers: `per_layer_config`'s override, the same
+        for every global layer and none for a local one; else `global_head_dim` (512) and
+        `num_global_key_value_heads` (with K = V)."""
+        overrides = self.hf.get("per_layer_config")
+        if overrides is None:
+            dim = self.optional_int("global_head_dim", 512)
+            global_kv = self.hf.get("num_global_key_value_heads") if k_eq_v else None
+            return dim, self.int_field(
+                "num_global_key_value_heads", global_kv, 1
+            ) if global_kv else kv_heads
+        if not isinstance(overrides, Mapping):
+            raise self.fail("per_layer_config must map layer ids to overrides")
+        seen = set()
+        for key, value in overrides.items():
+            if (
+                not str(key).isdigit()
+                or not 0 <= int(key) < len(types)
+                or not isinstance(value, Mapping)
+            ):
+                raise self.fail(f"per_layer_config entry {key!r} is not a layer id with overrides")
+            if types[int(key)] != FULL_ATTENTION:
+                raise self.fail(f"per_layer_config overrides local layer {key}: not supported")
+            if set(value) - {"head_dim", "num_key_value_heads"}:
+                raise self.fail(f"per_layer_config[{key}] overrides {sorted(value)}: not supported")
+            seen.add((value.get("head_dim", head_dim), value.get("num_key_value_heads", kv_heads)))
+        globals_ = {i for i, kind in enumerate(types) if kind == FULL_ATTENTION}
+        if overrides and {int(key) for key in overrides} != globals_:
+            raise self.fail("per_layer_config must override every global layer alike, or none")
+        if len(seen) > 1:
+            raise self.fail(f"the global layers' per_layer_config differ ({sorted(seen)})")
+        dim, global_kv = seen.pop() if seen else (head_dim, kv_heads)
+        return self.int_field("head_dim", dim, 1), self.int_field(
+            "num_key_value_heads", global_kv, 1
+        )
+
+    def _kv_sources(self, types: list[str]) -> tuple[int, ...]:
+        """Per layer, the layer whose KV it reads: the last `num_kv_shared_layers` layers read
+        the last earlier layer of their kind (Gemma4TextConfig.kv_sharing_modes)."""
+        n = len(types)
+        shared = self.optional_int("num_kv_shared_layers", 0, minimum=0)
+        if shared >= n and shared:
+            raise self.fail(f"num_kv_shared_layers={shared} leaves no layer that owns KV")
+        first = n - shared
+        sources = list(range(n))
+        for i in range(first, n):
+            owners = [j for j in range(first) if types[j] == types[i]]
+            if not owners:
+                raise self.fail(f"layer {i} shares the KV of a {types[i]} layer, and none owns KV")
+            sources[i] = owners[-1]
+        return tuple(sources) if shared else ()
+
+
 class Llama4ConfigParser(ConfigParser):
     """transformers' Llama4TextConfig (or the `text_config` of a Llama4Config): chunked local
     layers with RoPE (interleaved pairs, float32) and, by `use_qk_norm`, a weightless per-head
@@ -694,4 +830,5 @@ PARSERS: dict[str, type[ConfigParser]] = {
     OLMO3: Olmo3ConfigParser,
     EXAONE4: Exaone4ConfigParser,
     LLAMA4: Llama4ConfigParser,
+    GEMMA4: Gemma4ConfigParser,
 }

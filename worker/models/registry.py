@@ -8,6 +8,7 @@ from swaserve.worker.models.config import (
     COHERE2,
     EXAONE4,
     GEMMA3,
+    GEMMA4,
     GPT_OSS,
     LLAMA4,
     MIMO_V2_FLASH,
@@ -16,6 +17,7 @@ from swaserve.worker.models.config import (
 from swaserve.worker.models.errors import UnknownArchitectureError
 from swaserve.worker.models.exaone4 import Exaone4ForCausalLM
 from swaserve.worker.models.gemma3 import Gemma3ForCausalLM
+from swaserve.worker.models.gemma4 import Gemma4ForCausalLM
 from swaserve.worker.models.gpt_oss import GptOssForCausalLM
 from swaserve.worker.models.llama4 import Llama4ForCausalLM
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
@@ -29,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[HybridCausalLM]] = {
     OLMO3: Olmo3ForCausalLM,
     EXAONE4: Exaone4ForCausalLM,
     LLAMA4: Llama4ForCausalLM,
+    GEMMA4: Gemma4ForCausalLM,
 }
 
 

@@ -13,6 +13,8 @@ from swaserve.worker.models.config import RopeConfig
 def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim / 2] float32 on CPU, attention scaling of cos/sin), as
     transformers' ROPE_INIT_FUNCTIONS compute them. Always on CPU, even under a meta device."""
+    if rope.rope_type == "proportional":
+        return _proportional(rope), 1.0
     dim = rope.freq_dim
     exponents = torch.arange(0, dim, 2, device="cpu").to(torch.float32) / dim  # [R/2] float32
     pos_freqs = rope.theta**exponents  # [R/2] float32
@@ -23,6 +25,18 @@ def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     if rope.rope_type == "llama3":
         return _llama3(rope, 1.0 / pos_freqs), 1.0
     return _yarn(rope, pos_freqs)
+
+
+def _proportional(rope: RopeConfig) -> torch.Tensor:
+    """Gemma 4's proportional RoPE (transformers' `_compute_proportional_rope_parameters`):
+    head_dim / 2 frequencies, the first `int(p · head_dim // 2)` over the whole head_dim, the
+    rest 0 (those pairs do not rotate), all divided by `factor`."""
+    d = rope.head_dim
+    angles = int(rope.partial_rotary_factor * d // 2)
+    exponents = torch.arange(0, 2 * angles, 2, device="cpu").to(torch.float32) / d
+    rotated = 1.0 / rope.theta**exponents  # [angles] float32
+    zeros = torch.zeros(d // 2 - angles, dtype=torch.float32, device="cpu")
+    return torch.cat((rotated, zeros)) / rope.factor
 
 
 def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from swaserve.worker.models.config import (
     EXAONE4,
     FULL_ATTENTION,
     GEMMA3,
+    GEMMA4,
     GPT_OSS,
     LLAMA4,
     MIMO_V2_FLASH,
@@ -62,6 +63,7 @@ ARCHITECTURES = {
     "olmo3": OLMO3,
     "exaone4": EXAONE4,
     "llama4": LLAMA4,
+    "gemma4": GEMMA4,
 }
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # byte tokens are 0..255, then SPECIAL_TOKENS in order
@@ -261,6 +263,44 @@ def make_tiny_model(
             },
         }
         del hf["sliding_window"]
+    elif arch == "gemma4":
+        dk = head_dim or head
+        kinds = list(
+            layer_types
+            or [SLIDING_ATTENTION if (i + 1) % 3 else FULL_ATTENTION for i in range(num_layers)]
+        )
+        kinds[-1] = FULL_ATTENTION  # Gemma4TextConfig forces it
+        hf = common | {
+            "model_type": "gemma4_text",
+            "head_dim": dk,
+            "layer_types": kinds,
+            # global layers: twice the head dim, one KV head, K = V (as the published ones)
+            "per_layer_config": {
+                str(i): {"head_dim": 2 * dk, "num_key_value_heads": 1}
+                for i, kind in enumerate(kinds)
+                if kind == FULL_ATTENTION
+            },
+            "attention_k_eq_v": True,
+            "num_kv_shared_layers": 2 if num_layers >= 5 else 0,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 4,
+            "vocab_size_per_layer_input": vocab,
+            "intermediate_size": 2 * hidden_size,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "attention_bias": False,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                FULL_ATTENTION: {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1_000_000.0,
+                },
+                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        }
+        del hf["hidden_act"], hf["num_experts_per_tok"]
     elif arch == "exaone4":
         hf = common | {
             "model_type": "exaone4",
@@ -414,7 +454,10 @@ def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tens
 
 
 def _mean(name: str, architecture: str) -> float:
-    """Norm weights near 1 (near 0 for Gemma, whose norms scale by 1 + weight)."""
+    """Norm weights and layer scalars near 1 (norms near 0 for Gemma 3, whose norms scale by
+    1 + weight)."""
+    if name.endswith("layer_scalar"):
+        return 1.0
     return 1.0 if name.endswith("norm.weight") and architecture != GEMMA3 else 0.0
 
 

@@ -28,6 +28,7 @@ from swaserve.worker.models.config import (
     COHERE2,
     EXAONE4,
     GEMMA3,
+    GEMMA4,
     GPT_OSS,
     LLAMA4,
     MIMO_V2_FLASH,
@@ -152,6 +153,10 @@ LLAMA4_WEIGHTS = WeightMap()
 """Llama 4 text checkpoints (`Llama4ForCausalLM`) use the module names as they are, experts
 packed (gate_up_proj [E, D, 2I], down_proj [E, I, D])."""
 
+GEMMA4_WEIGHTS = WeightMap()
+"""Gemma 4 text checkpoints (`Gemma4ForCausalLM`) use the module names as they are; KV-shared
+layers carry no k/v projections or norms."""
+
 WEIGHT_MAPS: dict[str, WeightMap] = {
     GPT_OSS: GPT_OSS_WEIGHTS,
     MIMO_V2_FLASH: MIMO_V2_FLASH_WEIGHTS,
@@ -160,6 +165,7 @@ WEIGHT_MAPS: dict[str, WeightMap] = {
     OLMO3: OLMO3_WEIGHTS,
     EXAONE4: EXAONE4_WEIGHTS,
     LLAMA4: LLAMA4_WEIGHTS,
+    GEMMA4: GEMMA4_WEIGHTS,
 }
 
 

@@ -82,7 +82,16 @@ def tensor_names(path: Path) -> set[str]:
 
 @pytest.fixture(
     scope="module",
-    params=["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4", "llama4"],
+    params=[
+        "gpt-oss",
+        "mimo-v2-flash",
+        "gemma3",
+        "gemma4",
+        "cohere2",
+        "olmo3",
+        "exaone4",
+        "llama4",
+    ],
 )
 def saved_by_transformers(
     request: pytest.FixtureRequest,
@@ -92,7 +101,8 @@ def saved_by_transformers(
     """A transformers model built from a tiny config, given the tiny model's random weights by
     their in-memory names, saved with `save_pretrained`; and its greedy tokens."""
     arch = request.param
-    source = tiny_model_factory(arch, num_layers=4, sliding_window_size=W, seed=7)
+    layers = 6 if arch == "gemma4" else 4  # Gemma 4's last two share KV
+    source = tiny_model_factory(arch, num_layers=layers, sliding_window_size=W, seed=7)
     config = transformers.AutoConfig.from_pretrained(source)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     result = hf.load_state_dict(load_file(source / SINGLE_FILE), strict=False)
@@ -125,6 +135,10 @@ def test_save_pretrained_writes_the_original_layout(saved_by_transformers: Refer
     elif arch in ("Olmo3ForCausalLM", "Exaone4ForCausalLM"):  # module names as they are
         assert "model.layers.1.self_attn.q_norm.weight" in names
         assert "model.layers.1.post_feedforward_layernorm.weight" in names
+    elif arch == "Gemma4ForCausalLM":  # module names as they are; shared layers own no K/V
+        assert "model.layers.1.self_attn.k_norm.weight" in names
+        assert "model.embed_tokens_per_layer.weight" in names
+        assert "model.layers.4.self_attn.k_proj.weight" not in names  # a KV-shared layer
     elif arch == "Llama4ForCausalLM":  # module names as they are, experts packed
         assert "model.layers.1.feed_forward.experts.gate_up_proj" in names
         assert "model.layers.1.feed_forward.shared_expert.up_proj.weight" in names

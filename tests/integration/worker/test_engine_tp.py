@@ -106,6 +106,9 @@ MODELS = {
     "exaone4": dict(num_layers=4, num_heads=4, num_kv_heads=2),
     # Chunked attention, MoE with a shared expert (experts split over their intermediate dim).
     "llama4": dict(num_layers=4, num_heads=4, num_kv_heads=2),
+    # Per-kind head dims and KV heads (one global KV head, replicated), K = V, KV-shared
+    # layers, per-layer inputs.
+    "gemma4": dict(num_layers=6, num_heads=4, num_kv_heads=2),
 }
 
 

@@ -43,7 +43,8 @@ class RefBackend(AttentionBackend):
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self._write(layer, batch.out_full_loc, k, v)
+        if layer.writes_kv:
+            self._write(layer, batch.out_full_loc, k, v)
         out = torch.empty(
             q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype
         )  # [T, H, Dv]
@@ -51,8 +52,8 @@ class RefBackend(AttentionBackend):
         for i, start in enumerate(batch.attn_metadata):
             pre, seq = int(batch.prefix_lens[i]), int(batch.seq_lens[i])
             slots = batch.request_slots(i)
-            keys = self.k[layer.layer_id][slots].repeat_interleave(group, 1)  # [S, H, Dk]
-            values = self.v[layer.layer_id][slots].repeat_interleave(group, 1)  # [S, H, Dv]
+            keys = self.k[layer.kv_source][slots].repeat_interleave(group, 1)  # [S, H, Dk]
+            values = self.v[layer.kv_source][slots].repeat_interleave(group, 1)  # [S, H, Dv]
             qi = q[start : start + seq - pre]  # [n, H, Dk]
             logits = torch.einsum("nhd,shd->hns", qi, keys) * layer.scaling  # [H, n, S]
             q_pos = torch.arange(pre, seq)[:, None]  # [n, 1]

@@ -98,6 +98,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
+    # Gemma 4: global layers with twice the head dim and one KV head, K = V, proportional
+    # RoPE; q/k/v norms; the last 2 layers share the KV of earlier ones (with double-wide MLPs);
+    # per-layer inputs; layer scalars; soft-cap.
+    "gemma4-w3-kv-shared-ple": dict(
+        arch="gemma4", num_layers=6, sliding_window_size=3, num_kv_heads=2
+    ),
+    # Gemma 4 without per-layer inputs, K != V, MQA on local layers, no shared layers.
+    "gemma4-w2-plain": dict(
+        arch="gemma4",
+        num_layers=4,
+        sliding_window_size=2,
+        num_kv_heads=1,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=False,
+    ),
     # OLMo 3: post-norm blocks, projection-wide q/k norms, YaRN on the global layer.
     "olmo3-w2-ssf": dict(
         arch="olmo3",
@@ -180,7 +195,8 @@ def test_decode_after_cached_prefix_matches_prefill_logits(tiny) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["gpt-oss", "mimo-v2-flash", "gemma3", "cohere2", "olmo3", "exaone4", "llama4"]
+    "arch",
+    ["gpt-oss", "mimo-v2-flash", "gemma3", "gemma4", "cohere2", "olmo3", "exaone4", "llama4"],
 )
 def test_bfloat16_prefill_runs_close_to_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, arch=arch, num_layers=2, sliding_window_size=3, seed=3)
