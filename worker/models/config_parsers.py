@@ -598,7 +598,9 @@ class Gemma4ConfigParser(DenseConfigParser):
     per-kind RoPE (global: proportional); q / k / v RMS-normalized per head (v without
     weight), softmax scale 1; the last `num_kv_shared_layers` layers read the KV of the last
     earlier layer of their kind (and, with `use_double_wide_mlp`, have a twice as wide MLP);
-    per-layer inputs of `hidden_size_per_layer_input`; GeGLU; final logit soft-cap."""
+    per-layer inputs of `hidden_size_per_layer_input`; GeGLU; final logit soft-cap; with
+    `enable_moe_block` a MoE block (`num_experts`, `top_k_experts`, `moe_intermediate_size`)
+    beside every layer's MLP."""
 
     architecture = GEMMA4
     activations = ("gelu_pytorch_tanh", "silu")
@@ -615,9 +617,8 @@ class Gemma4ConfigParser(DenseConfigParser):
         common = self.common()
         common["rms_norm_eps"] = self.number("rms_norm_eps", 1e-6)
         common["tie_word_embeddings"] = bool(self.hf.get("tie_word_embeddings", True))
-        for name in ("use_bidirectional_attention", "enable_moe_block"):
-            if self.hf.get(name):
-                raise self.fail(f"{name} is not supported yet")
+        if self.hf.get("use_bidirectional_attention"):
+            raise self.fail("use_bidirectional_attention (an encoder's mask) is not supported")
         n = self.required_int("num_hidden_layers")
         types = list(self.every_nth_global(n, 6))
         types[-1] = FULL_ATTENTION  # as Gemma4TextConfig forces it
@@ -640,10 +641,19 @@ class Gemma4ConfigParser(DenseConfigParser):
         self.check_heads(heads, local, "local")
         cap = self.hf.get("final_logit_softcapping")
         per_layer = self.optional_int("hidden_size_per_layer_input", 256, minimum=0)
+        moe = MoEConfig(0, 0, 0)
+        if self.hf.get("enable_moe_block"):  # a MoE block beside every layer's MLP (26B-A4B)
+            experts = self.required_int("num_experts", "enable_moe_block")
+            top_k = self.required_int("top_k_experts", "enable_moe_block")
+            if top_k > experts:
+                raise self.fail(f"top_k_experts={top_k} exceeds num_experts={experts}")
+            moe = MoEConfig(
+                experts, top_k, self.required_int("moe_intermediate_size", "enable_moe_block")
+            )
         return ModelConfig(
             **common,
             layer_types=tuple(types),
-            mlp_layer_types=("dense",) * n,
+            mlp_layer_types=("sparse" if moe.num_experts else "dense",) * n,
             sliding_window_size=self.window(tuple(types)) if SLIDING_ATTENTION in types else None,
             full_attention=full,
             swa_attention=local,
@@ -652,7 +662,7 @@ class Gemma4ConfigParser(DenseConfigParser):
             attention_value_scale=None,
             hidden_act=self.activation("hidden_activation"),
             intermediate_size=self.required_int("intermediate_size"),
-            moe=MoEConfig(0, 0, 0),
+            moe=moe,
             attention_scale=1.0,
             final_logit_softcapping=None
             if cap is None

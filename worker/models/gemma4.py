@@ -12,7 +12,11 @@ attention and inputs:
 - per-layer inputs (`hidden_size_per_layer_input` P): each token gets, per layer, the sum of a
   P-wide embedding and a projection of its input embedding, normed, scaled by 2^-1/2; a layer
   gates it with its hidden state, projects it back and adds it, normed, to the residual;
-- every layer ends by scaling its output by its `layer_scalar`.
+- every layer ends by scaling its output by its `layer_scalar`;
+- with `enable_moe_block` (26B-A4B) every layer adds a MoE block beside its MLP: a router on
+  the block's input (RMS-normalized without weight, × `scale` · D^-1/2, softmax in float32,
+  top-k renormalized, × `per_expert_scale`) over GeGLU experts, each branch with its own
+  post-norm, their sum post-normed once more.
 
 Tensor parallelism: attention and MLPs shard as the other dense models'; the per-layer input
 tables shard by vocabulary, the small per-layer projections are held whole on every rank.
@@ -37,6 +41,7 @@ from swaserve.worker.models.layers import (
     RMSNorm,
     l2_norm,
 )
+from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashExperts
 from swaserve.worker.models.rotary import apply_rotary
 from swaserve.worker.models.tp_layers import ColumnParallelLinear, VocabParallelEmbedding
 from swaserve.worker.runner.parallel import TPGroup
@@ -109,12 +114,50 @@ class Gemma4Attention(Attention):
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
 
 
+class Gemma4Experts(MiMoV2FlashExperts):
+    """MiMo's packed layout (gate_up_proj [E, 2I, D], down_proj [E, D, I], split the same way
+    under TP) with Gemma's GeGLU."""
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return ACTIVATIONS["gelu_pytorch_tanh"](gate) * up
+
+
+class Gemma4Router(nn.Module):
+    """Top-k experts of each token and their weights (float32), as HF's Gemma4TextRouter."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, e = config.hidden_size, config.moe.num_experts
+        self.eps, self.top_k, self.root = (
+            config.rms_norm_eps,
+            config.moe.num_experts_per_tok,
+            d**-0.5,
+        )
+        self.proj = nn.Linear(d, e, bias=False, dtype=dtype)
+        self.scale = nn.Parameter(torch.empty(d, dtype=dtype))  # [D]
+        self.per_expert_scale = nn.Parameter(torch.empty(e, dtype=dtype))  # [E]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = l2_norm(x, self.eps) * self.scale * self.root
+        probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index  # [T, k] float32, [T, k]
+
+
 class Gemma4DecoderLayer(nn.Module):
     """Sandwich norms around attention and the MLP; then the per-layer input (if the model has
     them) added through its gate, projection and norm; then × `layer_scalar`."""
 
     def __init__(
-        self, config: ModelConfig, attention: Attention, mlp: nn.Module, norm, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        attention: Attention,
+        mlp: nn.Module,
+        norm,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         d, p = config.hidden_size, config.per_layer_input_size
@@ -126,6 +169,13 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm(d)
         self.layer_scalar = nn.Parameter(torch.empty(1, dtype=dtype))  # [1]
         self.act = ACTIVATIONS[config.hidden_act]
+        self.tp = tp or TPGroup.single()
+        if config.moe.num_experts:
+            self.router = Gemma4Router(config, dtype=dtype)
+            self.experts = Gemma4Experts(config, dtype=dtype, tp=self.tp)
+            self.post_feedforward_layernorm_1 = norm(d)
+            self.post_feedforward_layernorm_2 = norm(d)
+            self.pre_feedforward_layernorm_2 = norm(d)
         if p:
             self.per_layer_input_gate = nn.Linear(d, p, bias=False, dtype=dtype)
             self.per_layer_projection = nn.Linear(p, d, bias=False, dtype=dtype)
@@ -141,6 +191,12 @@ class Gemma4DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if hasattr(self, "experts"):
+            weights, index = self.router(hidden)
+            routed = self.experts(self.pre_feedforward_layernorm_2(hidden), index, weights)
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(
+                self.tp.all_reduce(routed)
+            )
         hidden = hidden + self.post_feedforward_layernorm(mlp)
         if per_layer_input is not None:
             gated = self.act(self.per_layer_input_gate(hidden)) * per_layer_input
@@ -178,6 +234,7 @@ class Gemma4ForCausalLM(DenseHybridCausalLM):
             self.make_mlp(layer_id),
             self.make_norm,
             self.dtype,
+            self.tp,
         )
 
     def make_attention(self, layer_id: int) -> Attention:

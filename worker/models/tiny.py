@@ -300,6 +300,9 @@ def make_tiny_model(
                 SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
             },
         }
+        if overrides.get("enable_moe_block"):
+            hf |= {"num_experts": num_experts, "top_k_experts": num_experts_per_tok}
+            hf["moe_intermediate_size"] = hidden_size
         del hf["hidden_act"], hf["num_experts_per_tok"]
     elif arch == "exaone4":
         hf = common | {
@@ -456,7 +459,7 @@ def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tens
 def _mean(name: str, architecture: str) -> float:
     """Norm weights and layer scalars near 1 (norms near 0 for Gemma 3, whose norms scale by
     1 + weight)."""
-    if name.endswith("layer_scalar"):
+    if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
         return 1.0
     return 1.0 if name.endswith("norm.weight") and architecture != GEMMA3 else 0.0
 

@@ -109,6 +109,8 @@ MODELS = {
     # Per-kind head dims and KV heads (one global KV head, replicated), K = V, KV-shared
     # layers, per-layer inputs.
     "gemma4": dict(num_layers=6, num_heads=4, num_kv_heads=2),
+    # Gemma 4's MoE block beside the MLP: experts split over their intermediate dim.
+    "gemma4-moe": dict(num_layers=6, num_heads=4, num_kv_heads=2, enable_moe_block=True),
 }
 
 
@@ -117,6 +119,7 @@ def test_tp2_equals_tp1(
     name: str, tiny_model_factory: Callable[..., Path], engines: list[Engine]
 ) -> None:
     arch = "mimo-v2-flash" if name.startswith("mimo") else name.removesuffix("-kv1")
+    arch = arch.removesuffix("-moe")
     model_dir = tiny_model_factory(
         arch, sliding_window_size=W, hidden_size=32, seed=5, **MODELS[name]
     )

@@ -93,7 +93,8 @@ def test_kv_shared_layers_take_no_pool_room(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(enable_moe_block=True), "enable_moe_block"),
+        (dict(enable_moe_block=True, num_experts=None), "num_experts"),
+        (dict(enable_moe_block=True, num_experts=2, top_k_experts=3), "top_k_experts"),
         (dict(per_layer_config={"0": {"head_dim": 16}}), "local layer"),
         (dict(per_layer_config={"5": {"sliding_window": 3}}), "overrides"),
     ],

@@ -104,6 +104,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma4-w3-kv-shared-ple": dict(
         arch="gemma4", num_layers=6, sliding_window_size=3, num_kv_heads=2
     ),
+    # Gemma 4 26B-A4B's shape: a MoE block (2 of 4 GeGLU experts) beside every layer's MLP.
+    "gemma4-w3-moe": dict(
+        arch="gemma4", num_layers=3, sliding_window_size=3, num_kv_heads=2, enable_moe_block=True
+    ),
     # Gemma 4 without per-layer inputs, K != V, MQA on local layers, no shared layers.
     "gemma4-w2-plain": dict(
         arch="gemma4",
