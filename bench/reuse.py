@@ -20,7 +20,8 @@ Per mode and workload: prefill tokens computed (counted at the model's input), t
 of prompt tokens (the engine's `cached_tokens`), and whether every greedy answer equals the cold
 run's. Ratios: hybrid cached share ÷ one pool's, and cold prefill ÷ hybrid prefill.
 
-    python bench/reuse.py [--json] [--arch gpt-oss|gemma3|cohere2|olmo3|exaone4|llama4|mimo-v2-flash]
+    python bench/reuse.py [--json] [--arch gpt-oss|gemma3|gemma4|cohere2|olmo3|exaone4|llama4|
+                          mimo-v2-flash]
 
 For llama4 the 32 is the chunk C of its chunked layers.
 """

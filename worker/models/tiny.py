@@ -14,7 +14,7 @@ arguments give the same bytes. Every checkpoint layout the loader reads can be w
   DeepSeek / MiMo-V2-Flash style; `modules_to_not_convert` stay float).
 
 Used by tests, benches and the demo; `swaserve make-tiny-model DIR --arch gpt-oss|mimo-v2-flash|
-gemma3|cohere2|olmo3|exaone4|llama4 [--format hf|original] [--quantization none|mxfp4|fp8]` runs
+gemma3|gemma4|cohere2|olmo3|exaone4|llama4 [--format hf|original] [--quantization none|mxfp4|fp8]` runs
 it from the command line. For llama4 the window argument is the chunk C (`attention_chunk_size`).
 """
 
