@@ -333,10 +333,57 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return parse_model_config(hf, source=str(path))
 
 
+MULTIMODAL_ARCHITECTURES = {
+    "Llama4ForConditionalGeneration": LLAMA4,
+    "Gemma3ForConditionalGeneration": GEMMA3,
+    "Gemma4ForConditionalGeneration": GEMMA4,
+}
+"""Published multimodal checkpoints whose language model swaserve serves: its config is their
+`text_config`, its weights sit under a prefix (`weight_maps.py`), the vision (and audio) towers
+are skipped."""
+
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Gemma3TextConfig's defaults, which the published Gemma 3 configs leave out of text_config
+    GEMMA3: dict(
+        vocab_size=262_208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+    ),
+}
+
+
+def text_config_of(hf: Mapping[str, Any], source: str = "config.json") -> Mapping[str, Any]:
+    """The language model's config: `hf` itself, or a multimodal checkpoint's `text_config`
+    with the text architecture, the top-level quantization and the family's defaults."""
+    multimodal = [a for a in hf.get("architectures") or () if a in MULTIMODAL_ARCHITECTURES]
+    if not multimodal:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise MissingConfigFieldError("text_config", source, f"a {multimodal[0]} checkpoint")
+    arch = MULTIMODAL_ARCHITECTURES[multimodal[0]]
+    merged = dict(_TEXT_CONFIG_DEFAULTS.get(arch, {})) | dict(text)
+    merged["architectures"] = [arch]
+    for key in ("quantization_config", "tie_word_embeddings", "eos_token_id"):
+        if key not in merged and key in hf:
+            merged[key] = hf[key]
+    return merged
+
+
 def parse_model_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    """Parse an HF config dict (the content of config.json)."""
+    """Parse an HF config dict (the content of config.json; a multimodal checkpoint's
+    language model, `text_config_of`)."""
     from swaserve.worker.models.config_parsers import PARSERS  # they build on this module
 
+    hf = text_config_of(hf, source)
     return PARSERS[architecture_from_hf(hf, source)](hf, source).parse()
 
 

@@ -66,6 +66,15 @@ class SkipRule:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefix:
+    """A parameter named `<packed>...` may be stored as `<original>...` (a multimodal
+    checkpoint's language model: `model.` → `language_model.model.`)."""
+
+    packed: str
+    original: str
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """One checkpoint tensor's place in a parameter: `param[index]` (index () = the whole)."""
 
@@ -80,6 +89,7 @@ class WeightMap:
     renames: tuple[Rename, ...] = ()
     expert_stacks: tuple[ExpertStack, ...] = ()
     skip: tuple[SkipRule, ...] = ()
+    prefixes: tuple[Prefix, ...] = ()
 
     def layouts(self, name: str, shape: tuple[int, ...]) -> list[list[Placement]]:
         """Every way the parameter `name` of `shape` may be stored, packed first; each way is
@@ -92,6 +102,10 @@ class WeightMap:
         for stack in self.expert_stacks:
             if name.endswith(stack.packed) and len(shape) >= 2:
                 found.append(self._stacked(name[: -len(stack.packed)], stack, shape))
+        for prefix in self.prefixes:
+            if name.startswith(prefix.packed):
+                moved = prefix.original + name[len(prefix.packed) :]
+                found.append([Placement(moved, ())])
         return found
 
     @staticmethod
@@ -137,8 +151,24 @@ MIMO_V2_FLASH_WEIGHTS = WeightMap(
     ),
 )
 
-GEMMA3_WEIGHTS = WeightMap()
-"""Gemma 3 text checkpoints (`Gemma3ForCausalLM`) use the module names as they are."""
+_MULTIMODAL_SKIP = (
+    SkipRule(
+        r"^(model\.)?(vision_model|vision_tower|multi_modal_projector|embed_vision|audio_tower|"
+        r"embed_audio)\.",
+        "the vision and audio towers of a multimodal checkpoint, which swaserve does not run",
+    ),
+)
+
+GEMMA3_WEIGHTS = WeightMap(
+    skip=_MULTIMODAL_SKIP,
+    prefixes=(
+        Prefix("model.", "language_model.model."),  # Gemma3ForConditionalGeneration, as published
+        Prefix("lm_head.", "language_model.lm_head."),
+        Prefix("model.", "model.language_model."),  # ... as transformers 5 saves it
+    ),
+)
+"""Gemma 3 text checkpoints (`Gemma3ForCausalLM`) use the module names as they are; the
+multimodal ones hold the language model under a prefix, next to a vision tower."""
 
 COHERE2_WEIGHTS = WeightMap()
 """Cohere2 checkpoints use the module names as they are (no lm_head when tied)."""
@@ -149,11 +179,20 @@ OLMO3_WEIGHTS = WeightMap()
 EXAONE4_WEIGHTS = WeightMap()
 """EXAONE 4 checkpoints use the module names as they are."""
 
-LLAMA4_WEIGHTS = WeightMap()
+LLAMA4_WEIGHTS = WeightMap(
+    skip=_MULTIMODAL_SKIP,
+    prefixes=(
+        Prefix("model.", "language_model.model."),  # Llama4ForConditionalGeneration
+        Prefix("lm_head.", "language_model.lm_head."),
+    ),
+)
 """Llama 4 text checkpoints (`Llama4ForCausalLM`) use the module names as they are, experts
 packed (gate_up_proj [E, D, 2I], down_proj [E, I, D])."""
 
-GEMMA4_WEIGHTS = WeightMap()
+GEMMA4_WEIGHTS = WeightMap(
+    skip=_MULTIMODAL_SKIP,
+    prefixes=(Prefix("model.", "model.language_model."),),  # Gemma4ForConditionalGeneration
+)
 """Gemma 4 text checkpoints (`Gemma4ForCausalLM`) use the module names as they are; KV-shared
 layers carry no k/v projections or norms."""
 

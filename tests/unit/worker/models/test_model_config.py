@@ -418,3 +418,35 @@ def test_unreadable_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="cannot read"):
         load_model_config(tmp_path)
+
+
+def test_a_published_gemma3_multimodal_config_gives_its_language_model() -> None:
+    """gemma-3-4b-it's config.json keeps only what differs from Gemma3TextConfig's defaults in
+    its text_config: the parser fills them as transformers does."""
+    transformers = pytest.importorskip("transformers")
+    text = {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    }
+    hf = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model"},
+        "eos_token_id": [1, 106],
+    }
+    ours = parse_model_config(hf)
+    theirs = transformers.Gemma3TextConfig(**text)
+    assert ours.architecture == "Gemma3ForCausalLM"
+    assert ours.vocab_size == theirs.vocab_size
+    assert ours.num_heads == theirs.num_attention_heads
+    assert ours.full_attention.num_kv_heads == theirs.num_key_value_heads
+    assert ours.full_attention.head_dim == theirs.head_dim
+    assert list(ours.layer_types) == theirs.layer_types
+    assert ours.sliding_window_size == theirs.sliding_window - 1
+    assert ours.eos_token_ids == (1, 106)
+    with pytest.raises(MissingConfigFieldError, match="text_config"):
+        parse_model_config({"architectures": ["Llama4ForConditionalGeneration"]})
