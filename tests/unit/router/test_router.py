@@ -33,6 +33,26 @@ def test_route_predicts_the_hit_under_the_window_rule() -> None:
     assert c.router.stats.predicted_hit_tokens == 24
 
 
+def test_a_chunked_worker_is_matched_by_the_chunk_rule() -> None:
+    """Worker a reports chunked local layers (C = 8, W = 7), b a window of 7; both hold the
+    prompt. Positions [2, 10) tombstoned: a resumes at the chunk boundary 8 inside the
+    tombstone (no live KV needed there), b only at 2 (no tombstone before it). Positions [2, 8)
+    tombstoned: an end at 10 needs [8, 10) live under chunks (a: 10) but 7 live tokens under the
+    window (b: 2)."""
+    c = Cluster("a", "b", inflight_prefixes=False)
+    inside = [stored(PROMPT), KVTombstoned(pages_of(PROMPT, 1, 5))]
+    c.report("a", inside, sliding_window_size=7, attention_chunk_size=8)
+    c.report("b", inside, sliding_window_size=7)
+    assert c.router.predict_hits(PROMPT[:10]) == {"a": 8, "b": 2}
+    assert c.router.predict_hits(PROMPT) == {"a": 16, "b": 2}  # 16 is a boundary too
+    c = Cluster("a", "b", inflight_prefixes=False)
+    before = [stored(PROMPT), KVTombstoned(pages_of(PROMPT, 1, 4))]
+    c.report("a", before, sliding_window_size=7, attention_chunk_size=8)
+    c.report("b", before, sliding_window_size=7)
+    assert c.router.predict_hits(PROMPT[:10]) == {"a": 10, "b": 2}
+    assert c.router.predict_hits(PROMPT) == {"a": 16, "b": 16}
+
+
 def test_route_scores_a_repairing_worker_by_the_tokens_its_hit_saves() -> None:
     c = Cluster("a", "b", inflight_prefixes=False)  # r1's prompt stays b's 10 cached tokens
     # a: all 8 pages, [3..14] tombstoned: only [15,16] live before 16, so its plain match is
