@@ -50,7 +50,11 @@ from swaserve.proto.kv_rules import cdiv
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.metadata import AttentionMetadata, KVReads, build_attention_metadata
 from swaserve.worker.attention.static_decode import DecodeMetadata, DecodeReads
-from swaserve.worker.attention.torch_backend import check_shapes, static_decode
+from swaserve.worker.attention.torch_backend import (
+    TorchAttentionBackend,
+    check_shapes,
+    static_decode,
+)
 from swaserve.worker.kv.kv_pool import KVPool, SWAKVPool
 
 logger = logging.getLogger(__name__)
@@ -195,13 +199,21 @@ class FlashKeys:
     slots: torch.Tensor | None = None  # [sum kv_lens] int64 rows to gather (not paged)
 
 
-@dataclass(frozen=True, slots=True)
+FLASH_MAX_HEAD_DIM = 256
+"""The widest head flash-attn's kernels take; a layer with wider heads (Gemma 4's global layers,
+512) runs through the torch backend's path over the same pools."""
+
+
+@dataclass(slots=True)
 class FlashMetadata:
     base: AttentionMetadata
     cu_seqlens_q: torch.Tensor  # [B+1] int32 (device)
     max_seqlen_q: int
     full: FlashKeys
     swa: FlashKeys | None
+    # the torch path's metadata (with its decode table), built once per step on the first
+    # layer whose heads are wider than FLASH_MAX_HEAD_DIM
+    wide: AttentionMetadata | None = None
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -228,6 +240,9 @@ class FlashAttentionBackend(AttentionBackend):
         self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
         self.attention_chunk_size = attention_chunk_size
+        self._torch = TorchAttentionBackend(
+            kv_pool, sliding_window_size, attention_chunk_size=attention_chunk_size
+        )
         self._kernel = None if kernel is None else adapt_varlen(kernel)
         self.page_size = kv_pool.page_size
         self._paged = self._paged_views() if self.page_size % BLOCK_TOKENS == 0 else None
@@ -290,8 +305,9 @@ class FlashAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,  # [H]
     ) -> torch.Tensor:  # [T, H, Dv]
         meta = batch.attn_metadata
+        wide = max(layer.head_dim, layer.v_head_dim) > FLASH_MAX_HEAD_DIM
         if isinstance(meta, DecodeMetadata):  # a captured decode step: no host-planned varlen
-            if self._paged is None:
+            if self._paged is None or wide:
                 return static_decode(self.kv_pool, q, k, v, layer, meta, sinks)
             if layer.writes_kv:
                 meta.write_kv(self.kv_pool, layer.layer_id, k, v)
@@ -302,6 +318,8 @@ class FlashAttentionBackend(AttentionBackend):
                 "batch.attn_metadata is not set by the flash backend: call "
                 "init_forward_metadata(batch) once per step before the layers run"
             )
+        if wide:
+            return self._wide_forward(q, k, v, layer, batch, meta, sinks)
         check_shapes(q, k, v, layer, sinks)
         meta.base.reads(layer)  # raises if the layer does not match the batch
         kv = meta.swa if layer.is_swa else meta.full
@@ -309,6 +327,30 @@ class FlashAttentionBackend(AttentionBackend):
         if layer.writes_kv:
             meta.base.write_kv(self.kv_pool, layer.layer_id, k, v)
         return self._attend(q, layer, kv, meta.cu_seqlens_q, meta.max_seqlen_q, sinks)
+
+    def _wide_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        meta: FlashMetadata,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """A layer whose heads the kernel does not take: the torch backend's path."""
+        if meta.wide is None:
+            meta.wide = build_attention_metadata(
+                batch,
+                self.sliding_window_size,
+                two_pools=isinstance(self.kv_pool, SWAKVPool),
+                attention_chunk_size=self.attention_chunk_size,
+            )
+        batch.attn_metadata = meta.wide
+        try:
+            return self._torch.forward(q, k, v, layer, batch, sinks)
+        finally:
+            batch.attn_metadata = meta
 
     def _attend(
         self,

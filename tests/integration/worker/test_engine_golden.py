@@ -1,5 +1,6 @@
 """End to end against transformers: greedy tokens of 16 prompts through small pools where SWA
-freeing, tombstones, retraction and chunked prefill all happen."""
+freeing, tombstones, retraction and chunked prefill all happen — every request equals its solo
+run — on a windowed, a chunked and a KV-sharing model."""
 
 from __future__ import annotations
 
@@ -29,13 +30,18 @@ def workload(seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["gpt-oss", "llama4", "gemma4"])
 def hf_reference(
-    tiny_model_factory: Callable[..., Path],
+    request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]
 ) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """GPT-OSS (window W), Llama 4 (chunks of C = W) and Gemma 4 (KV-shared layers)."""
     transformers = pytest.importorskip("transformers")
     path = tiny_model_factory(
-        "gpt-oss", num_layers=4, sliding_window_size=W, hidden_size=32, seed=3
+        request.param,
+        num_layers=6 if request.param == "gemma4" else 4,
+        sliding_window_size=W,
+        hidden_size=32,
+        seed=3,
     )
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = workload(0)

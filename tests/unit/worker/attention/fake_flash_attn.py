@@ -93,6 +93,7 @@ class FakeFlashAttn:
         for t in (q, k, v):
             assert t.stride(-1) == 1, "Input tensor must have contiguous last dimension"
         t_q, heads, dim = q.shape
+        assert dim <= 256, "FlashAttention forward only supports head dimension at most 256"
         batch = cu_seqlens_q.numel() - 1
         if paged:
             assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1

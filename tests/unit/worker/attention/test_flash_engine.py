@@ -100,6 +100,38 @@ def test_flash_logits_equal_the_torch_backend(
     assert {c.window for c in fake.calls} == {(-1, -1), (W, 0)}
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("arch", ["llama4", "gemma4"])
+def test_flash_logits_equal_the_torch_backend_on_chunks_and_wide_heads(
+    tiny_model_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    page_size: int,
+) -> None:
+    """Llama 4's chunked layers read from their chunk's start, a block boundary: the kernel gets
+    the window C - 1 and the blocks of the chunk. Gemma 4's global layers have heads of 320
+    (> 256, what the kernel takes: its 512 published): they run the torch path over the same
+    pools, and the kernel sees only the local layers."""
+    if arch == "llama4":
+        options: dict = dict(num_layers=4, sliding_window_size=16)  # C = 16
+        window = (15, 0)
+    else:
+        wide = {"head_dim": 320, "num_key_value_heads": 1}
+        options = dict(num_layers=6, sliding_window_size=W, per_layer_config={"2": wide, "5": wide})
+        window = (W, 0)
+    model_dir = tiny_model_factory(arch, seed=5, **options)
+    steps = record_steps(engine(model_dir, page_size))
+    twin, fake = flash_engine(model_dir, page_size, monkeypatch)
+    tolerance = 1e-4 if arch == "gemma4" else 1e-5  # its softmax scale 1 amplifies rounding
+    for inp, want in steps:
+        got = twin.runner.forward(inp)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    twin.check()
+    windows = {c.window for c in fake.calls}
+    assert windows == ({window} if arch == "gemma4" else {(-1, -1), window})
+    assert max(c.head_dim for c in fake.calls) <= 256
+
+
 class ReplayedGraph:
     """A CPU stand-in for a CUDA graph (capture runs `fn`, replay runs it again into the
     captured output; new inputs reach it only through the buffers `fn` closed over)."""
