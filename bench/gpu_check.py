@@ -61,6 +61,16 @@ from swaserve.worker.runner.host_tensors import int_tensor, to_device
 from swaserve.worker.runner.model_input import ModelInput
 
 ARCHS = ("gpt-oss", "mimo-v2-flash")
+FAMILY_MODELS: dict[str, dict[str, Any]] = {
+    # chunked local layers (C = WINDOW = 32, two 16-token blocks): the kernel reads from the
+    # query's chunk start, a block boundary
+    "llama4": dict(num_layers=4),
+    # a global layer with heads of 512 (as published): the torch path beside the kernel's
+    "gemma4": dict(
+        num_layers=3, per_layer_config={"2": {"head_dim": 512, "num_key_value_heads": 1}}
+    ),
+}
+"""More families for the logits check: what their layers need of the kernel."""
 WINDOW = 32
 DECODE_BATCHES = (1, 8, 64)
 DECODE_STEPS = 48
@@ -252,8 +262,9 @@ def replay_errors(engine: Engine, steps: list[tuple[ModelInput, torch.Tensor]]) 
 
 def check_logits(root: Path, device: str) -> list[Result]:
     results = []
-    for arch in ARCHS:
-        model_dir = tiny_model(root, arch, num_layers=2, num_experts=4, num_experts_per_tok=4)
+    models = {arch: dict(num_layers=2, num_experts=4, num_experts_per_tok=4) for arch in ARCHS}
+    for arch, options in {**models, **FAMILY_MODELS}.items():
+        model_dir = tiny_model(root, arch, **options)
         for page_size in (1, 16):
             reference = make_engine(model_dir, device, "torch", page_size, dtype="float32")
             steps = record_steps(reference)

@@ -54,12 +54,11 @@ def gpu_check(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 def test_the_flash_checks_pass(gpu_check: ModuleType, tmp_path: Path) -> None:
     results = gpu_check.check_attention(tmp_path, "cpu") + gpu_check.check_logits(tmp_path, "cpu")
-    assert [r.status for r in results] == ["pass"] * 8, "\n".join(r.line() for r in results)
+    assert [r.status for r in results] == ["pass"] * 12, "\n".join(r.line() for r in results)
     assert {r.case for r in results if r.check == "logits"} == {
-        "gpt-oss P=1 (gathered)",
-        "gpt-oss P=16 (paged)",
-        "mimo-v2-flash P=1 (gathered)",
-        "mimo-v2-flash P=16 (paged)",
+        f"{arch} P={p} ({'paged' if p == 16 else 'gathered'})"
+        for arch in ("gpt-oss", "mimo-v2-flash", "llama4", "gemma4")
+        for p in (1, 16)
     }
 
 
@@ -74,6 +73,7 @@ def test_the_flash_checks_fail_on_a_broken_value_view(
 
     monkeypatch.setattr(flash_backend, "paged_kv", wrong_columns)
     monkeypatch.setattr(gpu_check, "ARCHS", ("mimo-v2-flash",))
+    monkeypatch.setattr(gpu_check, "FAMILY_MODELS", {})
     monkeypatch.setattr(gpu_check, "ATTN_SHAPES", {"mimo dims": gpu_check.ATTN_SHAPES["mimo dims"]})
     results = gpu_check.check_attention(tmp_path, "cpu") + gpu_check.check_logits(tmp_path, "cpu")
     status = {(r.check, r.case): r.status for r in results}
