@@ -89,6 +89,15 @@ GEMMA_CHAT_TEMPLATE = """\
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""
 """Gemma's chat format (with `native_chat`): `<start_of_turn>user|model ... <end_of_turn>`, a
 system message folded into the first user turn; `<end_of_turn>` joins the EOS ids."""
+LLAMA4_SPECIAL_TOKENS = ("<|header_start|>", "<|header_end|>", "<|eot|>")
+LLAMA4_CHAT_TEMPLATE = """\
+{{- bos_token -}}
+{%- for m in messages -%}
+{{- '<|header_start|>' + m.role + '<|header_end|>\n\n' + m.content | trim + '<|eot|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|header_start|>assistant<|header_end|>\n\n' -}}{%- endif -%}"""
+"""Llama 4's chat format (with `native_chat`): `<|header_start|>ROLE<|header_end|>` then two
+newlines, the content and `<|eot|>`; `<|eot|>` joins the EOS ids."""
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
     "{{ message['content'] }}<|eos|>{% endfor %}"
@@ -166,8 +175,15 @@ def make_tiny_model(
         special = HARMONY_TOKENS
     elif native_chat and arch == "gemma3":
         special, template = GEMMA_SPECIAL_TOKENS, GEMMA_CHAT_TEMPLATE
-    elif native_chat:
+    elif native_chat and arch == "llama4":
+        special, template = LLAMA4_SPECIAL_TOKENS, LLAMA4_CHAT_TEMPLATE
+    elif native_chat and arch == "mimo-v2-flash":
         special, added, template = MIMO_SPECIAL_TOKENS, MIMO_ADDED_TOKENS, mimo.CHAT_TEMPLATE
+    elif native_chat:
+        raise ValueError(
+            f"no native chat format for {arch}; the families with one: gpt-oss, mimo-v2-flash, "
+            "gemma3, llama4"
+        )
     tokens = 256 + len(SPECIAL_TOKENS) + len(special) + len(added)
     vocab = vocab_size or 32 * math.ceil(tokens / 32)
     if vocab < tokens:
@@ -402,6 +418,8 @@ def make_tiny_model(
             "weight_block_size": list(fp8_block_size),
             "modules_to_not_convert": list(FP8_MODULES_TO_NOT_CONVERT),
         }
+    if special == LLAMA4_SPECIAL_TOKENS:  # generation ends at <|eot|>, as Llama 4's does
+        hf["eos_token_id"] = [EOS_ID, 256 + len(SPECIAL_TOKENS) + 2]
     if special == GEMMA_SPECIAL_TOKENS:  # generation ends at a turn's end, as Gemma's does
         hf["eos_token_id"] = [EOS_ID, 256 + len(SPECIAL_TOKENS) + 1]
     hf |= overrides

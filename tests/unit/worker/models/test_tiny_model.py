@@ -119,6 +119,28 @@ def test_gemma3s_native_chat_renders_as_transformers_and_ends_at_end_of_turn(
     assert end_of_turn in load_model_config(tmp_path).eos_token_ids
 
 
+def test_llama4s_native_chat_renders_as_transformers_and_ends_at_eot(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tiny_model(tmp_path, arch="llama4", num_layers=2, native_chat=True)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    ours = ChatTemplate.from_model_dir(tmp_path).render(messages, add_generation_prompt=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.startswith("<|bos|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>")
+    assert ours.endswith("<|header_start|>assistant<|header_end|>\n\n")
+    eot = tokenizer.convert_tokens_to_ids("<|eot|>")
+    assert eot in load_model_config(tmp_path).eos_token_ids
+    with pytest.raises(ValueError, match="no native chat format for cohere2"):
+        make_tiny_model(tmp_path / "c", arch="cohere2", num_layers=2, native_chat=True)
+
+
 def test_make_tiny_model_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["make-tiny-model", str(tmp_path / "m"), "--arch", "mimo-v2-flash", "--layers", "3"]
     argv += ["--window", "2", "--heads", "8", "--kv-heads", "2", "--hidden", "64", "--seed", "4"]
