@@ -97,11 +97,28 @@ def test_chat_template_renders_through_transformers(tmp_path: Path) -> None:
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BOS_ID, EOS_ID)
 
 
-def test_gemma3s_native_chat_renders_as_transformers_and_ends_at_end_of_turn(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("arch", "begins", "prompt_end", "end_token"),
+    [
+        (
+            "gemma3",
+            "<|bos|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n",
+            "<start_of_turn>model\n",
+            "<end_of_turn>",
+        ),
+        (
+            "llama4",
+            "<|bos|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>",
+            "<|header_start|>assistant<|header_end|>\n\n",
+            "<|eot|>",
+        ),
+    ],
+)
+def test_a_native_chat_renders_as_transformers_and_ends_at_its_turn_end(
+    tmp_path: Path, arch: str, begins: str, prompt_end: str, end_token: str
 ) -> None:
     transformers = pytest.importorskip("transformers")
-    make_tiny_model(tmp_path, arch="gemma3", num_layers=2, native_chat=True)
+    make_tiny_model(tmp_path, arch=arch, num_layers=2, native_chat=True)
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
@@ -113,32 +130,13 @@ def test_gemma3s_native_chat_renders_as_transformers_and_ends_at_end_of_turn(
     assert ours == tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    assert ours.startswith("<|bos|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n")
-    assert ours.endswith("<start_of_turn>model\n")
-    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
-    assert end_of_turn in load_model_config(tmp_path).eos_token_ids
+    assert ours.startswith(begins) and ours.endswith(prompt_end)
+    assert tokenizer.convert_tokens_to_ids(end_token) in load_model_config(tmp_path).eos_token_ids
 
 
-def test_llama4s_native_chat_renders_as_transformers_and_ends_at_eot(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    make_tiny_model(tmp_path, arch="llama4", num_layers=2, native_chat=True)
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"},
-        {"role": "user", "content": "Bye"},
-    ]
-    ours = ChatTemplate.from_model_dir(tmp_path).render(messages, add_generation_prompt=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    assert ours == tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-    assert ours.startswith("<|bos|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>")
-    assert ours.endswith("<|header_start|>assistant<|header_end|>\n\n")
-    eot = tokenizer.convert_tokens_to_ids("<|eot|>")
-    assert eot in load_model_config(tmp_path).eos_token_ids
+def test_native_chat_is_refused_for_a_family_without_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no native chat format for cohere2"):
-        make_tiny_model(tmp_path / "c", arch="cohere2", num_layers=2, native_chat=True)
+        make_tiny_model(tmp_path, arch="cohere2", num_layers=2, native_chat=True)
 
 
 def test_make_tiny_model_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
