@@ -13,6 +13,7 @@ pool plan; the driver learns them from the worker (`ModelInfo.limits`).
                     (`prompt` when n + 1 alone does not fit)
     prompt          n <= max_unchunked_prompt_tokens    two pools and no chunked prefill: the
                                                  whole prompt is one extend into the SWA pool
+                                                 (chunked layers: no limit once one chunk fits)
 """
 
 from __future__ import annotations
@@ -50,14 +51,21 @@ class RequestLimits:
     sliding_window_size: int = 0
     swa_pool_tokens: int = 0
     chunked_prefill_size: int | None = None
+    attention_chunk_size: int | None = None  # chunked SWA layers: no extend is longer than C
 
     @property
     def max_unchunked_prompt_tokens(self) -> int | None:
         """The longest prompt the SWA pool can prefill in one extend when chunked prefill is
-        off (None: no such limit)."""
+        off (None: no such limit). A chunked model's extends stop at every multiple of C, so
+        it has none when an extend of C tokens fits."""
         if self.swa_pool_tokens == 0 or self.chunked_prefill_size is not None:
             return None
-        return max_swa_extend_tokens(self.swa_pool_tokens, self.sliding_window_size, self.page_size)
+        longest = max_swa_extend_tokens(
+            self.swa_pool_tokens, self.sliding_window_size, self.page_size
+        )
+        if self.attention_chunk_size and longest >= self.attention_chunk_size:
+            return None
+        return longest
 
     def max_new_tokens_room(self, prompt_tokens: int) -> int:
         """The most max_new_tokens a prompt of `prompt_tokens` tokens may ask for under the

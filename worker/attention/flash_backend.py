@@ -404,7 +404,10 @@ class FlashAttentionBackend(AttentionBackend):
         if keys is None:
             reads = meta.reads(layer)
             window = meta.sliding_window_size if layer.is_swa else None
-            keys = cached[1][layer.is_swa] = decode_block_table(reads, meta.positions, window)
+            chunk = meta.attention_chunk_size if layer.is_swa else None
+            keys = cached[1][layer.is_swa] = decode_block_table(
+                reads, meta.positions, window, chunk
+            )
         return keys
 
 
@@ -412,6 +415,7 @@ def decode_block_table(
     reads: DecodeReads,
     positions: torch.Tensor,  # [Bp] int64 the new token's position
     window: int | None,  # W for an SWA layer, None for a full one
+    chunk: int | None = None,  # C of a chunked SWA layer (W = C - 1)
 ) -> FlashKeys:
     """The paged kernel's keys for a decode step of fixed shapes, from its padded reads, on
     the device: block j of row b starts at position `first_b + 16·j`, `first_b` = 0 (full) or
@@ -419,7 +423,8 @@ def decode_block_table(
     first page, so they are live, and the kernel's window mask hides them). The block id is
     the pool row of the block's first read position // 16 - 1 (the paged views skip block 0).
     Shapes depend on the read's width only: Lf / 16 blocks for full layers (Lf a multiple of
-    16), cdiv(W + 16, 16) for SWA ones; `max_seqlen_k` is their token span."""
+    16), cdiv(W + 16, 16) for SWA ones; `max_seqlen_k` is their token span. A chunked layer's
+    reads start at its chunk, `floor(p_b / C)·C`, a block boundary: no lead-in keys."""
     block = BLOCK_TOKENS
     width = reads.slots.shape[1]  # Lf, or W + 1
     if window is None:
@@ -429,7 +434,10 @@ def decode_block_table(
         cols = torch.arange(0, width, block, device=positions.device)  # [Lf / 16] int64
         columns = cols[None, :].expand(positions.shape[0], -1)  # [Bp, Lf / 16] int64
     else:
-        start = torch.clamp(positions - window, min=0)  # [Bp] int64 the window's first key
+        if chunk:  # the chunk's first key (C is a multiple of the page, so of the block)
+            start = torch.div(positions, chunk, rounding_mode="floor") * chunk  # [Bp] int64
+        else:
+            start = torch.clamp(positions - window, min=0)  # [Bp] int64 the window's first key
         first = torch.div(start, block, rounding_mode="floor") * block  # [Bp] int64
         cols = torch.arange(cdiv(window + block, block), device=positions.device) * block
         columns = torch.clamp(first[:, None] - start[:, None] + cols[None, :], 0, width - 1)

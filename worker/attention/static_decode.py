@@ -45,6 +45,7 @@ class DecodeMetadata:
     swa: DecodeReads | None
     sliding_window_size: int | None
     positions: torch.Tensor  # [Bp] int64 the new token's position (0 on padded rows)
+    attention_chunk_size: int | None = None  # chunked SWA layers: reads start at the chunk
 
     def reads(self, layer: AttentionLayer) -> DecodeReads:
         if not layer.is_swa:
@@ -137,4 +138,12 @@ def decode_metadata(
             starts = torch.clamp(positions - window, min=0)  # [Bp] int64
         cols = torch.arange(window + 1, dtype=torch.int64, device=full_cols.device)  # [W + 1]
         swa = padded_reads(swa_table, rows, starts, ends, cols)
-    return DecodeMetadata(out_full_loc, out_swa_loc, full, swa, sliding_window_size, positions)
+    return DecodeMetadata(
+        out_full_loc,
+        out_swa_loc,
+        full,
+        swa,
+        sliding_window_size,
+        positions,
+        attention_chunk_size if swa is not None else None,
+    )

@@ -159,6 +159,7 @@ def build_host_state(
         sliding_window_size=window or 0,
         swa_pool_tokens=plan.swa_tokens if hybrid else 0,
         chunked_prefill_size=chunk,
+        attention_chunk_size=attn_chunk,
     )
     limits = SchedulerLimits(
         page_size=p,

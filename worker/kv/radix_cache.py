@@ -284,8 +284,11 @@ class SWARadixCache(RadixTree):
                 self._swa_evictable += len(x.key)
             if handle.swa_lock_id is not None and x.lock_id == handle.swa_lock_id:
                 break
-        if not handle.holds_swa or node.parent is None or node.tombstone:
+        if node.parent is None or node.tombstone:
             return
+        if not handle.holds_swa and not self.attention_chunk_size:
+            return  # the window before the lock's end was not live: nothing to keep
+        # (under chunks a lock ending on a boundary holds no SWA, yet resumes just before it do)
         keep = self._checkpoint_len(node)
         if not node.children and node.swa_lock == 0 and len(node.key) > keep:
             self._tombstone(self._split(node, len(node.key) - keep))  # the interior

@@ -106,3 +106,20 @@ def test_the_room_is_exactly_what_check_accepts() -> None:
             assert limits.check(n, max(1, room + 1)) is not None, (limits, n)
     assert LIMITS.max_new_tokens_room(10) == 54  # page_floor(64, 4) - 10
     assert RequestLimits(50, 64, 4).max_new_tokens_room(10) == 40  # the model bounds it
+
+
+def test_a_chunked_model_prefills_any_prompt_one_chunk_at_a_time() -> None:
+    """Without chunked prefill a windowed model's whole prompt is one extend, so the SWA pool
+    bounds it; a chunked model's extends stop at every multiple of C, so a pool that takes
+    one chunk takes any prompt."""
+    windowed = RequestLimits(4096, 4096, 1, sliding_window_size=31, swa_pool_tokens=128)
+    assert windowed.max_unchunked_prompt_tokens == 128 - 31 - 1 - 1
+    assert windowed.check(500, 10) is not None
+    chunked = RequestLimits(
+        4096, 4096, 1, sliding_window_size=31, swa_pool_tokens=128, attention_chunk_size=32
+    )
+    assert chunked.max_unchunked_prompt_tokens is None and chunked.check(500, 10) is None
+    tight = RequestLimits(
+        4096, 4096, 1, sliding_window_size=31, swa_pool_tokens=64, attention_chunk_size=32
+    )
+    assert tight.max_unchunked_prompt_tokens == 64 - 31 - 1 - 1  # a chunk does not fit

@@ -145,7 +145,7 @@ class ReplayedGraph:
 
 
 @pytest.mark.parametrize("api", ["v2_6", "newer"])
-@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash", "llama4"])
 def test_a_captured_decode_step_reads_the_pool_through_block_tables(
     tiny_model_factory: Callable[..., Path],
     monkeypatch: pytest.MonkeyPatch,
@@ -154,8 +154,10 @@ def test_a_captured_decode_step_reads_the_pool_through_block_tables(
 ) -> None:
     """At P = 16 the fixed-shape decode step calls the paged kernel, with block tables built on
     the device from its padded reads (`decode_block_table`), and gives the torch backend's
-    greedy tokens while windows slide past the lead-in keys and SWA KV is freed."""
-    model_dir = tiny_model_factory(arch, num_layers=6, sliding_window_size=W, seed=5)
+    greedy tokens while windows slide past the lead-in keys and SWA KV is freed (Llama 4,
+    C = 16: the tables start at each row's chunk, whose predecessors are freed)."""
+    window = 16 if arch == "llama4" else W  # a chunk must be a multiple of the page
+    model_dir = tiny_model_factory(arch, num_layers=6, sliding_window_size=window, seed=5)
     greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     prompts = [PREFIX + [7] * 30, [*PREFIX, 9, 9], [3, 1, 4, 1, 5], PREFIX[:21]]
     want = [o.token_ids for o in engine(model_dir, 16).generate(prompts, greedy)]
@@ -170,7 +172,7 @@ def test_a_captured_decode_step_reads_the_pool_through_block_tables(
     assert step.stats.steps == greedy.max_new_tokens - 1  # every decode, as one graph
     assert twin.stats.swa_freed_tokens > 0
     decode_calls = [c for c in fake.calls if c.paged and c.seqused_k == (api == "newer")]
-    assert {c.window for c in decode_calls} == {(-1, -1), (W, 0)}
+    assert {c.window for c in decode_calls} == {(-1, -1), (W if arch != "llama4" else 15, 0)}
     assert not any(not c.paged for c in fake.calls)
     assert len(fake.calls) >= 6 * step.stats.steps  # each decode step: one call per layer
 
@@ -201,3 +203,26 @@ def test_decode_block_tables_start_at_the_window_page() -> None:
     assert full.cu_seqlens_k.tolist() == [0, 41, 45]
     with pytest.raises(ValueError, match="multiple of 16"):
         decode_block_table(meta.swa, positions, None)
+
+
+def test_chunked_decode_block_tables_start_at_the_chunk() -> None:
+    """C = 32: row 0 at position 40 reads [32, 40], row 1 at 70 reads [64, 70]: one block each
+    from the chunk's start, never a key of the chunk before."""
+    table = torch.arange(2 * 96).view(2, 96) + 16  # [rows, positions] → pool row, from block 1
+    positions = torch.tensor([40, 70])
+    meta = decode_metadata(
+        full_table=table,
+        swa_table=table,
+        rows=torch.tensor([0, 1]),
+        positions=positions,
+        out_full_loc=torch.tensor([56, 182]),
+        out_swa_loc=torch.tensor([56, 182]),
+        full_cols=torch.arange(96),
+        sliding_window_size=31,
+        attention_chunk_size=32,
+    )
+    assert meta.swa is not None and meta.attention_chunk_size == 32
+    swa = decode_block_table(meta.swa, positions, 31, meta.attention_chunk_size)
+    assert swa.seqused_k.tolist() == [9, 7]  # 40 - 32 + 1, 70 - 64 + 1
+    first = swa.block_table[:, 0].tolist()
+    assert first == [(16 + 32) // 16 - 1, (16 + 96 + 64) // 16 - 1]

@@ -637,3 +637,21 @@ def test_a_released_chunk_lock_keeps_what_resumes_near_the_prompt_end_read(
     assert sorted(live) == kept
     cache.cache_finished_request(tokens, kv, lock, state)
     checked(allocator, cache)
+
+
+def test_a_chunk_lock_ending_on_a_boundary_still_keeps_a_checkpoint() -> None:
+    """Prompt [1..8] (C = 4) ends on a boundary: its lock holds no SWA (the next query reads
+    nothing before 8), yet resumes up to S + P before the end read [4, 8); releasing the lock
+    keeps them as a checkpoint and tombstones the rest."""
+    allocator, cache = make_chunked(chunk=4, slack=2)
+    insert_fresh(allocator, cache, list(range(1, 9)))
+    tokens = list(range(1, 13))
+    kv, lock, state = start_request(allocator, cache, tokens)
+    assert not lock.handle.holds_swa and kv.numel() == 12
+    cache.release_request_swa(lock)
+    assert [(n.key, n.tombstone, n.checkpoint) for n in cache._nodes()] == [
+        ([1, 2, 3, 4], True, False),
+        ([5, 6, 7, 8], False, True),
+    ]
+    cache.cache_finished_request(tokens, kv, lock, state)
+    checked(allocator, cache)
