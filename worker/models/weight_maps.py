@@ -91,9 +91,12 @@ class WeightMap:
     skip: tuple[SkipRule, ...] = ()
     prefixes: tuple[Prefix, ...] = ()
 
-    def layouts(self, name: str, shape: tuple[int, ...]) -> list[list[Placement]]:
+    def layouts(
+        self, name: str, shape: tuple[int, ...], *, prefixed: bool = True
+    ) -> list[list[Placement]]:
         """Every way the parameter `name` of `shape` may be stored, packed first; each way is
-        the list of checkpoint tensors that together fill it."""
+        the list of checkpoint tensors that together fill it. `prefixed=False` leaves out the
+        multimodal checkpoints' prefixed names."""
         found = [[Placement(name, ())]]
         for rename in self.renames:
             if name.endswith(rename.packed):
@@ -102,7 +105,7 @@ class WeightMap:
         for stack in self.expert_stacks:
             if name.endswith(stack.packed) and len(shape) >= 2:
                 found.append(self._stacked(name[: -len(stack.packed)], stack, shape))
-        for prefix in self.prefixes:
+        for prefix in self.prefixes if prefixed else ():
             if name.startswith(prefix.packed):
                 moved = prefix.original + name[len(prefix.packed) :]
                 found.append([Placement(moved, ())])
@@ -125,7 +128,7 @@ class WeightMap:
         for `--format original`); names no rule covers stay as they are."""
         out: dict[str, torch.Tensor] = {}
         for name, tensor in weights.items():
-            layouts = self.layouts(name, tuple(tensor.shape))
+            layouts = self.layouts(name, tuple(tensor.shape), prefixed=False)
             chosen = layouts[-1] if len(layouts) > 1 else layouts[0]
             for placement in chosen:
                 out[placement.source] = tensor[placement.index].contiguous()
