@@ -192,3 +192,39 @@ def test_the_start_up_prefill_measurement_stays_within_one_chunk(llama4: Path) -
         assert len(out.token_ids) == 4
     finally:
         engine.shutdown()
+
+
+def test_nan_in_every_swa_row_no_live_position_maps_to_never_reaches_the_logits(
+    llama4: Path,
+) -> None:
+    """After every step, every SWA pool row that no running request's computed position and no
+    cached node maps to — the chunks freed at each boundary among them — is filled with NaN;
+    the greedy tokens stay those of a clean run (the kernels read only live chunk keys)."""
+    prompts = [list(range(1, 3 * C + 4)), list(range(40, 40 + C + 2))]
+    clean = Engine(EngineConfig(model=str(llama4), max_total_tokens=256, swa_eviction_interval=1))
+    try:
+        want = [o.token_ids for o in clean.generate(prompts, greedy(4 * C))]
+    finally:
+        clean.shutdown()
+    engine = Engine(EngineConfig(model=str(llama4), max_total_tokens=256, swa_eviction_interval=1))
+    try:
+        pool = engine.runner.kv_pool.swa_pool
+        ids = [engine.add_request(p, greedy(4 * C)) for p in prompts]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        poisoned = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            assert engine.tree is not None
+            held = [r.slots[: r.num_computed] for r in engine.scheduler.running]
+            live = engine.allocator.translate(torch.cat([engine.tree.cached_indices(), *held]))
+            unused = torch.ones(pool.size + pool.page_size, dtype=torch.bool)
+            unused[live[live > 0]] = False
+            for buf in (*pool.k_buffer, *pool.v_buffer):
+                buf[unused] = float("nan")
+            poisoned = max(poisoned, int(unused.sum()))
+        assert [got[i] for i in ids] == want
+        assert poisoned > pool.size // 2  # most of the pool was NaN at some point
+        assert engine.stats.swa_freed_tokens > 0
+    finally:
+        engine.shutdown()
