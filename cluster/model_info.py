@@ -44,6 +44,7 @@ class ModelInfo:
             "vocab_size": self.vocab_size,
             "max_model_len": self.limits.max_model_len,
             "sliding_window_size": self.limits.sliding_window_size,
+            "attention_chunk_size": self.limits.attention_chunk_size or 0,
             "page_size": self.limits.page_size,
             "tp_size": self.tp_size,
             "eos_token_ids": list(self.eos_token_ids),

@@ -168,7 +168,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "sliding_window_size", "page_size", "tp_size", "num_workers", "eos_token_ids", "has_tokenizer")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "sliding_window_size", "page_size", "tp_size", "num_workers", "eos_token_ids", "has_tokenizer", "attention_chunk_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ModelInfo(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -189,7 +190,8 @@ class ModelInfo(_message.Message):
     num_workers: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_tokenizer: bool
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., sliding_window_size: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_workers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    attention_chunk_size: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., sliding_window_size: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_workers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., attention_chunk_size: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

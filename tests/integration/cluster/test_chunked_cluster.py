@@ -24,6 +24,8 @@ def test_a_session_on_a_chunked_model_reuses_its_history_where_the_router_predic
     model = tiny_model_factory("llama4", num_layers=4, sliding_window_size=C, seed=2)
     served = make_cluster(model=model, replicas=2)
     stub = served.stub()
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.attention_chunk_size, info.sliding_window_size) == (C, C - 1)
     tokenizer = served.cluster.tokenizer
     assert tokenizer is not None
     turn1 = tokenizer.encode("System: you are a terse assistant.\nUser: chunked attention?\n")

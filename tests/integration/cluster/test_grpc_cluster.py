@@ -84,7 +84,7 @@ def test_get_model_info(two_workers: ServedCluster, cluster_model: Path) -> None
     info = two_workers.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.model_name == cluster_model.name
     assert info.architecture == "GptOssForCausalLM"
-    assert info.sliding_window_size == 8
+    assert info.sliding_window_size == 8 and info.attention_chunk_size == 0
     assert info.num_workers == 2 and info.tp_size == 1
     assert info.vocab_size == 288 and info.has_tokenizer
     assert list(info.eos_token_ids) == [257]
