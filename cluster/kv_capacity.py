@@ -21,6 +21,24 @@ from swaserve.worker.runner.parallel import num_kv_heads_per_rank
 
 BF16_BYTES = 2
 
+
+def one_kv_shape(
+    num_full_layers: int, num_swa_layers: int, kv_heads: int, head_dim: int, window: int
+) -> dict[str, int]:
+    """`MODEL_HEADS`' entry of a model whose two layer kinds have one KV shape."""
+    return dict(
+        num_full_layers=num_full_layers,
+        num_swa_layers=num_swa_layers,
+        full_kv_heads=kv_heads,
+        full_head_dim=head_dim,
+        full_v_head_dim=head_dim,
+        swa_kv_heads=kv_heads,
+        swa_head_dim=head_dim,
+        swa_v_head_dim=head_dim,
+        sliding_window_size=window,
+    )
+
+
 # Real layer counts, KV heads and dims (bf16 KV). W is the number of tokens *before* the current
 # one an SWA query sees (architecture §2): GPT-OSS's HF config stores sliding_window = 128 = W + 1.
 MODEL_HEADS: dict[str, dict[str, int]] = {
@@ -63,53 +81,13 @@ MODEL_HEADS: dict[str, dict[str, int]] = {
     ),
     # Llama 4 Scout / Maverick: 48 layers, 3 chunked : 1 global (36 : 12); 8 KV heads of dim
     # 128; attention_chunk_size 8192: a chunked query reads at most C - 1 keys before it.
-    "llama-4-scout": dict(
-        num_full_layers=12,
-        num_swa_layers=36,
-        full_kv_heads=8,
-        full_head_dim=128,
-        full_v_head_dim=128,
-        swa_kv_heads=8,
-        swa_head_dim=128,
-        swa_v_head_dim=128,
-        sliding_window_size=8191,
-    ),
+    "llama-4-scout": one_kv_shape(12, 36, 8, 128, 8191),
     # Command A: 64 layers, 3 sliding : 1 global (48 : 16); 8 KV heads of dim 128; window 4096.
-    "command-a": dict(
-        num_full_layers=16,
-        num_swa_layers=48,
-        full_kv_heads=8,
-        full_head_dim=128,
-        full_v_head_dim=128,
-        swa_kv_heads=8,
-        swa_head_dim=128,
-        swa_v_head_dim=128,
-        sliding_window_size=4095,
-    ),
+    "command-a": one_kv_shape(16, 48, 8, 128, 4095),
     # OLMo 3 32B: 64 layers, 3 sliding : 1 global; 8 KV heads of dim 128; window 4096.
-    "olmo-3-32b": dict(
-        num_full_layers=16,
-        num_swa_layers=48,
-        full_kv_heads=8,
-        full_head_dim=128,
-        full_v_head_dim=128,
-        swa_kv_heads=8,
-        swa_head_dim=128,
-        swa_v_head_dim=128,
-        sliding_window_size=4095,
-    ),
+    "olmo-3-32b": one_kv_shape(16, 48, 8, 128, 4095),
     # EXAONE 4.0 32B: 64 layers, LLLG (48 local : 16 global); 8 KV heads of dim 128; window 4096.
-    "exaone-4-32b": dict(
-        num_full_layers=16,
-        num_swa_layers=48,
-        full_kv_heads=8,
-        full_head_dim=128,
-        full_v_head_dim=128,
-        swa_kv_heads=8,
-        swa_head_dim=128,
-        swa_v_head_dim=128,
-        sliding_window_size=4095,
-    ),
+    "exaone-4-32b": one_kv_shape(16, 48, 8, 128, 4095),
 }
 
 SGLANG_TREATMENT: dict[str, tuple[str, int]] = {
@@ -196,10 +174,10 @@ def capacity_row(
         swa_eviction_interval=swa_eviction_interval,
     )
     auto = plan_pools(**common, sliding_window_size=w, swa_full_tokens_ratio=r)
+    single_pool = requests_that_fit(single, seq_len, **fit)
     treatment, anchor_w = SGLANG_TREATMENT.get(model, ("one pool", 0))
-    if treatment == "one pool":
-        sglang = requests_that_fit(single, seq_len, **fit)
-    else:
+    sglang = single_pool
+    if treatment == "two pools":
         anchor = plan_pools(**common, sliding_window_size=anchor_w, swa_full_tokens_ratio=0.8)
         sglang = requests_that_fit(
             anchor,
@@ -210,7 +188,7 @@ def capacity_row(
     return CapacityRow(
         model=model,
         seq_len=seq_len,
-        single_pool=requests_that_fit(single, seq_len, **fit),
+        single_pool=single_pool,
         ratio_0_8=requests_that_fit(fixed, seq_len, **fit),
         auto=requests_that_fit(auto, seq_len, **fit),
         auto_ratio=r,

@@ -280,8 +280,6 @@ class ModelConfig:
 
         specs = self.layer_cache_specs(tp_size)
         local = [s for s in specs if s.rule in ("window", "chunked")]
-        if len({(s.rule, s.span, s.layout) for s in local}) > 1:
-            raise ModelConfigError(f"{self.source}: the local layers declare more than one rule")
 
         def layout(kind: AttentionKindConfig) -> KVLayout:
             heads = num_kv_heads_per_rank(kind.num_kv_heads, tp_size)

@@ -37,13 +37,13 @@ from swaserve.worker.models.layers import (
     ACTIVATIONS,
     Attention,
     DenseMLP,
-    FusedLinear,
     RMSNorm,
+    glu,
     l2_norm,
 )
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashExperts
 from swaserve.worker.models.rotary import apply_rotary
-from swaserve.worker.models.tp_layers import ColumnParallelLinear, VocabParallelEmbedding
+from swaserve.worker.models.tp_layers import VocabParallelEmbedding
 from swaserve.worker.runner.parallel import TPGroup
 
 
@@ -66,6 +66,7 @@ class Gemma4Attention(Attention):
         self.eps = eps
         self.shares_kv = not self.layer.writes_kv
         self.k_eq_v = kind.k_eq_v
+        self.value_norm = config.value_norm
         self.q_norm = RMSNorm(kind.head_dim, eps, weight_after_cast=False, dtype=dtype)
         if self.shares_kv:
             del self.k_proj, self.v_proj
@@ -73,19 +74,6 @@ class Gemma4Attention(Attention):
             self.k_norm = RMSNorm(kind.head_dim, eps, weight_after_cast=False, dtype=dtype)
             if self.k_eq_v:
                 del self.v_proj
-
-    def fuse_projections(self) -> None:
-        """q with k (and v) in one weight where the layer has them."""
-        names = ("q_proj",) if self.shares_kv else ("q_proj", "k_proj") if self.k_eq_v else None
-        if names is None:
-            super().fuse_projections()
-            return
-        if len(names) > 1:
-            parts = [getattr(self, name) for name in names]
-            if all(type(p) is ColumnParallelLinear for p in parts):
-                self.qkv_proj = FusedLinear(parts, names)
-                for name in names:
-                    delattr(self, name)
 
     def forward(
         self,
@@ -109,7 +97,9 @@ class Gemma4Attention(Attention):
             v = q.new_empty(t, self.num_kv_heads, self.v_head_dim)
         else:
             k = apply_rotary(self.k_norm(k_raw.view(t, self.num_kv_heads, self.head_dim)), *cos_sin)
-            v = l2_norm(v_raw.view(t, self.num_kv_heads, self.v_head_dim), self.eps)
+            v = v_raw.view(t, self.num_kv_heads, self.v_head_dim)
+            if self.value_norm:
+                v = l2_norm(v, self.eps)
         out = self.backend.forward(q, k, v, self.layer, batch)  # [T, H, Dv]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
 
@@ -119,8 +109,7 @@ class Gemma4Experts(MiMoV2FlashExperts):
     under TP) with Gemma's GeGLU."""
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return ACTIVATIONS["gelu_pytorch_tanh"](gate) * up
+        return glu(gate_up, "gelu_pytorch_tanh")
 
 
 class Gemma4Router(nn.Module):

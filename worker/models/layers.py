@@ -174,12 +174,15 @@ class Attention(nn.Module):
         self.temperature = config.attention_temperature if kind.rope is None else None
 
     def fuse_projections(self) -> None:
-        """After the load: q/k/v in one weight (`qkv_proj`, one matmul), unless one of them is
-        held quantized (`Fp8Linear`)."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        if all(type(p) is ColumnParallelLinear for p in parts):
-            self.qkv_proj = FusedLinear(parts, ("q_proj", "k_proj", "v_proj"))
-            del self.q_proj, self.k_proj, self.v_proj
+        """After the load: the layer's q/k/v projections (those it has: Gemma 4 drops v where
+        K = V, and k and v on a KV-shared layer) in one weight (`qkv_proj`, one matmul), unless
+        one of them is held quantized (`Fp8Linear`); `qkv_proj` returns them in that order."""
+        names = tuple(n for n in ("q_proj", "k_proj", "v_proj") if hasattr(self, n))
+        parts = [getattr(self, n) for n in names]
+        if len(parts) > 1 and all(type(p) is ColumnParallelLinear for p in parts):
+            self.qkv_proj = FusedLinear(parts, names)
+            for name in names:
+                delattr(self, name)
 
     def forward(
         self,
@@ -232,6 +235,13 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 """A gated MLP's activation by its HF `hidden_act` / `hidden_activation` name."""
+
+
+def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:  # [..., 2I] → [..., I]
+    """A gated unit over fused gate/up outputs, gate the first half: act(gate) · up (SwiGLU by
+    default; GeGLU with "gelu_pytorch_tanh")."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
 
 
 class DenseMLP(nn.Module):
@@ -313,7 +323,8 @@ class FusedLinear(Prepackable):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `mlp_name`: the MLP's module
+    name, as the checkpoint has it (Llama 4: `feed_forward`)."""
 
     def __init__(
         self,
@@ -321,10 +332,13 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
         input_layernorm: RMSNorm,
         post_attention_layernorm: RMSNorm,
+        *,
+        mlp_name: str = "mlp",
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = mlp
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
 
@@ -335,7 +349,8 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch | DecodeBatch,
     ) -> torch.Tensor:  # [T, D]
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        mlp = getattr(self, self.mlp_name)
+        return hidden + mlp(self.post_attention_layernorm(hidden))
 
 
 class SandwichDecoderLayer(nn.Module):

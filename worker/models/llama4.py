@@ -18,11 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swaserve.worker.attention.base import ForwardBatch
-from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import Attention, BatchedExperts, DenseMLP
+from swaserve.worker.models.layers import BatchedExperts, DecoderLayer, DenseMLP, glu
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.tp_layers import fused_segments
 from swaserve.worker.runner.parallel import TPGroup
@@ -60,8 +58,7 @@ class Llama4Experts(BatchedExperts):
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: silu(gate) · up, gate the first half."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return glu(gate_up)
 
     def stacked_expert_weights(self) -> tuple[torch.Tensor, None, torch.Tensor]:
         e, d, two_i = self.gate_up_proj.shape
@@ -114,40 +111,15 @@ class Llama4MoE(nn.Module):
         return self.shared_expert(x) + self.tp.all_reduce(routed)
 
 
-class Llama4DecoderLayer(nn.Module):
-    """Pre-norm block with HF's module names: x + attn(norm(x)), then x + ff(norm(x))."""
-
-    def __init__(
-        self,
-        self_attn: Attention,
-        feed_forward: nn.Module,
-        input_layernorm: nn.Module,
-        post_attention_layernorm: nn.Module,
-    ) -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        self.feed_forward = feed_forward
-        self.input_layernorm = input_layernorm
-        self.post_attention_layernorm = post_attention_layernorm
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, D]
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-        batch: ForwardBatch | DecodeBatch,
-    ) -> torch.Tensor:  # [T, D]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, batch)
-        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
-
-
 class Llama4ForCausalLM(HybridCausalLM):
     def make_layer(self, layer_id: int) -> nn.Module:
         d = self.config.hidden_size
-        return Llama4DecoderLayer(
+        return DecoderLayer(
             self.make_attention(layer_id),
             self.make_mlp(layer_id),
             self.make_norm(d),
             self.make_norm(d),
+            mlp_name="feed_forward",  # HF's name for it
         )
 
     def make_mlp(self, layer_id: int) -> nn.Module:

@@ -18,7 +18,7 @@ from torch import nn
 
 from swaserve.worker.models.causal_lm import HybridCausalLM
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.layers import BatchedExperts, DenseMLP
+from swaserve.worker.models.layers import BatchedExperts, DenseMLP, glu
 from swaserve.worker.models.param_shard import ParamShard
 from swaserve.worker.models.tp_layers import fused_segments
 from swaserve.worker.runner.parallel import TPGroup
@@ -98,8 +98,7 @@ class MiMoV2FlashExperts(BatchedExperts):
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: silu(gate) · up, gate the first half."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return glu(gate_up)
 
     def stacked_expert_weights(self) -> tuple[torch.Tensor, None, torch.Tensor]:
         e, d, i = self.down_proj.shape

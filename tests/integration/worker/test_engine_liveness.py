@@ -286,11 +286,19 @@ def models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def gemma_models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
-    """Gemma 3 (5:1 local / global, sandwich norms) at the same windows."""
+FAMILIES = {"gemma3": 6, "gemma4": 6, "llama4": 4}  # arch -> layers
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_models(
+    request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]
+) -> dict[int, Path]:
+    """At the same windows: Gemma 3 (5:1 local / global, sandwich norms), Gemma 4 (KV-shared
+    layers, per-layer inputs) and Llama 4 (chunks of C = the window)."""
+    arch = request.param
     return {
-        w: tiny_model_factory("gemma3", num_layers=6, sliding_window_size=w, seed=3) for w in (4, 8)
+        w: tiny_model_factory(arch, num_layers=FAMILIES[arch], sliding_window_size=w, seed=3)
+        for w in (4, 8)
     }
 
 
@@ -312,10 +320,10 @@ def test_every_request_ends_within_bounded_steps(
 
 @settings(max_examples=12, **FUZZ_SETTINGS)  # type: ignore[arg-type]
 @given(config=engine_configs, plan=arrivals)
-def test_every_request_ends_within_bounded_steps_on_gemma3(
-    gemma_models: dict[int, Path], config: dict, plan: list[Arrival]
+def test_every_request_ends_within_bounded_steps_on_each_family(
+    family_models: dict[int, Path], config: dict, plan: list[Arrival]
 ) -> None:
-    check_liveness(gemma_models, config, plan)
+    check_liveness(family_models, config, plan)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Gemma 4 through the real engine: greedy output equals transformers' with KV-shared layers
 (which own no KV), per-layer inputs and the MoE block, on two pools at P = 1 and 4 and on one
-pool; and the engine's liveness property holds on it."""
+pool. (The liveness fuzz runs on Gemma 4 in test_engine_liveness.py.)"""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
 from test_checkpoint_formats_golden import hf_greedy, workload
-from test_engine_liveness import FUZZ_SETTINGS, Arrival, arrivals, check_liveness, engine_configs
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 
@@ -56,19 +54,3 @@ def test_moe_gemma4_greedy_equals_transformers(
             assert engine.stats.swa_freed_tokens > 0 and engine.stats.tombstoned_pages > 0
     finally:
         engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def gemma4_models(tiny_model_factory: Callable[..., Path]) -> dict[int, Path]:
-    """Gemma 4 with KV-shared layers and per-layer inputs at the fuzz's windows."""
-    return {
-        w: tiny_model_factory("gemma4", num_layers=6, sliding_window_size=w, seed=3) for w in (4, 8)
-    }
-
-
-@settings(max_examples=8, **FUZZ_SETTINGS)  # type: ignore[arg-type]
-@given(config=engine_configs, plan=arrivals)
-def test_every_request_ends_within_bounded_steps_on_gemma4(
-    gemma4_models: dict[int, Path], config: dict, plan: list[Arrival]
-) -> None:
-    check_liveness(gemma4_models, config, plan)
