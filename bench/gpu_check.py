@@ -564,6 +564,57 @@ def check_grammar(root: Path, device: str) -> list[Result]:
     return results
 
 
+def check_speculative(root: Path, device: str) -> list[Result]:
+    """N-gram drafts on the device: greedy tokens equal plain decoding's with CUDA graphs on
+    (a step that decodes and verifies replays a graph of as many rows as tokens), windowed and
+    chunked models; and the decode speed with and without drafts on prompts that repeat
+    themselves. The torch backend runs float32 (equal tokens or it fails); flash runs bf16
+    (P = 16), where graphs of other batch sizes may round a near-tie apart: differing tokens
+    there are reported (info) with where they part, for a person to read."""
+    results = []
+    cases = [("torch", 1)] + ([("flash", 16)] if flash_attn_available() else [])
+    prompts = [([(i * 7 + j) % 40 + 1 for j in range(6 + i)] * 8)[:60] for i in range(8)]
+    params = SamplingParams(temperature=0, max_new_tokens=96, ignore_eos=True)
+    for arch in ("gpt-oss", "llama4"):
+        model_dir = tiny_model(root, arch, **FAMILY_MODELS.get(arch, {"num_layers": 4}))
+        for backend, page_size in cases:
+            outs, seconds, accepted = {}, {}, 0
+            dtype = "float32" if backend == "torch" else "bfloat16"
+            for method in (None, "ngram"):
+                engine = make_engine(
+                    model_dir,
+                    device,
+                    backend,
+                    page_size,
+                    compile=True,
+                    speculative_method=method,
+                    dtype=dtype,
+                )
+                engine.generate(prompts[:1], params)  # warm
+                start = time.perf_counter()
+                outs[method] = [o.token_ids for o in engine.generate(prompts, params)]
+                seconds[method] = time.perf_counter() - start
+                accepted = engine.stats.spec_accepted_tokens or accepted
+                engine.check()
+                engine.shutdown()
+            same = outs[None] == outs["ngram"]
+            parted = [
+                next(j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b)
+                for x, y in zip(outs[None], outs["ngram"], strict=True)
+                if x != y
+            ]
+            detail = (
+                f"tokens {'equal' if same else f'DIFFER in {len(parted)} of 8, from {parted}'}; "
+                f"{accepted} drafts accepted; batch 8 end to end "
+                f"{seconds[None] / seconds['ngram']:.2f}x plain"
+            )
+            status = "pass" if same else "fail" if backend == "torch" else "info"
+            results.append(
+                Result("spec", f"{arch} {backend} P={page_size} {dtype}", status, detail)
+            )
+    return results
+
+
 CHECKS: dict[str, Callable[[Path, str], list[Result]]] = {
     "attn": check_attention,
     "logits": check_logits,
@@ -572,6 +623,7 @@ CHECKS: dict[str, Callable[[Path, str], list[Result]]] = {
     "decode": check_decode,
     "graphs": check_graphs,
     "grammar": check_grammar,
+    "spec": check_speculative,
 }
 NEEDS = {
     "attn": "flash",
@@ -581,6 +633,7 @@ NEEDS = {
     "decode": "any",
     "graphs": "cuda",
     "grammar": "cuda",
+    "spec": "cuda",
 }
 
 

@@ -106,6 +106,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams, vocab_size: int) -> Sampl
         "frequency_penalty",
         "repetition_penalty",
         "min_tokens",
+        "num_speculative_tokens",
     )
     for name in optional:
         if msg.HasField(name):

@@ -8,7 +8,8 @@ Three sources, one registry per ingress process:
 - per worker, read at scrape time from the router's view (`Cluster.load()`: each worker's last
   headroom report) and the router's own counters (`Cluster.router_stats()`): running and
   waiting requests, full and SWA pool usage, prefix-cache queries and hits (tokens), tombstoned
-  tokens, and routing decisions by policy and outcome;
+  tokens, speculative decoding's drafts, draft tokens and accepted tokens (vLLM's
+  `spec_decode_*` names), and routing decisions by policy and outcome;
 - the ingress's cluster's fault counters: requests migrated mid-stream, worker groups recreated.
 
 `await metrics.render(cluster)` refreshes the second part and returns the text exposition.
@@ -95,6 +96,14 @@ class ClusterSnapshotCollector(Collector):
             "seconds of the steps that computed them: tokens / seconds is the prefill speed",
             labels=labels,
         )
+        spec = {
+            name: CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for name, doc in (
+                ("spec_decode_num_drafts", "verifies of a request's drafts (one per step)"),
+                ("spec_decode_num_draft_tokens", "draft tokens proposed and verified"),
+                ("spec_decode_num_accepted_tokens", "draft tokens the target accepted"),
+            )
+        }
         for status in self.workers:
             h = status.headroom
             if h is None:
@@ -110,8 +119,11 @@ class ClusterSnapshotCollector(Collector):
             repairs.add_metric(values, h.window_repair_tokens_total)
             prefill_tokens.add_metric(values, h.prefill_tokens_total)
             prefill_seconds.add_metric(values, h.prefill_s_total)
+            spec["spec_decode_num_drafts"].add_metric(values, h.spec_verifies_total)
+            spec["spec_decode_num_draft_tokens"].add_metric(values, h.spec_draft_tokens_total)
+            spec["spec_decode_num_accepted_tokens"].add_metric(values, h.spec_accepted_tokens_total)
         yield from (running, waiting, usage, swa_usage, tombstoned, queries, hits, repairs)
-        yield from (prefill_tokens, prefill_seconds)
+        yield from (prefill_tokens, prefill_seconds, *spec.values())
         decisions = CounterMetricFamily(
             PREFIX + "router_decisions",
             "routing decisions by policy and outcome (routed, queued, expired, overloaded)",

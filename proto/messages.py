@@ -40,6 +40,9 @@ class Headroom:
     prefill_s_total: float = 0.0  # ... and the forward seconds of the steps that computed them
     decode_steps_total: int = 0  # ... steps that only decoded ...
     decode_s_total: float = 0.0  # ... and their seconds (a first token waits for one step)
+    spec_verifies_total: int = 0  # ... a decode's verify of its drafts (speculative decoding) ...
+    spec_draft_tokens_total: int = 0  # ... drafts proposed ...
+    spec_accepted_tokens_total: int = 0  # ... and accepted
     sliding_window_size: int = 0
     attention_chunk_size: int = 0  # C of chunked local layers (W = C - 1); 0: a sliding window
     window_repair_tokens: int = 0  # R of a window repair (architecture §6); 0: it does not repair

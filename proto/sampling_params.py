@@ -122,6 +122,13 @@ class SamplingParams(BaseModel):
         default=None, description="token id → bias added to its logit, clamped to ±100"
     )
     structured_outputs: StructuredOutputs | None = None
+    num_speculative_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        le=16,
+        description="draft tokens per step for this request on a server with speculative "
+        "decoding: None its default k, 0 none, fewer than k caps them (more is k)",
+    )
 
     @field_validator("top_k")
     @classmethod

@@ -88,6 +88,28 @@ class EngineConfig(BaseModel):
         "graphs on CUDA, torch.compile (inductor, cached on disk) on CPU; 'auto': on with "
         "CUDA, off on CPU (compiling costs the start-up; see the README)",
     )
+    speculative_method: Literal["ngram"] | None = Field(
+        default=None,
+        description="draft tokens and verify them in one forward (exact: greedy output is "
+        "token-for-token the output without it): 'ngram' proposes what followed the latest "
+        "earlier occurrence of the sequence's own suffix (prompt and output); None: off",
+    )
+    num_speculative_tokens: int = Field(
+        default=3, ge=1, le=16, description="k: draft tokens per request and step"
+    )
+    speculative_disable_by_batch_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="no drafts in a step where at least this many requests decode (a large "
+        "batch is compute-bound: verifying k drafts each costs more than it saves); None: "
+        "drafts at every batch size",
+    )
+    speculative_ngram_min: int = Field(
+        default=2, ge=1, le=64, description="ngram: shortest suffix that may propose drafts"
+    )
+    speculative_ngram_max: int = Field(
+        default=5, ge=1, le=64, description="ngram: longest suffix looked up (longest wins)"
+    )
     tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks (one per device)")
     tp_timeout_s: float = Field(
         default=60.0, gt=0, description="how long a TP collective may wait for a rank"
@@ -133,6 +155,11 @@ class EngineConfig(BaseModel):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min={self.speculative_ngram_min} exceeds "
+                f"speculative_ngram_max={self.speculative_ngram_max}"
             )
         if self.attention_backend == "flash" and self.device == "cpu":
             raise ValueError("attention_backend='flash' needs a CUDA device")

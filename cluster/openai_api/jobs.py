@@ -297,6 +297,7 @@ class JobBuilder:
             "frequency_penalty",
             "repetition_penalty",
             "min_tokens",
+            "num_speculative_tokens",
         )
         for name in names:
             if getattr(req, name) is not None:

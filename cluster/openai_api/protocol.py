@@ -188,6 +188,7 @@ class BaseGenerateRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: a string) → bias
     repetition_penalty: float | None = None  # vLLM's extras from here on
     min_tokens: int | None = None
+    num_speculative_tokens: int | None = None  # drafts per step (server with speculation)
     structured_outputs: dict[str, Any] | None = (
         None  # json | json_object | regex | grammar | choice
     )

@@ -24,6 +24,7 @@ from swaserve.proto.messages import Headroom
 from swaserve.proto.request_limits import RequestLimits
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.kv_manager import KVCacheManager, is_hybrid
+from swaserve.worker.engine.ngram import NgramDrafter
 from swaserve.worker.engine.scheduler import Scheduler, SchedulerLimits
 from swaserve.worker.engine.stats import EngineStats
 from swaserve.worker.kv.allocator import SWATokenAllocator, TokenAllocator
@@ -102,6 +103,9 @@ class HostState:
             prefill_s_total=self.stats.prefill_s,
             decode_steps_total=self.stats.decode_steps,
             decode_s_total=self.stats.decode_s,
+            spec_verifies_total=self.stats.spec_verifies,
+            spec_draft_tokens_total=self.stats.spec_draft_tokens,
+            spec_accepted_tokens_total=self.stats.spec_accepted_tokens,
             sliding_window_size=self.window or 0,
             attention_chunk_size=(self.tree.attention_chunk_size or 0) if self.tree else 0,
             page_size=self.plan.page_size,
@@ -172,8 +176,15 @@ def build_host_state(
         attention_chunk_size=attn_chunk,
         schedule_policy=config.schedule_policy,
         schedule_conservativeness=config.schedule_conservativeness,
+        num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
+        speculative_max_batch=config.speculative_disable_by_batch_size,
     )
-    scheduler = Scheduler(limits, kv, stats, frozenset(model.eos_token_ids))
+    drafter = None
+    if config.speculative_method == "ngram":
+        drafter = NgramDrafter(
+            min_n=config.speculative_ngram_min, max_n=config.speculative_ngram_max
+        )
+    scheduler = Scheduler(limits, kv, stats, frozenset(model.eos_token_ids), drafter)
     return HostState(
         plan,
         allocator,

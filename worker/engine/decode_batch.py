@@ -7,7 +7,7 @@ and leave (finished, aborted, retracted), as SGLang's running batch is filtered 
 `Request` objects stay the source of truth; the arrays mirror them:
 
     # rows[i]         req.row                               (fixed while it runs)
-    # seq_lens[i]     req.num_computed                      (+1 per step)
+    # seq_lens[i]     req.num_computed                      (+1 per step; +kept after a verify)
     # last_tokens[i]  req.output_ids[-1]                    (this step's input token)
     # next_check[i]   req.swa.next_check_len                (re-read when SWA freeing visits it)
     # limits[i]       len(prompt) + max_output_len - 1      (LENGTH once seq_lens reaches it)
@@ -158,6 +158,13 @@ class DecodeBatch:
                 sel = self.stop_groups == g  # [B] bool
                 done[sel] |= _is_in(tokens[sel], stops)
         return np.flatnonzero(done)
+
+    def advance_by(self, counts: np.ndarray, tokens: np.ndarray) -> None:
+        """After a verify step (speculative decoding): request i kept `counts[i]` tokens, the
+        last `tokens[i]` (the caller decides which finish)."""
+        self.seq_lens += counts
+        self.last_tokens = tokens
+        self._recount()
 
     def reserved_tokens(self, new_token_ratio: float, clip: int, swa_step: int) -> tuple[int, int]:
         """(full, SWA) tokens these requests' future decode steps are promised: per request

@@ -23,6 +23,7 @@ from swaserve.proto.text.detokenizer import IncrementalDetokenizer
 from swaserve.proto.text.tokenizer import load_tokenizer
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.builder import build_host_state
+from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.grammar import GrammarCompiler, GrammarMatcher, bitmask_width
 from swaserve.worker.engine.request import Request, RequestSampling, RequestStatus
 from swaserve.worker.engine.scheduler import ScheduledBatch
@@ -37,7 +38,8 @@ from swaserve.worker.runner.model_input import (
 )
 from swaserve.worker.runner.model_runner import ModelRunner
 from swaserve.worker.runner.parallel import TensorParallelError
-from swaserve.worker.runner.sampler import Sampler, make_generator, reseed
+from swaserve.worker.runner.sampler import Sampler, argmax_rows, make_generator, reseed
+from swaserve.worker.runner.spec_verify import greedy_accept
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +357,11 @@ class Engine:
         try:
             logits = self._forward(model_input)
             spent = timer.lap("model")  # the forward only: what the router's speeds compare
-            next_tokens, logprobs = self._sample(batch, sampled, logits, masks)
+            emitted = None
+            if batch.drafts is not None:
+                emitted, next_tokens, logprobs = self._verify(batch, sampled, logits, masks)
+            else:
+                next_tokens, logprobs = self._sample(batch, sampled, logits, masks)
             timer.lap("sample")
         except TensorParallelError as exc:  # the group is gone: fail cleanly, then say so
             self._broken = str(exc)
@@ -364,11 +370,15 @@ class Engine:
         except Exception as exc:  # a failed step must not take the engine down
             return failed + self._fail(batch, exc)
         prefill = batch.prefill_tokens
-        self.stats.count_step(prefill, batch.pure_decode, spent)
-        stopped = self._accept(batch, next_tokens)
-        finished = self.scheduler.process_results(batch, next_tokens, stopped)
+        self.stats.count_step(prefill, batch.num_decodes == len(batch.reqs), spent)
+        if emitted is None:
+            stopped = self._accept(batch, next_tokens)
+        else:
+            stopped = self._accept_verified(batch, emitted, next_tokens)
+            self._count_verified(batch, emitted, next_tokens)
+        finished = self.scheduler.process_results(batch, next_tokens, stopped, emitted)
         self.stats.steps += 1
-        outputs = self._outputs(batch, next_tokens, finished, logprobs)
+        outputs = self._outputs(batch, next_tokens, finished, logprobs, emitted)
         timer.lap("postprocess")
         nd = batch.num_decodes
         self.step_log.add(
@@ -389,26 +399,34 @@ class Engine:
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
         decode, nd = batch.decode, batch.num_decodes
         prefix_lens: Sequence[int] | np.ndarray = batch.prefix_lens
+        extend_lens, samples = batch.extend_lens, batch.samples
+        repairs = None  # the window repairs of this step's chunks (architecture §6)
+        if batch.repairs is not None:
+            repairs = [(0, 0) if r is None else (r.start, r.end) for r in batch.repairs]
         if decode is not None and batch.pure_decode:  # the batch's arrays as they are
             tokens, rows = decode.last_tokens.copy(), decode.rows.copy()  # [B] int64 each
             prefix_lens = decode.seq_lens.copy()  # [B] int64
         else:
             tokens = [] if decode is None else decode.last_tokens.tolist()
             rows = [] if decode is None else decode.rows.tolist()
+            if decode is not None and batch.drafts is not None:
+                tokens, rows, positions = self._verify_rows(decode, batch.drafts)
+                prefix_lens = positions + batch.prefix_lens[nd:]
+                extend_lens = [1] * len(tokens) + batch.extend_lens[nd:]
+                samples = [True] * len(tokens) + batch.samples[nd:]
+                if repairs is not None:
+                    repairs = [(0, 0)] * len(tokens) + repairs[nd:]
             for req, start, n in zip(
                 batch.reqs[nd:], batch.prefix_lens[nd:], batch.extend_lens[nd:], strict=True
             ):
                 tokens += req.token_slice(start, start + n)
                 rows.append(req.row)
-        repairs = None  # the window repairs of this step's chunks (architecture §6)
-        if batch.repairs is not None:
-            repairs = [(0, 0) if r is None else (r.start, r.end) for r in batch.repairs]
         return build_model_input(
             token_ids=tokens,
             prefix_lens=prefix_lens,
-            extend_lens=batch.extend_lens,
+            extend_lens=extend_lens,
             req_rows=rows,
-            samples=batch.samples,
+            samples=samples,
             out_full_loc=batch.out_full_loc,
             writes=self.kv.take_writes(),
             translate=self.kv.translate if self.hybrid else None,
@@ -416,10 +434,46 @@ class Engine:
             window_repair=repairs,
         )
 
+    @staticmethod
+    def _verify_rows(
+        decode: DecodeBatch, drafts: list[list[int]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """A step with drafts: (tokens, slot-table rows, positions) of its decode part, where
+        each decode's last token and each of its drafts is a decode row of its own on the
+        request's slot-table row, at its own position. Every row writes its KV before any
+        attends (as in any decode step), so the row at position p reads the drafts before it;
+        and the step stays one new token per row: a decode step, which the compiled or
+        captured decode graphs take when no prefill shares it."""
+        counts = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+        firsts = np.cumsum(counts) - counts  # [B] int64
+        total = int(counts.sum())
+        offsets = np.arange(total) - np.repeat(firsts, counts)  # [T] int64 draft index
+        positions = np.repeat(decode.seq_lens, counts) + offsets  # [T] int64
+        tokens: list[int] = []
+        for last, proposed in zip(decode.last_tokens.tolist(), drafts, strict=True):
+            tokens.append(last)
+            tokens += proposed
+        return tokens, np.repeat(decode.rows, counts).tolist(), positions.tolist()
+
+    @staticmethod
+    def _logits_per_request(batch: ScheduledBatch) -> list[int]:
+        """A step with drafts: the logits rows of each request of the batch, in order: a
+        decode's last token and every draft of it, a prefill chunk's last token if it
+        samples."""
+        assert batch.drafts is not None
+        nd = batch.num_decodes
+        return [1 + len(d) for d in batch.drafts] + [int(s) for s in batch.samples[nd:]]
+
     def _sampled_reqs(self, batch: ScheduledBatch) -> list[Request]:
         """The requests that sample this step, in batch order (one logits row each)."""
         if batch.decode is not None and batch.pure_decode:
             return batch.reqs
+        if batch.drafts is not None:  # the requests with one logits row (no drafts)
+            return [
+                r
+                for r, n in zip(batch.reqs, self._logits_per_request(batch), strict=True)
+                if n == 1
+            ]
         return [r for r, s in zip(batch.reqs, batch.samples, strict=True) if s]
 
     def _start_masks(self, sampled: list[Request]) -> Future | None:
@@ -475,6 +529,64 @@ class Engine:
                     by_index[i] = entry
             self.stats.generated_tokens += len(rows)
         return out, by_index
+
+    def _verify(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[Request],
+        logits: torch.Tensor,
+        masks: Future | None,
+    ) -> tuple[list[list[int]], list[int | None], dict[int, TokenLogprob]]:
+        """A step with drafts. `logits` has a row per draft and per last token of each decode,
+        one per sampling prefill, in batch order. Returns the tokens each decode emits (its
+        accepted drafts and the target's next token: `spec_verify`), the token of each request
+        of the batch (None: it did not sample; a decode's last emitted), and by batch index the
+        log-probabilities of the one-row requests that asked for them."""
+        drafts = batch.drafts
+        assert drafts is not None
+        counts = self._logits_per_request(batch)
+        firsts = np.cumsum(counts) - np.asarray(counts)  # [B] int64 first logits row of each
+        out: list[int | None] = [None] * len(batch.reqs)
+        by_index: dict[int, TokenLogprob] = {}
+        single = [i for i, n in enumerate(counts) if n == 1]
+        if single:  # one row each: sampled as in any step (grammar, penalties, log-probs)
+            index = to_device(torch.from_numpy(firsts[single]), logits.device)
+            tokens, logprobs = self._sample_rows(
+                logits[index], sampled, all(r.params.greedy for r in sampled), masks
+            )
+            for j, i in enumerate(single):
+                out[i] = tokens[j]
+                if logprobs and logprobs[j] is not None:
+                    by_index[i] = logprobs[j]
+        verified = [i for i, d in enumerate(drafts) if d]
+        emitted: list[list[int]] = [[] if d else [out[i]] for i, d in enumerate(drafts)]  # type: ignore[list-item]
+        greedy = [i for i in verified if batch.reqs[i].params.greedy]
+        if greedy:
+            argmax = argmax_rows(logits).tolist()
+            for i in greedy:
+                lo = int(firsts[i])
+                emitted[i] = greedy_accept(drafts[i], argmax[lo : lo + counts[i]])
+        if sampled_drafts := [i for i in verified if not batch.reqs[i].params.greedy]:
+            # Each row draws what plain decoding draws at its position; the drafts up to the
+            # first row that drew otherwise are kept, then that row's token (`spec_verify`).
+            rows = np.concatenate(
+                [np.arange(firsts[i], firsts[i] + counts[i]) for i in sampled_drafts]
+            )
+            reqs = [batch.reqs[i] for i in sampled_drafts for _ in range(counts[i])]
+            positions = [
+                batch.reqs[i].seq_len + j for i in sampled_drafts for j in range(counts[i])
+            ]
+            index = to_device(torch.from_numpy(rows), logits.device)
+            drawn = self.sampler.sample_at(
+                logits[index], [r.params for r in reqs], [r.generator for r in reqs], positions
+            ).tolist()
+            at = 0
+            for i in sampled_drafts:
+                emitted[i] = greedy_accept(drafts[i], drawn[at : at + counts[i]])
+                at += counts[i]
+        for i in verified:
+            out[i] = emitted[i][-1]
+        return emitted, out, by_index
 
     def _sample_rows(
         self, logits: torch.Tensor, reqs: list[Request], all_greedy: bool, masks: Future | None
@@ -549,6 +661,56 @@ class Engine:
                 stopped.append(i)
         return stopped
 
+    def _accept_verified(
+        self, batch: ScheduledBatch, emitted: list[list[int]], next_tokens: list[int | None]
+    ) -> list[int]:
+        """`_accept` for a step with drafts: each decode's emitted tokens are cut after the
+        first that ends it (a stop id, its length, its stop string) and fed to its sampling
+        state one by one; returns the batch indices its sampling ended."""
+        stopped: list[int] = []
+        nd = batch.num_decodes
+        for i, req in enumerate(batch.reqs):
+            if i < nd:
+                tokens = emitted[i][: req.max_output_len - len(req.output_ids)]
+                ends = [j for j, t in enumerate(tokens) if t in req.stop_ids]
+                if ends:
+                    tokens = tokens[: ends[0] + 1]
+                emitted[i] = tokens
+            elif (token := next_tokens[i]) is not None:
+                tokens = [token]
+            else:
+                continue
+            sampling = req.sampling
+            if sampling is None:
+                continue
+            for j, token in enumerate(tokens):
+                if sampling.penalty is not None:
+                    sampling.penalty.add(token)
+                sampling.accept(token, len(req.output_ids) + j + 1, req.params.min_tokens)
+                if sampling.stopped or sampling.failed:
+                    if i < nd:
+                        emitted[i] = tokens[: j + 1]
+                    stopped.append(i)
+                    break
+        return stopped
+
+    def _count_verified(
+        self, batch: ScheduledBatch, emitted: list[list[int]], next_tokens: list[int | None]
+    ) -> None:
+        """A step with drafts, its emitted runs cut: drafts verified and kept, tokens made."""
+        assert batch.drafts is not None
+        stats, nd = self.stats, batch.num_decodes
+        for proposed, tokens in zip(batch.drafts, emitted, strict=True):
+            if proposed:
+                kept = 0  # drafts the run kept (a cut after a stop may end it on a draft)
+                while kept < min(len(tokens), len(proposed)) and tokens[kept] == proposed[kept]:
+                    kept += 1
+                stats.spec_verifies += 1
+                stats.spec_draft_tokens += len(proposed)
+                stats.spec_accepted_tokens += kept
+        stats.generated_tokens += sum(map(len, emitted))
+        stats.generated_tokens += sum(t is not None for t in next_tokens[nd:])
+
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         message = f"{type(exc).__name__}: {exc}"
         logger.exception("a step of %d requests failed; they end with 'error'", len(batch.reqs))
@@ -585,9 +747,10 @@ class Engine:
         next_tokens: list[int | None],
         finished: list[Request],
         logprobs: dict[int, TokenLogprob],
+        emitted: list[list[int]] | None = None,
     ) -> list[RequestOutput]:
         """One output per request that sampled; a request that did not (a prefill chunk)
-        neither advanced nor finished."""
+        neither advanced nor finished. `emitted`: each decode's tokens in a step with drafts."""
         self._forget(finished)
         for i, entry in logprobs.items():
             kept = batch.reqs[i].logprobs
@@ -618,7 +781,7 @@ class Engine:
             outputs.append(
                 RequestOutput(
                     req.request_id,
-                    [token],
+                    emitted[i] if emitted is not None and i < batch.num_decodes else [token],
                     reason is not None,
                     reason,
                     req.cached_tokens,

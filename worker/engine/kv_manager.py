@@ -192,6 +192,36 @@ class KVCacheManager:
         table[rows, seq] = out
         return torch.from_numpy(out)
 
+    def allocate_drafts(self, req: Request, start: int, num_tokens: int) -> torch.Tensor | None:
+        """Slots for a decoding request's draft positions `[start, start + num_tokens)`
+        (`start` = its decode slot's position + 1, that slot already in its row), written to
+        its row but not counted in `num_slots`: the step's results keep the accepted ones
+        (`trim_drafts`), a failed step's release counts them. None (nothing changed) when the
+        pools are short even after evicting from the prefix cache (admission reserved the
+        drafts' room as it reserves decode tokens: what they evict once, later steps' drafts
+        reuse, since each step gives its drafts back)."""
+        p = self.page_size
+        pages = cdiv(start + num_tokens, p) - cdiv(start, p)
+        if not self._make_room(pages * p):
+            return None
+        table = self.slot_table.slots_host
+        last = torch.tensor([int(table[req.row, start - 1])])
+        out = self.allocator.alloc_extend(
+            torch.tensor([start]), torch.tensor([start + num_tokens]), last
+        )
+        if out is not None:
+            table[req.row, start : start + num_tokens] = out.numpy()
+        return out
+
+    def trim_drafts(self, req: Request, kept: int, end: int) -> None:
+        """After a verify step that computed positions up to `end` of `req`: keep the slots of
+        `[0, kept)` (its committed tokens) and give back, in both pools, the pages that lie
+        wholly past them (a rejected draft inside the last kept page stays as that page's
+        free tail, overwritten when the request gets there)."""
+        first = cdiv(kept, self.page_size) * self.page_size
+        if first < end:
+            self.allocator.free(req.row_slots[first:end])
+
     def _make_room(self, num_tokens: int) -> bool:
         """Evict from the prefix cache until both pools (the SWA one only when hybrid) have
         `num_tokens` free; False if they cannot."""

@@ -16,6 +16,10 @@ m-gram seen, updated as tokens arrive (O(max_n) per token, no scan of the histor
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swaserve.worker.engine.request import Request
 
 
 class NgramIndex:
@@ -56,3 +60,48 @@ class NgramIndex:
             if end is not None:
                 return self.tokens[end : end + k]
         return []
+
+
+INDEX_TOKENS_PER_STEP = 8192
+"""Tokens of context the drafter indexes per step beyond each request's newest few: a long
+prompt's index is built over several steps (about 2 µs a token), not in one that stalls every
+running request."""
+CAUGHT_UP = 64
+"""A request this close to its index's end is brought up to date whatever the budget."""
+
+
+class NgramDrafter:
+    """The engine's n-gram drafter: each request keeps its own `NgramIndex`
+    (`Request.draft_index`), made at its first proposal and brought up to date from the
+    request's tokens at each one (so retraction, migration and resumption need nothing). A
+    request whose index lags its tokens by more than `CAUGHT_UP` catches up within the step's
+    budget (`INDEX_TOKENS_PER_STEP`, shared by the step's requests) and proposes nothing until
+    it is up to date. The index holds about 0.4 KB per token of the request's context (its
+    n-grams of `min_n`..`max_n` tokens)."""
+
+    def __init__(
+        self, *, min_n: int, max_n: int, index_budget: int = INDEX_TOKENS_PER_STEP
+    ) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.index_budget = index_budget
+        self._budget = index_budget
+
+    def new_step(self) -> None:
+        """A new step: its indexing budget is whole again."""
+        self._budget = self.index_budget
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to `k` drafts to follow `req`'s tokens so far ([] while its index catches up)."""
+        index = req.draft_index
+        if index is None:
+            index = req.draft_index = NgramIndex(min_n=self.min_n, max_n=self.max_n)
+        known, n = len(index.tokens), req.seq_len
+        if n - known > CAUGHT_UP:
+            take = min(n - known, self._budget)
+            self._budget -= take
+            index.extend(req.token_slice(known, known + take))
+            if known + take < n:
+                return []
+        elif known < n:
+            index.extend(req.token_slice(known, n))
+        return index.propose(k)

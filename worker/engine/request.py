@@ -17,6 +17,7 @@ from swaserve.worker.kv.swa_freeing import SWAFreeState
 
 if TYPE_CHECKING:
     from swaserve.worker.engine.grammar import GrammarMatcher
+    from swaserve.worker.engine.ngram import NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -124,6 +125,18 @@ class Request:
     # Derived once when the request is queued (`Scheduler.add`), read by every step:
     stop_ids: frozenset[int] = frozenset()  # sampling one ends it: stop ids, EOS unless ignored
     max_output_len: int = 0  # output tokens it may make: max_new_tokens, capped by the context
+    draft_index: NgramIndex | None = None  # its n-gram drafts' index (speculative decoding)
+
+    @property
+    def draftable(self) -> bool:
+        """Whether drafts may be verified for it: nothing but the draw (and stop strings)
+        shapes its tokens. A grammar, penalties, a bias, `min_tokens` or log-probabilities
+        read each position's logits after the one before it is accepted, so those requests
+        decode a token per step."""
+        params = self.params
+        return (
+            params.logprobs is None and not params.processed and params.structured_outputs is None
+        )
 
     @property
     def slots(self) -> torch.Tensor:

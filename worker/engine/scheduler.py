@@ -38,6 +38,7 @@ from swaserve.proto.kv_rules import page_ceil, page_floor, swa_tokens_for_extend
 from swaserve.proto.stream import FinishReason
 from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.kv_manager import KVCacheManager, PrefixHit, WindowRepair
+from swaserve.worker.engine.ngram import NgramDrafter
 from swaserve.worker.engine.request import Request, RequestStatus
 from swaserve.worker.engine.stats import EngineStats
 
@@ -66,6 +67,9 @@ class ScheduledBatch:
     num_decodes: int = 0
     # One per request when a prefill of the step recomputes a window (architecture §6), else None.
     repairs: list[WindowRepair | None] | None = None
+    # Speculative decoding: one list per decode request, the draft tokens its extend verifies
+    # after its last token (extend_lens[i] = 1 + len(drafts[i]); [] for none); None: no drafts.
+    drafts: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +82,10 @@ class ScheduledBatch:
 
     @property
     def pure_decode(self) -> bool:
-        """Only decodes: the decode batch's arrays are the step's whole input."""
-        return self.decode is not None and self.num_decodes == len(self.reqs)
+        """Only decodes, one token each: the decode batch's arrays are the step's whole input."""
+        return (
+            self.decode is not None and self.num_decodes == len(self.reqs) and self.drafts is None
+        )
 
 
 @dataclass(slots=True)
@@ -109,6 +115,8 @@ class SchedulerLimits:
     attention_chunk_size: int | None = None  # C: an extend never crosses a multiple of C
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0  # scales the new-token ratio; < 1 admits more
+    num_speculative_tokens: int = 0  # k drafts per decoding request and step (0: no drafter)
+    speculative_max_batch: int | None = None  # no drafts when this many or more decode
 
     @property
     def init_new_token_ratio(self) -> float:
@@ -132,8 +140,10 @@ class Scheduler:
         kv: KVCacheManager,
         stats: EngineStats,
         eos_token_ids: frozenset[int] = frozenset(),
+        drafter: NgramDrafter | None = None,
     ) -> None:
         self.limits = limits
+        self.drafter = drafter if limits.num_speculative_tokens else None
         self.kv = kv
         self.tree = kv.tree
         self.stats = stats
@@ -208,6 +218,14 @@ class Scheduler:
         budget = self.limits.chunked_prefill_size or self.limits.max_prefill_tokens
         budget = self._extend_prefills(budget, num_decodes, parts)
         self._admit(budget, num_decodes, parts)
+        drafts = None  # last: drafts take the room prefill chunks and admissions left
+        if (
+            decode is not None
+            and self._drafting(db)
+            and (drafted := self._allocate_drafts(db, out))
+        ):
+            drafts, parts.locs[0] = drafted
+            parts.extends[:num_decodes] = [1 + len(d) for d in drafts]
         reqs, extends, locs = parts.reqs, parts.extends, parts.locs
 
         if not reqs:
@@ -234,6 +252,7 @@ class Scheduler:
             None if decode is None else db,
             num_decodes,
             repairs,
+            drafts,
         )
 
     def _leave(self, req: Request) -> None:
@@ -244,17 +263,25 @@ class Scheduler:
             self._decode.remove([self._decode.index(req)])
 
     def process_results(
-        self, batch: ScheduledBatch, next_tokens: list[int | None], stopped: Sequence[int] = ()
+        self,
+        batch: ScheduledBatch,
+        next_tokens: list[int | None],
+        stopped: Sequence[int] = (),
+        emitted: list[list[int]] | None = None,
     ) -> list[Request]:
         """Advance each request of a finished step; returns the requests that finished.
         `stopped`: batch indices of requests that their sampling ended (a stop string, a
         completed grammar: `RequestSampling.stopped`; a broken grammar: `.failed`).
+        `emitted` (a step with drafts): the tokens each decode request keeps, 1 to 1 + its
+        drafts, already cut after a stop token and at its length.
 
         A prompt enters the prefix cache as soon as its prefill ends (locked while the request
         runs), so requests that arrive while it decodes reuse it."""
         finished: list[Request] = []
         nd = batch.num_decodes
-        if batch.decode is not None:
+        if batch.decode is not None and emitted is not None:
+            self._commit_verified(batch, emitted, stopped, finished)
+        elif batch.decode is not None:
             db = batch.decode
             tokens: list[int] = next_tokens[:nd]  # type: ignore[assignment]  # decodes sample
             done = db.advance(np.asarray(tokens, dtype=np.int64))
@@ -306,6 +333,39 @@ class Scheduler:
         self._decode.extend(joined)
         return finished
 
+    def _commit_verified(
+        self,
+        batch: ScheduledBatch,
+        emitted: list[list[int]],
+        stopped: Sequence[int],
+        finished: list[Request],
+    ) -> None:
+        """The decode part of a step with drafts: each request keeps its emitted tokens (their
+        KV: its last token and the accepted drafts), the slots of rejected drafts go back in
+        both pools, and the requests that ended leave the batch."""
+        db = batch.decode
+        assert db is not None
+        nd = batch.num_decodes
+        ended = set(i for i in stopped if i < nd)
+        for i, (req, tokens, n) in enumerate(
+            zip(db.reqs, emitted[:nd], batch.extend_lens[:nd], strict=True)
+        ):
+            start = req.num_computed
+            kept = start + len(tokens)
+            self.kv.trim_drafts(req, kept, start + n)
+            req.num_computed = req.num_slots = kept
+            req.output_ids.extend(tokens)
+            if tokens[-1] in req.stop_ids or len(req.output_ids) >= req.max_output_len:
+                ended.add(i)
+        counts = np.fromiter((len(t) for t in emitted[:nd]), dtype=np.int64, count=nd)
+        last = np.fromiter((t[-1] for t in emitted[:nd]), dtype=np.int64, count=nd)
+        db.advance_by(counts, last)
+        if ended:
+            done = sorted(ended)
+            for i in done:
+                self._finish(db.reqs[i], emitted[i][-1], finished)
+            db.remove(done)
+
     def _finish(self, req: Request, token: int, finished: list[Request]) -> None:
         """End a request that sampled its last token (the caller drops it from its part of
         the split)."""
@@ -322,8 +382,8 @@ class Scheduler:
     def fail(self, batch: ScheduledBatch, message: str) -> None:
         """End every request of a batch whose step raised: finish reason `error`, everything
         it holds released (nothing of the failed step is cached)."""
-        for req in batch.reqs[: batch.num_decodes]:
-            req.num_slots = req.num_computed + 1  # the slot allocated for the step goes too
+        for req, n in zip(batch.reqs[: batch.num_decodes], batch.extend_lens, strict=False):
+            req.num_slots = req.num_computed + n  # the slots allocated for the step go too
         for req in batch.reqs:
             if req.finished:
                 continue
@@ -348,6 +408,58 @@ class Scheduler:
                 return batch, out
             self._retract(max(self.running, key=lambda r: r.arrival))
         return None
+
+    def _drafting(self, db: DecodeBatch) -> bool:
+        """Whether this step's decodes take drafts: a drafter, and fewer decodes than
+        `speculative_disable_by_batch_size`."""
+        limit = self.limits.speculative_max_batch
+        return self.drafter is not None and (limit is None or len(db) < limit)
+
+    def _allocate_drafts(
+        self, db: DecodeBatch, out: torch.Tensor
+    ) -> tuple[list[list[int]], torch.Tensor] | None:
+        """Drafts for the decoding requests that may take them (`Request.draftable`), with
+        slots after each one's decode slot; None when no request got any. Returns the drafts
+        and the step's decode slots in token order (each request's decode slot, then its
+        drafts'). A request whose drafts find no room decodes one token, as without them."""
+        drafter = self.drafter
+        assert drafter is not None
+        drafts: list[list[int]] = []
+        locs: list[torch.Tensor] = []
+        any_drafts = False
+        drafter.new_step()
+        for i, (req, start) in enumerate(zip(db.reqs, db.seq_lens.tolist(), strict=True)):
+            k = self._draft_room(req)
+            proposed = drafter.propose(req, k) if k > 0 else []
+            slots = self.kv.allocate_drafts(req, start + 1, len(proposed)) if proposed else None
+            locs.append(out[i : i + 1])
+            if slots is None:
+                drafts.append([])
+                continue
+            drafts.append(proposed)
+            locs.append(slots)
+            any_drafts = True
+        if not any_drafts:
+            return None
+        return drafts, torch.cat(locs)
+
+    def _draft_cap(self, req: Request) -> int:
+        """The drafts `req` takes per step: k, or fewer if it asked
+        (`SamplingParams.num_speculative_tokens`); none for a request whose logits are
+        processed per position (`Request.draftable`)."""
+        if not req.draftable:
+            return 0
+        k = self.limits.num_speculative_tokens
+        if (asked := req.params.num_speculative_tokens) is not None:
+            k = min(k, asked)
+        return k
+
+    def _draft_room(self, req: Request) -> int:
+        """How many drafts `req` may verify this step: its
+        cap, fewer when fewer tokens are left to it (every kept token is an output). A draft
+        is a decode row of its own (`Engine._verify_rows`), so drafts may cross a chunk
+        boundary: each row reads from its own chunk's start."""
+        return min(self._draft_cap(req), req.max_output_len - len(req.output_ids) - 1)
 
     def _retract(self, req: Request) -> None:
         self.kv.release(req)
@@ -525,6 +637,9 @@ class Scheduler:
         full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, step)
         full += sum(self._full_reserve(r) for r in self._prefilling)
         swa += sum(min(r.remaining_new_tokens, step) for r in self._prefilling)
+        if self._drafting(self._decode):  # the draft slots of each step (held for one step)
+            drafts = sum(map(self._draft_cap, self._decode.reqs))
+            full, swa = full + drafts, swa + drafts
         return full, swa if self.hybrid else 0
 
     def _full_reserve(self, req: Request) -> int:

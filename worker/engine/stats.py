@@ -62,12 +62,16 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     failed_steps: int = 0  # steps whose forward or sampling raised (their requests got "error")
+    spec_verifies: int = 0  # speculative decoding: a decode's verify of its drafts (per request)
+    spec_draft_tokens: int = 0  # drafts proposed (and verified)
+    spec_accepted_tokens: int = 0  # drafts the target accepted
     step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
     """Wall time spent in each phase of `Engine.step` (see `StepTimer`)."""
 
     def count_step(self, prefill_tokens: int, pure_decode: bool, seconds: float) -> None:
         """A step's forward seconds: to the prefill counters when it computed prompt tokens,
-        to the decode ones when it only decoded. Sampling is left out: a request's logits
+        to the decode ones when it only decoded (a step that verified drafts and computed no
+        prompt is a decode step: what one step of the running decodes costs now). Sampling is left out: a request's logits
         processing (a grammar's first masks, penalties) is its own cost, not the worker's
         speed, and counted in it made one worker look several times slower than its twin."""
         if prefill_tokens:

@@ -9,8 +9,9 @@ this module does the same on CUDA and runs the same fixed-shape step through `to
 A step is taken here when every request of the batch adds exactly one token and none repairs a
 window (`DecodeStep.accepts`); prefill and mixed steps stay eager. The step is padded:
 
-    batch      B requests → Bp = the smallest bucket >= B (`BATCH_BUCKETS`, up to the slot
-               table's rows); a padded request reads row 0, writes the padding slot 0
+    batch      B rows → Bp = the smallest bucket >= B (`BATCH_BUCKETS`, up to the slot table's
+               rows, times 1 + k with speculative decoding: a request's drafts are rows of
+               its own); a padded row reads slot-table row 0, writes the padding slot 0
     full keys  the longest read → Lf, rounded up to `KEY_BLOCK` (CPU: a dynamic dimension of
                one compiled graph) or to a power of two >= `MIN_GRAPH_KEYS` (CUDA: one graph
                per (Bp, Lf))
@@ -208,9 +209,12 @@ class DecodeStep:
         graph_factory: Callable[[], Graph] | None = None,
         graph_breaks: bool = False,
         attention_chunk_size: int | None = None,
+        max_batch: int | None = None,
     ) -> None:
         """`graph_breaks`: the model's forward breaks the graph (TP collectives run eagerly
-        between compiled pieces, see `compile_options`)."""
+        between compiled pieces, see `compile_options`). `max_batch`: the most rows a step
+        has (default: the slot table's rows; more when a request's drafts are rows of its
+        own, speculative decoding)."""
         self.graph_breaks = graph_breaks
         if mode not in ("graphs", "compile"):
             raise ValueError(f"mode must be 'graphs' or 'compile', got {mode!r}")
@@ -225,7 +229,7 @@ class DecodeStep:
         self.two_pools = two_pools
         self.device = device
         self.mode = mode
-        self.buckets = batch_buckets(slot_table.full.shape[0])
+        self.buckets = batch_buckets(max_batch or slot_table.full.shape[0])
         self.max_len = slot_table.max_len
         self.inputs = torch.zeros(
             INPUT_FIELDS, self.buckets[-1] + 1, dtype=torch.int64, device=device

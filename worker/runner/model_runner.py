@@ -140,6 +140,10 @@ class ModelRunner:
         self.model.fuse_projections()
         self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
         self.compile_mode = compile_mode(config, device)
+        # Rows a decode step may have per request: its token and, verifying, its drafts.
+        self.rows_per_request = 1 + (
+            config.num_speculative_tokens if config.speculative_method else 0
+        )
         if self.compile_mode == "compile":  # and the compiled CPU step's prepacked copies
             self.weight_bytes += self.model.prepack_weights()
         self.graph_factory = graph_factory
@@ -184,6 +188,7 @@ class ModelRunner:
             graph_factory=graph_factory,
             graph_breaks=self.tp.world_size > 1,
             attention_chunk_size=self.model_config.attention_chunk_size,
+            max_batch=self.slot_table.full.shape[0] * self.rows_per_request,
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,27 @@ class Sampler:
         out[rows] = self.race(probs, [generators[i] for i in sampled_rows])
         return out
 
+    def sample_at(
+        self,
+        logits: torch.Tensor,  # [R, V] any float dtype
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        positions: list[int],
+    ) -> torch.Tensor:  # [R] int64
+        """One draw per row, row j as plain decoding draws the token at sequence position
+        `positions[j]`: its filtered probabilities, and a seeded row's noise from its generator
+        reseeded there (an unseeded row's from the engine's). Several rows of one request
+        (speculative decoding's verify) each get the draw of their own position."""
+        probs = filtered_probs(logits.float(), params)  # [R, V] float32
+        uniform = torch.empty_like(probs)
+        for j, (gen, p, position) in enumerate(zip(generators, params, positions, strict=True)):
+            if gen is None:
+                uniform[j].uniform_(generator=self.generator)
+            else:
+                reseed(gen, p, position)
+                uniform[j].uniform_(generator=gen)
+        return argmax_rows(probs / uniform.log_().neg_())
+
     def race(
         self,
         probs: torch.Tensor,  # [b, V] float32, rows sum to 1

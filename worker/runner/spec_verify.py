@@ -8,9 +8,15 @@ decoding without drafts would give.
 - Sampling (the standard rule, Leviathan et al. / Chen et al.): draft d_j drawn from q_j is
   accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the emitted
   token is drawn from normalize(max(p_j − q_j, 0)); when all k are accepted a bonus token is
-  drawn from p_k. Every emitted token is then distributed by the target's p exactly. A drafter
-  without a model (n-gram) proposes deterministically: q_j is one-hot at d_j, so d_j is
-  accepted with probability p_j(d_j) and a rejection draws from p_j with d_j removed.
+  drawn from p_k. Every emitted token is then distributed by the target's p exactly
+  (`rejection_sample`, for drafts from a model).
+- A drafter without a model (n-gram) proposes deterministically: q_j is one-hot at d_j, so the
+  rule accepts d_j with probability p_j(d_j) and redraws a rejection from p_j without d_j.
+  Drawing x_j from p_j and keeping d_j exactly when x_j = d_j (emitting x_j at the first
+  x_j != d_j) is that rule: P(keep) = p_j(d_j), and x_j given x_j != d_j is p_j without d_j. The
+  engine does this with `greedy_accept` over x, each x_j drawn as plain decoding draws the token
+  at its position (`Sampler.sample_at`): a seeded request's tokens are then the ones it gets
+  without drafts, whatever was drafted.
 
 p here is the target's processed distribution (after penalties, grammar, bias, temperature,
 top-k / top-p), the one plain decoding samples from.
@@ -51,7 +57,7 @@ def rejection_sample(
         p = target_probs[j]
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, draft])
         accept = min(1.0, float(p[draft]) / q_d) if q_d > 0 else 0.0
-        if float(torch.rand((), generator=generator)) < accept:
+        if float(torch.rand((), generator=generator, device=p.device)) < accept:
             emitted.append(draft)
             continue
         if draft_probs is None:

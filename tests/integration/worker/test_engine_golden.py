@@ -16,6 +16,7 @@ from swaserve.worker import Engine, EngineConfig, SamplingParams
 W = 8
 INTERVAL = 16
 MAX_NEW = 40
+SPEC_K = 3
 
 
 def workload(seed: int) -> list[list[int]]:
@@ -69,10 +70,15 @@ def own_swa_slots(engine: Engine) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("speculative", [None, "ngram"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_tokens_equal_transformers_under_memory_pressure(
-    hf_reference: tuple[Path, list[list[int]], list[list[int]]], page_size: int
+    hf_reference: tuple[Path, list[list[int]], list[list[int]]],
+    page_size: int,
+    speculative: str | None,
 ) -> None:
+    """With n-gram drafts too: verify steps among retractions, SWA freeing and chunks, every
+    token still equal to transformers' greedy one."""
     path, prompts, expected = hf_reference
     engine = Engine(
         EngineConfig(
@@ -84,15 +90,20 @@ def test_greedy_tokens_equal_transformers_under_memory_pressure(
             page_size=page_size,
             swa_eviction_interval=INTERVAL,
             max_running_requests=8,
+            speculative_method=speculative,
+            num_speculative_tokens=SPEC_K,
         )
     )
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    # A decode keeps at most W + I + P SWA slots after freeing; a verify step adds its kept
+    # drafts (up to k) before the next freeing.
+    bound = W + INTERVAL + page_size + (SPEC_K if speculative else 0)
     ids = [engine.add_request(p, params) for p in prompts]
     got: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
-        assert all(n <= W + INTERVAL + page_size for n in own_swa_slots(engine))
+        assert all(n <= bound for n in own_swa_slots(engine))
         engine.check()
     for rid, want in zip(ids, expected, strict=True):
         assert got[rid] == want
@@ -101,6 +112,7 @@ def test_greedy_tokens_equal_transformers_under_memory_pressure(
     assert stats.tombstoned_pages > 0
     assert stats.retractions > 0
     assert stats.prefill_chunks > 0
+    assert (stats.spec_accepted_tokens > 0) == (speculative is not None)
     engine.flush_cache()
     head = engine.headroom()
     assert head.full_free_tokens == head.full_total_tokens

@@ -141,6 +141,26 @@ def test_tp2_equals_tp1(
     tp.check()
 
 
+@pytest.mark.parametrize("arch", ["gpt-oss", "llama4"])
+def test_tp2_with_ngram_drafts_equals_tp1_without(
+    arch: str, tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """Verify steps under TP: every rank runs the step's extends of 1 + k and rank 0 accepts;
+    greedy tokens equal plain decoding on one rank, through SWA freeing and prefix hits."""
+    model_dir = tiny_model_factory(
+        arch, sliding_window_size=W, hidden_size=32, seed=5, **MODELS[arch]
+    )
+    prompts = [p + p[-12:] * 3 for p in workload(1)]  # phrases that repeat: drafts
+    single = make_engine(model_dir, 1)
+    engines.append(single)
+    want = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    tp = make_engine(model_dir, 2, speculative_method="ngram", num_speculative_tokens=4)
+    engines.append(tp)
+    assert [o.token_ids for o in tp.generate(prompts, GREEDY)] == want
+    assert tp.stats.spec_accepted_tokens > 0 and tp.stats.swa_freed_tokens > 0
+    tp.check()
+
+
 def test_tp2_structured_output_and_penalties_equal_tp1(
     tiny_model_factory: Callable[..., Path], engines: list[Engine]
 ) -> None:

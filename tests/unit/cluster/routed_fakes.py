@@ -150,11 +150,13 @@ class FakeCluster(RoutedCluster):
         self.model_info = model_info(model_dir)
         self.tokenizer = tokenizer
         self.aborted: list[tuple[str, str]] = []
+        self.params: list[SamplingParams] = []  # of each request streamed, in order
 
     async def _stream(
         self, worker_id: str, request: EngineRequest
     ) -> AsyncIterator[GenerateChunk | Exception]:
         request_id = request.request_id
+        self.params.append(request.params)
         yield GenerateChunk(request_id)  # taken
         tokens = counting_tokens(request.token_ids, request.params)
         for i, token in enumerate(tokens):

@@ -320,3 +320,34 @@ def test_the_grpc_server_requires_the_token_when_one_is_set(served: Served) -> N
         good = [("authorization", f"Bearer {TOKEN}")]
         items = list(stub.Generate(request, metadata=good, timeout=30))
     assert [t for i in items for t in i.token_ids] == [3, 4]
+
+
+def test_num_speculative_tokens_reaches_the_engine_from_grpc_and_http(served: Served) -> None:
+    """The per-request drafts option passes through both ingresses; out of range it is
+    INVALID_ARGUMENT / 400 naming the field."""
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        params = pb.SamplingParams(max_new_tokens=2, num_speculative_tokens=2)
+        list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2], sampling_params=params)))
+        assert served.cluster.params[-1].num_speculative_tokens == 2
+        bad = pb.SamplingParams(max_new_tokens=2, num_speculative_tokens=99)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2], sampling_params=bad)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "num_speculative_tokens" in (err.value.details() or "")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.http_port}/v1", api_key="x")
+    client.completions.create(
+        model=served.cluster.model_info.model_name,
+        prompt=[1, 2],
+        max_tokens=2,
+        extra_body={"num_speculative_tokens": 0},
+    )
+    assert served.cluster.params[-1].num_speculative_tokens == 0
+    with pytest.raises(openai.BadRequestError) as bad_http:
+        client.completions.create(
+            model=served.cluster.model_info.model_name,
+            prompt=[1, 2],
+            max_tokens=2,
+            extra_body={"num_speculative_tokens": 99},
+        )
+    assert "num_speculative_tokens" in str(bad_http.value)

@@ -26,6 +26,9 @@ HEADROOM = Headroom(
     window_repair_tokens_total=64,
     prefill_tokens_total=2560,
     prefill_s_total=0.5,
+    spec_verifies_total=30,
+    spec_draft_tokens_total=90,
+    spec_accepted_tokens_total=45,
 )
 
 
@@ -69,6 +72,9 @@ def test_snapshot_and_histograms_render_with_their_labels() -> None:
     assert got["swaserve:window_repair_tokens_total", w] == 64
     assert got["swaserve:prefill_tokens_total", w] == 2560
     assert got["swaserve:prefill_seconds_total", w] == 0.5
+    assert got["swaserve:spec_decode_num_drafts_total", w] == 30
+    assert got["swaserve:spec_decode_num_draft_tokens_total", w] == 90
+    assert got["swaserve:spec_decode_num_accepted_tokens_total", w] == 45
     routed = (("model_name", "tiny"), ("outcome", "routed"), ("policy", "prefix"))
     assert got["swaserve:router_decisions_total", routed] == 7
     assert got["swaserve:router_queue_len", (("model_name", "tiny"),)] == 1

@@ -25,7 +25,7 @@ W = 8
 PREFIX = [(5 * i + 2) % 200 + 1 for i in range(40)]
 
 
-def engine(model_dir: Path, page_size: int) -> Engine:
+def engine(model_dir: Path, page_size: int, **options: object) -> Engine:
     return Engine(
         EngineConfig(
             model=str(model_dir),
@@ -34,6 +34,7 @@ def engine(model_dir: Path, page_size: int) -> Engine:
             chunked_prefill_size=32,
             page_size=page_size,
             swa_eviction_interval=8,
+            **options,  # type: ignore[arg-type]
         )
     )
 
@@ -132,6 +133,27 @@ def test_flash_logits_equal_the_torch_backend_on_chunks_and_wide_heads(
     assert max(c.head_dim for c in fake.calls) <= 256
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("arch", ["gpt-oss", "llama4"])
+def test_flash_logits_equal_the_torch_backend_on_verify_steps(
+    tiny_model_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    page_size: int,
+) -> None:
+    """Steps that verify n-gram drafts (a decode and its drafts as decode rows of one
+    slot-table row, beside other decodes and prefill chunks) give the torch backend's logits on
+    the flash kernel, windowed and chunked."""
+    model_dir = tiny_model_factory(arch, num_layers=4, sliding_window_size=16, seed=5)
+    steps = record_steps(engine(model_dir, page_size, speculative_method="ngram"))
+    twin, _ = flash_engine(model_dir, page_size, monkeypatch)
+    verifies = 0
+    for inp, want in steps:
+        verifies += inp.req_rows.unique().numel() < inp.batch_size
+        torch.testing.assert_close(twin.runner.forward(inp), want, rtol=1e-5, atol=1e-5)
+    assert verifies > 3
+
+
 class ReplayedGraph:
     """A CPU stand-in for a CUDA graph (capture runs `fn`, replay runs it again into the
     captured output; new inputs reach it only through the buffers `fn` closed over)."""
@@ -175,6 +197,31 @@ def test_a_captured_decode_step_reads_the_pool_through_block_tables(
     assert {c.window for c in decode_calls} == {(-1, -1), (W if arch != "llama4" else 15, 0)}
     assert not any(not c.paged for c in fake.calls)
     assert len(fake.calls) >= 6 * step.stats.steps  # each decode step: one call per layer
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "llama4"])
+def test_verify_steps_run_as_captured_decode_steps(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """With n-gram drafts, a step that only decodes and verifies is one new token per row (a
+    request's drafts are rows of its own slot-table row), so the captured decode step runs it
+    too: on the paged kernel, P = 16, the greedy tokens are plain decoding's."""
+    window = 16 if arch == "llama4" else W
+    model_dir = tiny_model_factory(arch, num_layers=6, sliding_window_size=window, seed=5)
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [[3, 4, 5, 6] * 8, [*PREFIX, 9, 9], [7, 7, 8] * 9, PREFIX[:21]]
+    want = [o.token_ids for o in engine(model_dir, 16).generate(prompts, greedy)]
+    fake = FakeFlashAttn()
+    backend = functools.partial(FlashAttentionBackend, kernel=fake.v2_6)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner_module, "select_backend", lambda *a, **k: backend)
+        twin = engine(model_dir, 16, speculative_method="ngram", num_speculative_tokens=4)
+    step = twin.runner.decode_step = twin.runner.make_decode_step("graphs", ReplayedGraph)
+    assert [o.token_ids for o in twin.generate(prompts, greedy)] == want
+    twin.check()
+    assert twin.stats.spec_accepted_tokens > 0
+    assert step.stats.steps == twin.stats.decode_steps  # every decode-only step, verifies too
+    assert max(step.stats.buckets) > len(prompts)  # a batch of more rows than requests
 
 
 def test_decode_block_tables_start_at_the_window_page() -> None:

@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swaserve.worker.engine.ngram import NgramIndex
+from swaserve.proto.sampling_params import SamplingParams
+from swaserve.worker.engine.ngram import CAUGHT_UP, NgramDrafter, NgramIndex
+from swaserve.worker.engine.request import Request
 from swaserve.worker.runner.spec_verify import greedy_accept, rejection_sample
 
 
@@ -47,6 +49,28 @@ def test_a_repeated_context_is_proposed() -> None:
     assert index.propose(2) == [4, 9]
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex(min_n=3, max_n=2)
+
+
+def test_a_long_context_is_indexed_over_several_steps() -> None:
+    """A 20,000-token prompt with a 8,192-token budget per step: the first two steps index
+    8,192 tokens each and propose nothing, the third catches up and proposes; a request a
+    few tokens behind is brought up to date even when the budget is spent."""
+    phrase = [5, 6, 7, 8]
+    long = Request("long", [1, 2, 3] * 6666 + phrase + [9] + phrase[:2], SamplingParams(), 0)
+    short = Request("short", [1, 2, 3, 4, 1, 2], SamplingParams(), 1)
+    drafter = NgramDrafter(min_n=2, max_n=4, index_budget=8192)
+    seen = []
+    for _ in range(3):
+        drafter.new_step()
+        seen.append((drafter.propose(long, 3), drafter.propose(short, 3)))
+        assert long.draft_index is not None
+        seen.append(len(long.draft_index.tokens))
+    assert seen == [([], [3, 4, 1]), 8192, ([], [3, 4, 1]), 16384, ([7, 8, 9], [3, 4, 1]), 20005]
+    short.output_ids += list(range(100, 100 + CAUGHT_UP))  # within CAUGHT_UP: extended at once
+    drafter.new_step()
+    drafter._budget = 0
+    drafter.propose(short, 3)
+    assert short.draft_index is not None and len(short.draft_index.tokens) == short.seq_len
 
 
 def test_greedy_emits_the_targets_up_to_the_first_disagreement() -> None:

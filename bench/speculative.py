@@ -1,0 +1,214 @@
+"""Speculative decoding with n-gram drafts against plain decoding, side by side in one process,
+`Engine.step()` timed.
+
+What drafts buy is set by how often they are accepted, and that is set by the model and the
+workload: a model rewriting a file it was given (a code edit, an agent re-emitting its context)
+copies long runs that n-gram drafts propose exactly. Random weights copy nothing, so the bench
+runs two tiny GPT-OSS models (vocab 1024, hidden 256, 6 layers, W = 32, 4 experts top-2,
+float32: the `bench/decode.py` shapes) that bound it:
+
+    repeating  attention outputs zeroed: greedy decoding is a fixed next-token map, so the model
+               continues any text it wrote before exactly as it did (the best case: every
+               draft taken from that text is right)
+    random     as made: it never repeats its earlier text (the worst case: drafts are proposed
+               where its own n-grams recur and almost never accepted; what they cost shows)
+
+Workload, a rewrite: per request a seed of 8 random tokens, the file = the model's own greedy
+continuation of it (96 tokens, made before timing), and the prompt = seed + file + seed (the
+rewrite begins). Per batch size B, B such prompts generate --new-tokens greedy tokens each on
+both engines (plain, and `speculative_method="ngram"` with k = --k), alternating, --repeats
+times each, the same fresh prompts for both in a repeat; the best run of each counts:
+
+    decode tok/s      tokens emitted by the steps after every request has its first token,
+                      over those steps' time
+    speedup           ngram decode tok/s / plain decode tok/s
+    acceptance_len    tokens a verify emits per request: 1 + accepted drafts / verifies
+    draft_accept      accepted / proposed drafts
+    verify_step_ratio median step with drafts / median plain decode step (what verifying up to
+                      k drafts per request costs against decoding one token)
+    same_tokens       greedy tokens of the two engines equal in every repeat
+
+Both engines run eagerly (the CPU default) unless --compile: then both run the compiled decode
+step, which takes the steps that verify drafts too when no prefill shares them (each draft is a
+decode row of its own).
+
+    python bench/speculative.py [--json] [--quick] [--compile] [--batches 1,8,32] [--k 3] [--models repeating,random]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.models.tiny import make_tiny_model
+
+
+def make_model(root: Path, kind: str) -> Path:
+    """A tiny GPT-OSS (`repeating`: its attention output projections zeroed)."""
+    path = make_tiny_model(
+        root / kind,
+        "gpt-oss",
+        num_layers=6,
+        sliding_window_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        hidden_size=256,
+        vocab_size=1024,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    if kind == "repeating":
+        weights = load_file(path / "model.safetensors")
+        for name, tensor in weights.items():
+            if ".self_attn.o_proj." in name:
+                tensor.zero_()
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def engine(model: Path, k: int | None, compile_: bool) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            max_total_tokens=65536,
+            max_running_requests=160,
+            check_on_idle=False,
+            compile=compile_,
+            speculative_method=None if k is None else "ngram",
+            num_speculative_tokens=k or 3,
+        )
+    )
+
+
+def rewrite_prompts(eng: Engine, batch: int, seed: int) -> list[list[int]]:
+    """`batch` rewrite prompts (module docstring), the files written by `eng` (plain)."""
+    rng = random.Random(seed)
+    seeds = [[rng.randrange(1, 1000) for _ in range(8)] for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_new_tokens=96, ignore_eos=True)
+    files = [out.token_ids for out in eng.generate(seeds, params)]
+    return [s + f + s for s, f in zip(seeds, files, strict=True)]
+
+
+def run_batch(
+    eng: Engine, prompts: list[list[int]], new_tokens: int
+) -> tuple[dict[str, float], list[list[int]], list[float]]:
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    ids = [eng.add_request(prompt, params) for prompt in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    decode_s, decoded, steps = 0.0, 0, []
+    stats = eng.stats
+    before = (stats.spec_verifies, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+    while eng.has_unfinished_requests():
+        started = all(tokens.values())
+        start = time.perf_counter()
+        outs = eng.step()
+        took = time.perf_counter() - start
+        if started:
+            decode_s += took
+            decoded += sum(len(o.new_token_ids) for o in outs)
+            steps.append(took)
+        for out in outs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    verifies, drafts, accepted = (
+        after - b
+        for after, b in zip(
+            (stats.spec_verifies, stats.spec_draft_tokens, stats.spec_accepted_tokens),
+            before,
+            strict=True,
+        )
+    )
+    figures = {
+        "decode_tok_s": decoded / decode_s,
+        "acceptance_len": 1 + accepted / verifies if verifies else 1.0,
+        "draft_accept": accepted / drafts if drafts else 0.0,
+    }
+    return figures, [tokens[i] for i in ids], steps
+
+
+def bench_batch(plain: Engine, spec: Engine, batch: int, args: argparse.Namespace) -> dict:
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "ngram": []}
+    steps: dict[str, list[float]] = {"plain": [], "ngram": []}
+    tokens: dict[str, list[list[int]]] = {"plain": [], "ngram": []}
+    for repeat in range(args.repeats):
+        prompts = rewrite_prompts(plain, batch, batch * 1000 + repeat)
+        for side, eng in (("plain", plain), ("ngram", spec)):
+            figures, toks, took = run_batch(eng, prompts, args.new_tokens)
+            runs[side].append(figures)
+            tokens[side].extend(toks)
+            steps[side].extend(took)
+    best = {side: max(r, key=lambda f: f["decode_tok_s"]) for side, r in runs.items()}
+    differing = sum(a != b for a, b in zip(tokens["plain"], tokens["ngram"], strict=True))
+    return {
+        "plain_decode_tok_s": best["plain"]["decode_tok_s"],
+        "ngram_decode_tok_s": best["ngram"]["decode_tok_s"],
+        "speedup": best["ngram"]["decode_tok_s"] / best["plain"]["decode_tok_s"],
+        "acceptance_len": statistics.mean(r["acceptance_len"] for r in runs["ngram"]),
+        "draft_accept": statistics.mean(r["draft_accept"] for r in runs["ngram"]),
+        "verify_step_ratio": statistics.median(steps["ngram"]) / statistics.median(steps["plain"]),
+        "same_tokens": differing == 0,
+        "differing_requests": differing,
+        "requests": len(tokens["plain"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 8, one repeat")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--models", default="repeating,random")
+    parser.add_argument(
+        "--compile", action="store_true", help="both engines with the compiled decode step"
+    )
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        batches, args.repeats, args.new_tokens = [1, 8], 1, 48
+    torch.set_num_threads(args.threads)
+    results: dict[str, Any] = {
+        "k": args.k,
+        "threads": args.threads,
+        "compile": args.compile,
+        "models": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.models.split(","):
+            model = make_model(Path(tmp), kind)
+            plain = engine(model, None, args.compile)
+            spec = engine(model, args.k, args.compile)
+            rows: dict[str, Any] = results["models"].setdefault(kind, {})
+            try:
+                for batch in batches:
+                    row = rows[str(batch)] = bench_batch(plain, spec, batch, args)
+                    print(
+                        f"{kind:9s} batch {batch:3d}: plain {row['plain_decode_tok_s']:7.1f} "
+                        f"tok/s, ngram {row['ngram_decode_tok_s']:7.1f} tok/s, speedup "
+                        f"{row['speedup']:.2f}x, acceptance length {row['acceptance_len']:.2f}, "
+                        f"drafts accepted {row['draft_accept']:.2f}, verify step / plain step "
+                        f"{row['verify_step_ratio']:.2f}, same tokens {row['same_tokens']}",
+                        flush=True,
+                    )
+            finally:
+                plain.shutdown()
+                spec.shutdown()
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
