@@ -674,4 +674,6 @@ class Scheduler:
             or any(r.is_decoding and not r.num_retractions for r in prefilling)
         ):
             raise RuntimeError("scheduler: the kept decode / prefill split is stale")
+        if any(r.num_slots != r.num_computed for r in decoding.reqs):  # between steps
+            raise RuntimeError("scheduler: a decoding request holds slots past its KV (drafts?)")
         decoding.check()

@@ -463,3 +463,21 @@ def test_generate_cli_with_ngram_drafts(gpt_oss: Path, capsys: pytest.CaptureFix
     assert capsys.readouterr().out.strip().splitlines()[-1] == plain
     with pytest.raises(ValueError, match="speculative_method"):
         main([*argv, "--speculative-method", "eagle"])
+
+
+def test_check_fails_when_a_decoding_request_keeps_a_draft_slot(gpt_oss: Path) -> None:
+    """Between steps a decoding request holds slots for exactly its computed tokens: the
+    scheduler's `check()` fails on one that kept a draft's slot."""
+    engine = spec_engine(gpt_oss)
+    try:
+        engine.add_request([3, 4, 5] * 10, greedy(20))
+        while not any(r.is_decoding for r in engine.scheduler.running):
+            engine.step()
+        engine.scheduler.check()
+        (req,) = engine.scheduler.running
+        req.num_slots += 1
+        with pytest.raises(RuntimeError, match="drafts"):
+            engine.scheduler.check()
+        req.num_slots -= 1
+    finally:
+        engine.shutdown()

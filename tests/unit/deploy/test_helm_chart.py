@@ -59,6 +59,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "swa_full_tokens_ratio": 1,
             "enable_prefix_cache": False,
             "schedule_policy": "lpm",
+            "speculative_method": "ngram",
+            "num_speculative_tokens": 4,
         },
         "router": {"policy": "least_load", "prefix_load_weight": 0.5, "queue_timeout_s": 2.5},
     },
@@ -409,6 +411,7 @@ def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
             1_000_000,
             False,
         )
+        assert (engine.speculative_method, engine.num_speculative_tokens) == ("ngram", 4)
         assert (router.policy, router.prefix_load_weight, router.queue_timeout_s) == (
             "least_load",
             0.5,
@@ -431,3 +434,5 @@ def test_serve_config_is_what_build_app_takes(name: str, tmp_path, monkeypatch) 
     router = parsed.router_config()
     assert engine.tp_size == VALUE_SETS[name].get("tensorParallelSize", 1)
     assert router.policy == VALUE_SETS[name].get("router", {}).get("policy", "ttft")
+    spec = VALUE_SETS[name].get("engine", {}).get("speculative_method")
+    assert engine.speculative_method == spec  # Helm values → Serve app args → the engine
