@@ -47,26 +47,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from decode import make_model as make_decode_bench_model
 from safetensors.torch import load_file, save_file
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
-from swaserve.worker.models.tiny import make_tiny_model
 
 
 def make_model(root: Path, kind: str) -> Path:
-    """A tiny GPT-OSS (`repeating`: its attention output projections zeroed)."""
-    path = make_tiny_model(
-        root / kind,
-        "gpt-oss",
-        num_layers=6,
-        sliding_window_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        hidden_size=256,
-        vocab_size=1024,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
+    """The decode bench's tiny GPT-OSS (`repeating`: its attention output projections zeroed)."""
+    path = make_decode_bench_model(root / kind, "gpt-oss")
     if kind == "repeating":
         weights = load_file(path / "model.safetensors")
         for name, tensor in weights.items():

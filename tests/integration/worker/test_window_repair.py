@@ -173,6 +173,21 @@ def test_aborting_a_request_mid_repair_leaves_the_pools_whole(model_dir: Path) -
     engine.shutdown()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_repaired_hits_with_ngram_drafts_give_the_cold_tokens(
+    model_dir: Path, page_size: int
+) -> None:
+    """Speculative decoding over repaired hits: the requests that resume by a window repair
+    then verify drafts, and every token is the cold engine's without drafts."""
+    options = {"page_size": page_size, "chunked_prefill_size": 8, "swa_full_tokens_ratio": 0.08}
+    engine = make_engine(model_dir, speculative_method="ngram", num_speculative_tokens=3, **options)
+    outs = run_one_by_one(engine, PROMPTS)
+    assert [o.token_ids for o in outs] == cold_tokens(model_dir, PROMPTS, **options)
+    assert engine.stats.window_repairs >= 1 and engine.stats.spec_verifies > 0
+    assert_pools_whole(engine)
+    engine.shutdown()
+
+
 def test_window_repair_can_be_turned_off(model_dir: Path) -> None:
     engine = make_engine(model_dir, chunked_prefill_size=None, enable_window_repair=False)
     assert engine.window_repair_tokens == 0
