@@ -536,18 +536,19 @@ class Engine:
         sampled: list[Request],
         logits: torch.Tensor,
         masks: Future | None,
-    ) -> tuple[list[list[int]], list[int | None], dict[int, TokenLogprob]]:
+    ) -> tuple[list[list[int]], list[int | None], dict[int, list[TokenLogprob]]]:
         """A step with drafts. `logits` has a row per draft and per last token of each decode,
         one per sampling prefill, in batch order. Returns the tokens each decode emits (its
         accepted drafts and the target's next token: `spec_verify`), the token of each request
         of the batch (None: it did not sample; a decode's last emitted), and by batch index the
-        log-probabilities of the one-row requests that asked for them."""
+        log-probabilities of the requests that asked for them, one per token (each emitted
+        token's from its own row: nothing processes a drafting request's logits)."""
         drafts = batch.drafts
         assert drafts is not None
         counts = self._logits_per_request(batch)
         firsts = np.cumsum(counts) - np.asarray(counts)  # [B] int64 first logits row of each
         out: list[int | None] = [None] * len(batch.reqs)
-        by_index: dict[int, TokenLogprob] = {}
+        by_index: dict[int, list[TokenLogprob]] = {}
         single = [i for i, n in enumerate(counts) if n == 1]
         if single:  # one row each: sampled as in any step (grammar, penalties, log-probs)
             index = to_device(torch.from_numpy(firsts[single]), logits.device)
@@ -556,8 +557,8 @@ class Engine:
             )
             for j, i in enumerate(single):
                 out[i] = tokens[j]
-                if logprobs and logprobs[j] is not None:
-                    by_index[i] = logprobs[j]
+                if logprobs and (entry := logprobs[j]) is not None:
+                    by_index[i] = [entry]
         verified = [i for i, d in enumerate(drafts) if d]
         emitted: list[list[int]] = [[] if d else [out[i]] for i, d in enumerate(drafts)]  # type: ignore[list-item]
         greedy = [i for i in verified if batch.reqs[i].params.greedy]
@@ -586,6 +587,19 @@ class Engine:
                 at += counts[i]
         for i in verified:
             out[i] = emitted[i][-1]
+        if asking := [i for i in verified if batch.reqs[i].params.logprobs is not None]:
+            rows = np.concatenate(
+                [np.arange(firsts[i], firsts[i] + len(emitted[i])) for i in asking]
+            )
+            index = to_device(torch.from_numpy(rows), logits.device)
+            params = [batch.reqs[i].params for i in asking for _ in emitted[i]]
+            found = token_logprobs(
+                logits[index].float(), params, [t for i in asking for t in emitted[i]]
+            )
+            at = 0
+            for i in asking:
+                by_index[i] = found[at : at + len(emitted[i])]
+                at += len(emitted[i])
         return emitted, out, by_index
 
     def _sample_rows(
@@ -746,16 +760,21 @@ class Engine:
         batch: ScheduledBatch,
         next_tokens: list[int | None],
         finished: list[Request],
-        logprobs: dict[int, TokenLogprob],
+        logprobs: dict[int, TokenLogprob] | dict[int, list[TokenLogprob]],
         emitted: list[list[int]] | None = None,
     ) -> list[RequestOutput]:
         """One output per request that sampled; a request that did not (a prefill chunk)
-        neither advanced nor finished. `emitted`: each decode's tokens in a step with drafts."""
+        neither advanced nor finished. `emitted` (a step with drafts): each decode's tokens;
+        `logprobs` is then a list per request (one per token it made before the cut)."""
         self._forget(finished)
+        nd = batch.num_decodes
+        entries: dict[int, list[TokenLogprob]] = {}
         for i, entry in logprobs.items():
+            made = len(emitted[i]) if emitted is not None and i < nd else 1
+            entries[i] = entry[:made] if isinstance(entry, list) else [entry]
             kept = batch.reqs[i].logprobs
             if kept is not None:
-                kept.append(entry)
+                kept.extend(entries[i])
         decode = batch.decode
         if decode is not None and batch.pure_decode and not finished and not logprobs:
             # Every request of the decode batch advanced and none left it: its lists are the
@@ -777,17 +796,16 @@ class Engine:
                 continue
             reason = req.finish_reason  # set in this step if it finished, else None
             first = len(req.output_ids) == 1  # its first token (a re-prefill has more)
-            entry = logprobs.get(i)
             outputs.append(
                 RequestOutput(
                     req.request_id,
-                    emitted[i] if emitted is not None and i < batch.num_decodes else [token],
+                    emitted[i] if emitted is not None and i < nd else [token],
                     reason is not None,
                     reason,
                     req.cached_tokens,
                     req.error,
                     timings=req.trace.timings(now) if first else None,
-                    logprobs=None if entry is None else [entry],
+                    logprobs=entries.get(i),
                 )
             )
         return outputs

@@ -130,13 +130,11 @@ class Request:
     @property
     def draftable(self) -> bool:
         """Whether drafts may be verified for it: nothing but the draw (and stop strings)
-        shapes its tokens. A grammar, penalties, a bias, `min_tokens` or log-probabilities
-        read each position's logits after the one before it is accepted, so those requests
-        decode a token per step."""
+        shapes its tokens. A grammar, penalties, a bias or `min_tokens` process each
+        position's logits with the tokens accepted before it, so those requests decode a
+        token per step (log-probabilities are read from each verified row as it is)."""
         params = self.params
-        return (
-            params.logprobs is None and not params.processed and params.structured_outputs is None
-        )
+        return not params.processed and params.structured_outputs is None
 
     @property
     def slots(self) -> torch.Tensor:

@@ -186,16 +186,15 @@ def test_a_stop_token_inside_a_verified_run_ends_the_request_there(
 
 
 def test_requests_that_process_their_logits_decode_a_token_per_step(gpt_oss: Path) -> None:
-    """Penalties, logprobs, a bias or min_tokens read each position's logits after the one
-    before it is accepted: those requests get no drafts (and equal their plain runs), in the
-    same batches as requests that do."""
+    """Penalties, a bias or min_tokens process each position's logits with the tokens accepted
+    before it: those requests get no drafts (and equal their plain runs), in the same batches
+    as requests that do."""
     prompt = [7, 8, 9, 10] * 8
     plain = Engine(EngineConfig(model=str(gpt_oss), max_total_tokens=2048))
     engine = spec_engine(gpt_oss)
     try:
         kinds = [
             greedy(20),
-            greedy(20, logprobs=2),
             greedy(20, repetition_penalty=1.2),
             greedy(20, logit_bias={5: 1.0}),
             greedy(20, min_tokens=3),
@@ -203,13 +202,37 @@ def test_requests_that_process_their_logits_decode_a_token_per_step(gpt_oss: Pat
         want = [plain.generate([prompt], p)[0] for p in kinds]
         got = engine.generate([prompt] * len(kinds), kinds)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        assert got[1].logprobs is not None and want[1].logprobs is not None
-        for g, w in zip(got[1].logprobs, want[1].logprobs, strict=True):  # batch-shape rounding
-            assert (g.token_id, [t for t, _ in g.top]) == (w.token_id, [t for t, _ in w.top])
-            assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
         assert engine.stats.spec_verifies > 0
         # only the plain greedy request verified drafts: at most one per step
         assert engine.stats.spec_verifies <= engine.stats.steps
+        assert_pools_whole(engine)
+    finally:
+        plain.shutdown()
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.1])
+def test_logprobs_of_verified_tokens_are_plain_decodings(gpt_oss: Path, temperature: float) -> None:
+    """A request that asks for log-probabilities drafts too: each emitted token's comes from
+    its own verified row, equal to plain decoding's (rounding aside), one per token, also
+    where a stop id cuts the run."""
+    prompt = [7, 8, 9, 10] * 8
+    plain = Engine(EngineConfig(model=str(gpt_oss), max_total_tokens=2048))
+    engine = spec_engine(gpt_oss, num_speculative_tokens=4)
+    try:
+        base = {"temperature": temperature, "seed": 3, "max_new_tokens": 40, "ignore_eos": True}
+        free = plain.generate([prompt], SamplingParams(**base))[0].token_ids
+        for extra in ({}, {"stop_token_ids": [free[25]]}):
+            params = SamplingParams(logprobs=2, **base, **extra)
+            want = plain.generate([prompt], params)[0]
+            got = engine.generate([prompt], params)[0]
+            assert got.token_ids == want.token_ids
+            assert got.logprobs is not None and want.logprobs is not None
+            assert len(got.logprobs) == len(got.token_ids)
+            for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                assert (g.token_id, [t for t, _ in g.top]) == (w.token_id, [t for t, _ in w.top])
+                assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert engine.stats.spec_accepted_tokens > 0  # it drafted, and kept some
         assert_pools_whole(engine)
     finally:
         plain.shutdown()
