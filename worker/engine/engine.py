@@ -81,6 +81,17 @@ class GenerateOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked
 
 
+class _VerifiedPosition:
+    """A request as `process_logits` sees it at a verified row: its output so far followed by
+    the drafts before that row."""
+
+    __slots__ = ("output_ids", "params", "prompt_ids", "stop_ids")
+
+    def __init__(self, req: Request, drafts: list[int]) -> None:
+        self.params, self.prompt_ids, self.stop_ids = req.params, req.prompt_ids, req.stop_ids
+        self.output_ids = req.output_ids + drafts if drafts else req.output_ids
+
+
 class Engine:
     """Continuous batching over the two-pool KV cache and the SWA radix cache.
 
@@ -561,6 +572,7 @@ class Engine:
                     by_index[i] = [entry]
         verified = [i for i, d in enumerate(drafts) if d]
         emitted: list[list[int]] = [[] if d else [out[i]] for i, d in enumerate(drafts)]  # type: ignore[list-item]
+        logits = self._process_verified(logits, batch, firsts, verified)
         greedy = [i for i in verified if batch.reqs[i].params.greedy]
         if greedy:
             argmax = argmax_rows(logits).tolist()
@@ -674,6 +686,41 @@ class Engine:
             if sampling.stopped or sampling.failed:
                 stopped.append(i)
         return stopped
+
+    def _process_verified(
+        self, logits: torch.Tensor, batch: ScheduledBatch, firsts: np.ndarray, verified: list[int]
+    ) -> torch.Tensor:
+        """The verified rows of requests with `min_tokens`, a bias or penalties, processed as
+        plain decoding processes its logits at that position once the drafts before it are
+        its tokens (the only case in which a row's draw is used): row j of a request counts
+        its first j drafts as output (`PenaltyState.after`, the `min_tokens` length). A copy
+        when any row is processed (the forward's buffer is not written)."""
+        processed = [i for i in verified if batch.reqs[i].params.processed]
+        if not processed:
+            return logits
+        assert batch.drafts is not None
+        logits = logits.float().clone()
+        vocab, device = logits.shape[1], logits.device
+        rows: list[int] = []
+        positions: list[_VerifiedPosition] = []
+        states: list[PenaltyState | None] = []
+        for i in processed:
+            req, proposed = batch.reqs[i], batch.drafts[i]
+            base = None
+            if req.params.penalized:
+                assert req.sampling is not None
+                if req.sampling.penalty is None:
+                    req.sampling.penalty = PenaltyState.of(req, req.sampling.resumed, vocab, device)
+                base = req.sampling.penalty
+            for j in range(len(proposed) + 1):
+                rows.append(int(firsts[i]) + j)
+                positions.append(_VerifiedPosition(req, proposed[:j]))
+                states.append(None if base is None else base.after(proposed[:j]))
+        index = to_device(torch.tensor(rows, dtype=torch.int64), device)
+        sub = logits[index]
+        process_logits(sub, positions, states, None, [])
+        logits[index] = sub
+        return logits
 
     def _accept_verified(
         self, batch: ScheduledBatch, emitted: list[list[int]], next_tokens: list[int | None]

@@ -129,12 +129,12 @@ class Request:
 
     @property
     def draftable(self) -> bool:
-        """Whether drafts may be verified for it: nothing but the draw (and stop strings)
-        shapes its tokens. A grammar, penalties, a bias or `min_tokens` process each
-        position's logits with the tokens accepted before it, so those requests decode a
-        token per step (log-probabilities are read from each verified row as it is)."""
-        params = self.params
-        return not params.processed and params.structured_outputs is None
+        """Whether drafts may be verified for it: all but a request with a grammar, whose
+        matcher would have to follow each draft and come back from the rejected ones; it
+        decodes a token per step. Penalties, a bias and `min_tokens` are applied to each
+        verified row as if the drafts before it were accepted (`Engine._process_verified`);
+        log-probabilities are read from each row."""
+        return self.params.structured_outputs is None
 
     @property
     def slots(self) -> torch.Tensor:

@@ -445,8 +445,8 @@ class Scheduler:
 
     def _draft_cap(self, req: Request) -> int:
         """The drafts `req` takes per step: k, or fewer if it asked
-        (`SamplingParams.num_speculative_tokens`); none for a request whose logits are
-        processed per position (`Request.draftable`)."""
+        (`SamplingParams.num_speculative_tokens`); none for a request with a grammar
+        (`Request.draftable`)."""
         if not req.draftable:
             return 0
         k = self.limits.num_speculative_tokens

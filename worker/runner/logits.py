@@ -75,6 +75,17 @@ class PenaltyState:
         self.counts[token] += 1.0
         self.seen[token] = True
 
+    def after(self, tokens: list[int]) -> PenaltyState:
+        """The counters once `tokens` follow (a copy; itself when there are none): a verified
+        draft row's, whose drafts before it count as output."""
+        if not tokens:
+            return self
+        counts, seen = self.counts.clone(), self.seen.clone()
+        index = to_device(int_tensor(tokens), counts.device)
+        counts.index_add_(0, index, torch.ones(len(tokens), device=counts.device))
+        seen[index] = True
+        return PenaltyState(counts, seen)
+
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf in place where `bitmask` ([b, ⌈V/32⌉] int32, bit j of word w: token 32w + j allowed)

@@ -18,7 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.engine.scheduler import ScheduledBatch
 from swaserve.worker.runner.model_input import ModelInput
 
 W = 8
@@ -185,27 +187,107 @@ def test_a_stop_token_inside_a_verified_run_ends_the_request_there(
         engine.shutdown()
 
 
-def test_requests_that_process_their_logits_decode_a_token_per_step(gpt_oss: Path) -> None:
-    """Penalties, a bias or min_tokens process each position's logits with the tokens accepted
-    before it: those requests get no drafts (and equal their plain runs), in the same batches
-    as requests that do."""
+def test_penalties_bias_and_min_tokens_apply_to_each_verified_row(gpt_oss: Path) -> None:
+    """Penalties, a bias and min_tokens process each position's logits with the tokens before
+    it: a verified row counts the drafts before it as output, so these requests draft too and
+    give their plain runs' tokens (greedy, and seeded sampling), in one batch; a request with a
+    grammar decodes a token per step beside them."""
     prompt = [7, 8, 9, 10] * 8
     plain = Engine(EngineConfig(model=str(gpt_oss), max_total_tokens=2048))
-    engine = spec_engine(gpt_oss)
+    engine = spec_engine(gpt_oss, num_speculative_tokens=4)
     try:
+        cool = {"temperature": 0.1, "seed": 5}
         kinds = [
-            greedy(20),
-            greedy(20, repetition_penalty=1.2),
-            greedy(20, logit_bias={5: 1.0}),
-            greedy(20, min_tokens=3),
+            greedy(30),
+            greedy(30, repetition_penalty=1.2),
+            greedy(30, presence_penalty=0.02, frequency_penalty=0.02),
+            greedy(30, logit_bias={5: 1.0, 9: -0.5}),
+            greedy(30, min_tokens=12, stop_token_ids=[prompt[0]]),
+            SamplingParams(max_new_tokens=30, repetition_penalty=1.1, ignore_eos=True, **cool),
+            greedy(30, structured_outputs=StructuredOutputs(regex="[a-z ]{1,40}")),
         ]
         want = [plain.generate([prompt], p)[0] for p in kinds]
         got = engine.generate([prompt] * len(kinds), kinds)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        assert engine.stats.spec_verifies > 0
-        # only the plain greedy request verified drafts: at most one per step
-        assert engine.stats.spec_verifies <= engine.stats.steps
+        for i, params in enumerate(kinds[:-1]):  # each drafts, alone
+            before = engine.stats.spec_verifies
+            assert engine.generate([prompt], params)[0].token_ids == want[i].token_ids
+            assert engine.stats.spec_verifies > before, i
+        before = engine.stats.spec_verifies
+        engine.generate([prompt], kinds[-1])
+        assert engine.stats.spec_verifies == before  # the grammar's request: no drafts
         assert_pools_whole(engine)
+    finally:
+        plain.shutdown()
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"frequency_penalty": 0.1, "presence_penalty": 0.1},
+        {"repetition_penalty": 1.1},
+        {"min_tokens": 31, "ignore_eos": False},  # EOS masked before 31 tokens
+    ],
+    ids=["frequency", "repetition", "min-tokens"],
+)
+def test_each_verified_row_is_processed_as_plain_decoding_processes_its_position(
+    gpt_oss: Path, monkeypatch: pytest.MonkeyPatch, options: dict
+) -> None:
+    """Teacher-forced: every verified row whose drafts before it were kept (so its logits
+    are used) equals, after penalties / min_tokens, the processed logits plain decoding had at
+    that position. A row that ignored the drafts before it as output fails this."""
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 6] * 3
+    params = SamplingParams(
+        **{"temperature": 0, "max_new_tokens": 60, "ignore_eos": True, **options}
+    )
+    plain = Engine(EngineConfig(model=str(gpt_oss), max_total_tokens=2048))
+    # Penalties keep the output from repeating itself: drafts from single tokens too.
+    engine = spec_engine(gpt_oss, num_speculative_tokens=4, speculative_ngram_min=1)
+    try:
+        want: dict[int, torch.Tensor] = {}  # position → plain decoding's processed logits
+        process = plain._process
+
+        def recording(logits: torch.Tensor, reqs: list, masks: object) -> torch.Tensor:
+            out = process(logits, reqs, masks)  # type: ignore[arg-type]
+            for row, req in zip(out, reqs, strict=True):
+                want[req.seq_len] = row.clone()
+            return out
+
+        monkeypatch.setattr(plain, "_process", recording)
+        tokens = plain.generate([prompt], params)[0].token_ids
+        sequence = prompt + tokens
+        got: list[tuple[int, list[int], torch.Tensor]] = []  # (position, drafts before, row)
+        verify = engine._process_verified
+
+        def seen(logits: torch.Tensor, batch: ScheduledBatch, firsts, verified) -> torch.Tensor:
+            out = verify(logits, batch, firsts, verified)
+            assert batch.drafts is not None
+            for i in verified:
+                req, proposed = batch.reqs[i], batch.drafts[i]
+                for j in range(len(proposed) + 1):
+                    got.append((req.seq_len + j, proposed[:j], out[int(firsts[i]) + j].clone()))
+            return out
+
+        monkeypatch.setattr(engine, "_process_verified", seen)
+        assert engine.generate([prompt], params)[0].token_ids == tokens
+        used = [
+            (pos, row)
+            for pos, before, row in got
+            if sequence[pos - len(before) : pos] == before and pos in want
+        ]
+        kept = [
+            pos for pos, before, _ in got if before and sequence[pos - len(before) : pos] == before
+        ]
+        assert len(kept) >= 2  # rows after kept drafts were checked
+        for pos, row in used:
+            torch.testing.assert_close(row, want[pos], rtol=1e-5, atol=1e-5)
+        if m := options.get("min_tokens"):  # a kept draft's row is where EOS is let through
+            made = [(pos - len(before) - len(prompt), pos - len(prompt)) for pos, before, _ in got]
+            assert any(
+                start < m <= end and pos in kept
+                for (start, end), (pos, _, _) in zip(made, got, strict=True)
+            )
     finally:
         plain.shutdown()
         engine.shutdown()
@@ -364,7 +446,7 @@ class Arrival:
     tail: int  # own tokens after the phrases
     max_new_tokens: int
     abort_after: int | None  # steps after its arrival; None: never aborted
-    kind: int  # 0 greedy, 1 greedy with a stop id, 2 penalized (no drafts)
+    kind: int  # 0 greedy, 1 greedy with a stop id, 2 penalized
 
 
 arrivals = st.lists(
