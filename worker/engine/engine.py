@@ -551,9 +551,10 @@ class Engine:
         """A step with drafts. `logits` has a row per draft and per last token of each decode,
         one per sampling prefill, in batch order. Returns the tokens each decode emits (its
         accepted drafts and the target's next token: `spec_verify`), the token of each request
-        of the batch (None: it did not sample; a decode's last emitted), and by batch index the
+        of the batch (None: it did not sample, or a decode with drafts, whose last kept token
+        `_accept_verified` sets once it cut the run), and by batch index the
         log-probabilities of the requests that asked for them, one per token (each emitted
-        token's from its own row: nothing processes a drafting request's logits)."""
+        token's from its own row, processed as plain decoding processes it)."""
         drafts = batch.drafts
         assert drafts is not None
         counts = self._logits_per_request(batch)
@@ -597,8 +598,6 @@ class Engine:
             for i in sampled_drafts:
                 emitted[i] = greedy_accept(drafts[i], drawn[at : at + counts[i]])
                 at += counts[i]
-        for i in verified:
-            out[i] = emitted[i][-1]
         if asking := [i for i in verified if batch.reqs[i].params.logprobs is not None]:
             rows = np.concatenate(
                 [np.arange(firsts[i], firsts[i] + len(emitted[i])) for i in asking]
@@ -753,6 +752,8 @@ class Engine:
                         emitted[i] = tokens[: j + 1]
                     stopped.append(i)
                     break
+        for i in range(nd):  # a decode's token: the last it keeps
+            next_tokens[i] = emitted[i][-1]
         return stopped
 
     def _count_verified(

@@ -10,8 +10,9 @@ A step is taken here when every request of the batch adds exactly one token and 
 window (`DecodeStep.accepts`); prefill and mixed steps stay eager. The step is padded:
 
     batch      B rows → Bp = the smallest bucket >= B (`BATCH_BUCKETS`, up to the slot table's
-               rows, times 1 + k with speculative decoding: a request's drafts are rows of
-               its own); a padded row reads slot-table row 0, writes the padding slot 0
+               rows, more with speculative decoding, where a request's drafts are rows of
+               its own: `model_runner.decode_rows`); a padded row reads slot-table row 0,
+               writes the padding slot 0
     full keys  the longest read → Lf, rounded up to `KEY_BLOCK` (CPU: a dynamic dimension of
                one compiled graph) or to a power of two >= `MIN_GRAPH_KEYS` (CUDA: one graph
                per (Bp, Lf))

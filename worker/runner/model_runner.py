@@ -103,6 +103,25 @@ def compile_mode(config: EngineConfig, device: torch.device) -> str | None:
     return "graphs" if device.type == "cuda" else "compile"
 
 
+MAX_VERIFY_ROWS = 512
+"""The most rows a decode graph has for steps that verify drafts (a request's token and each
+of its drafts is a row): larger verify steps run eagerly rather than every start capturing or
+compiling graphs of thousands of rows (their logits alone: rows x vocab floats)."""
+
+
+def decode_rows(config: EngineConfig, requests: int) -> int:
+    """The most rows a decode step runs as a graph: a row per request (the slot table's rows),
+    more with speculative decoding, where each of the up to
+    `speculative_disable_by_batch_size` - 1 drafting requests has 1 + k rows (at most
+    `MAX_VERIFY_ROWS`)."""
+    if config.speculative_method is None:
+        return requests
+    drafting = requests
+    if (limit := config.speculative_disable_by_batch_size) is not None:
+        drafting = min(drafting, limit - 1)
+    return max(requests, min(drafting * (1 + config.num_speculative_tokens), MAX_VERIFY_ROWS))
+
+
 class ModelRunner:
     """Loads the model on its device, then gives it this rank's KV buffers and slot tables, and
     runs forward passes from `ModelInput`s."""
@@ -140,10 +159,7 @@ class ModelRunner:
         self.model.fuse_projections()
         self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
         self.compile_mode = compile_mode(config, device)
-        # Rows a decode step may have per request: its token and, verifying, its drafts.
-        self.rows_per_request = 1 + (
-            config.num_speculative_tokens if config.speculative_method else 0
-        )
+        self.config = config
         if self.compile_mode == "compile":  # and the compiled CPU step's prepacked copies
             self.weight_bytes += self.model.prepack_weights()
         self.graph_factory = graph_factory
@@ -188,7 +204,7 @@ class ModelRunner:
             graph_factory=graph_factory,
             graph_breaks=self.tp.world_size > 1,
             attention_chunk_size=self.model_config.attention_chunk_size,
-            max_batch=self.slot_table.full.shape[0] * self.rows_per_request,
+            max_batch=decode_rows(self.config, self.slot_table.full.shape[0]),
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -113,3 +113,19 @@ def test_a_certain_draft_is_always_accepted() -> None:
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     out = rejection_sample([1], p, None, torch.Generator().manual_seed(0))
     assert out == [1, 2]
+
+
+def test_decode_graphs_take_verify_steps_up_to_a_bound() -> None:
+    """A row per request without drafts; 1 + k per drafting request with them, no more than
+    `speculative_disable_by_batch_size` - 1 of them draft, and at most `MAX_VERIFY_ROWS`."""
+    from swaserve.worker.config import EngineConfig
+    from swaserve.worker.runner.model_runner import MAX_VERIFY_ROWS, decode_rows
+
+    plain = EngineConfig(model="m")
+    spec = EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=3)
+    assert decode_rows(plain, 256) == 256
+    assert decode_rows(spec, 16) == 64
+    assert decode_rows(spec, 256) == max(256, MAX_VERIFY_ROWS) == 512
+    limited = spec.model_copy(update={"speculative_disable_by_batch_size": 9})
+    assert decode_rows(limited, 256) == 256  # 8 drafting requests: 32 rows, fewer than 256
+    assert decode_rows(limited, 4) == 16
