@@ -652,15 +652,7 @@ class Engine:
         (float32; a copy: the forward's buffer is not written)."""
         logits = logits.float().clone()
         vocab, device = logits.shape[1], logits.device
-        penalties: list[PenaltyState | None] = []
-        for r in reqs:
-            state = None
-            if r.params.penalized:
-                assert r.sampling is not None
-                if r.sampling.penalty is None:
-                    r.sampling.penalty = PenaltyState.of(r, r.sampling.resumed, vocab, device)
-                state = r.sampling.penalty
-            penalties.append(state)
+        penalties = [self._penalty(r, vocab, device) for r in reqs]
         bitmask, masked = None, []
         if masks is not None:
             masked, host_mask = masks.result()
@@ -686,6 +678,16 @@ class Engine:
                 stopped.append(i)
         return stopped
 
+    @staticmethod
+    def _penalty(req: Request, vocab: int, device: torch.device) -> PenaltyState | None:
+        """A penalized request's counters (made at its first penalized draw), else None."""
+        if not req.params.penalized:
+            return None
+        assert req.sampling is not None
+        if req.sampling.penalty is None:
+            req.sampling.penalty = PenaltyState.of(req, req.sampling.resumed, vocab, device)
+        return req.sampling.penalty
+
     def _process_verified(
         self, logits: torch.Tensor, batch: ScheduledBatch, firsts: np.ndarray, verified: list[int]
     ) -> torch.Tensor:
@@ -705,12 +707,7 @@ class Engine:
         states: list[PenaltyState | None] = []
         for i in processed:
             req, proposed = batch.reqs[i], batch.drafts[i]
-            base = None
-            if req.params.penalized:
-                assert req.sampling is not None
-                if req.sampling.penalty is None:
-                    req.sampling.penalty = PenaltyState.of(req, req.sampling.resumed, vocab, device)
-                base = req.sampling.penalty
+            base = self._penalty(req, vocab, device)
             for j in range(len(proposed) + 1):
                 rows.append(int(firsts[i]) + j)
                 positions.append(_VerifiedPosition(req, proposed[:j]))
