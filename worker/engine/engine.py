@@ -668,15 +668,25 @@ class Engine:
         if not self._special:
             return stopped
         for i, (req, token) in enumerate(zip(batch.reqs, next_tokens, strict=True)):
-            sampling = req.sampling
-            if token is None or sampling is None:
-                continue
-            if sampling.penalty is not None:
-                sampling.penalty.add(token)
-            sampling.accept(token, len(req.output_ids) + 1, req.params.min_tokens)
-            if sampling.stopped or sampling.failed:
+            if token is not None and self._feed(req, [token]) is not None:
                 stopped.append(i)
         return stopped
+
+    @staticmethod
+    def _feed(req: Request, tokens: list[int]) -> int | None:
+        """Feed the tokens `req` keeps, in order, to its sampling state (penalty counters,
+        grammar, stop strings); how many it took up to the one that ended it, None if none
+        did (or it has no such state)."""
+        sampling = req.sampling
+        if sampling is None:
+            return None
+        for j, token in enumerate(tokens):
+            if sampling.penalty is not None:
+                sampling.penalty.add(token)
+            sampling.accept(token, len(req.output_ids) + j + 1, req.params.min_tokens)
+            if sampling.stopped or sampling.failed:
+                return j + 1
+        return None
 
     @staticmethod
     def _penalty(req: Request, vocab: int, device: torch.device) -> PenaltyState | None:
@@ -737,18 +747,10 @@ class Engine:
                 tokens = [token]
             else:
                 continue
-            sampling = req.sampling
-            if sampling is None:
-                continue
-            for j, token in enumerate(tokens):
-                if sampling.penalty is not None:
-                    sampling.penalty.add(token)
-                sampling.accept(token, len(req.output_ids) + j + 1, req.params.min_tokens)
-                if sampling.stopped or sampling.failed:
-                    if i < nd:
-                        emitted[i] = tokens[: j + 1]
-                    stopped.append(i)
-                    break
+            if (taken := self._feed(req, tokens)) is not None:
+                if i < nd:
+                    emitted[i] = tokens[:taken]
+                stopped.append(i)
         for i in range(nd):  # a decode's token: the last it keeps
             next_tokens[i] = emitted[i][-1]
         return stopped

@@ -424,23 +424,22 @@ class Scheduler:
         drafts'). A request whose drafts find no room decodes one token, as without them."""
         drafter = self.drafter
         assert drafter is not None
-        drafts: list[list[int]] = []
-        locs: list[torch.Tensor] = []
-        any_drafts = False
+        drafts: list[list[int]] = [[] for _ in db.reqs]
+        slots: dict[int, torch.Tensor] = {}  # batch index → its drafts' slots
         drafter.new_step()
         for i, (req, start) in enumerate(zip(db.reqs, db.seq_lens.tolist(), strict=True)):
             k = self._draft_room(req)
             proposed = drafter.propose(req, k) if k > 0 else []
-            slots = self.kv.allocate_drafts(req, start + 1, len(proposed)) if proposed else None
-            locs.append(out[i : i + 1])
-            if slots is None:
-                drafts.append([])
-                continue
-            drafts.append(proposed)
-            locs.append(slots)
-            any_drafts = True
-        if not any_drafts:
+            got = self.kv.allocate_drafts(req, start + 1, len(proposed)) if proposed else None
+            if got is not None:
+                drafts[i], slots[i] = proposed, got
+        if not slots:
             return None
+        locs = []
+        for i in range(len(db)):
+            locs.append(out[i : i + 1])
+            if i in slots:
+                locs.append(slots[i])
         return drafts, torch.cat(locs)
 
     def _draft_cap(self, req: Request) -> int:
