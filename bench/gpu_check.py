@@ -565,22 +565,23 @@ def check_grammar(root: Path, device: str) -> list[Result]:
 
 
 def check_speculative(root: Path, device: str) -> list[Result]:
-    """N-gram drafts on the device: greedy tokens equal plain decoding's with CUDA graphs on
-    (a step that decodes and verifies replays a graph of as many rows as tokens), windowed and
-    chunked models; and the decode speed with and without drafts on prompts that repeat
-    themselves. The torch backend runs float32 (equal tokens or it fails); flash runs bf16
+    """N-gram drafts (windowed and chunked models) and MTP drafts (MiMo-V2-Flash: the depths'
+    forwards after each step, the step's hidden states kept by the captured graph) on the
+    device: greedy tokens equal plain decoding's with CUDA graphs on (a step that decodes and
+    verifies replays a graph of as many rows as tokens); and the decode speed with and without
+    drafts on prompts that repeat themselves. The torch backend runs float32 (equal tokens or it fails); flash runs bf16
     (P = 16), where graphs of other batch sizes may round a near-tie apart: differing tokens
     there are reported (info) with where they part, for a person to read."""
     results = []
     cases = [("torch", 1)] + ([("flash", 16)] if flash_attn_available() else [])
     prompts = [([(i * 7 + j) % 40 + 1 for j in range(6 + i)] * 8)[:60] for i in range(8)]
     params = SamplingParams(temperature=0, max_new_tokens=96, ignore_eos=True)
-    for arch in ("gpt-oss", "llama4"):
+    for arch, drafter in (("gpt-oss", "ngram"), ("llama4", "ngram"), ("mimo-v2-flash", "mtp")):
         model_dir = tiny_model(root, arch, **FAMILY_MODELS.get(arch, {"num_layers": 4}))
         for backend, page_size in cases:
             outs, seconds, accepted = {}, {}, 0
             dtype = "float32" if backend == "torch" else "bfloat16"
-            for method in (None, "ngram"):
+            for method in (None, drafter):
                 engine = make_engine(
                     model_dir,
                     device,
@@ -597,20 +598,20 @@ def check_speculative(root: Path, device: str) -> list[Result]:
                 accepted = engine.stats.spec_accepted_tokens or accepted
                 engine.check()
                 engine.shutdown()
-            same = outs[None] == outs["ngram"]
+            same = outs[None] == outs[drafter]
             parted = [
                 next(j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b)
-                for x, y in zip(outs[None], outs["ngram"], strict=True)
+                for x, y in zip(outs[None], outs[drafter], strict=True)
                 if x != y
             ]
             detail = (
                 f"tokens {'equal' if same else f'DIFFER in {len(parted)} of 8, from {parted}'}; "
-                f"{accepted} drafts accepted; batch 8 end to end "
-                f"{seconds[None] / seconds['ngram']:.2f}x plain"
+                f"{accepted} {drafter} drafts accepted; batch 8 end to end "
+                f"{seconds[None] / seconds[drafter]:.2f}x plain"
             )
             status = "pass" if same else "fail" if backend == "torch" else "info"
             results.append(
-                Result("spec", f"{arch} {backend} P={page_size} {dtype}", status, detail)
+                Result("spec", f"{arch} {drafter} {backend} P={page_size} {dtype}", status, detail)
             )
     return results
 

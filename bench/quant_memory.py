@@ -39,7 +39,7 @@ from swaserve.worker.models.tiny import make_tiny_model
 
 MODELS = {
     "gpt-oss-mxfp4": dict(arch="gpt-oss", quantization="mxfp4"),
-    "mimo-fp8": dict(arch="mimo-v2-flash", quantization="fp8"),
+    "mimo-fp8": dict(arch="mimo-v2-flash", quantization="fp8", mtp_layers=0),  # drafts only
 }
 QUICK = dict(hidden=64, layers=2, experts=16, intermediate=128, batch=2, prompt_len=16)
 QUICK |= dict(decode_steps=3, repeats=1)
@@ -97,7 +97,9 @@ def rss_child(model_dir: Path, dequantize: bool, dtype: torch.dtype) -> dict[str
         config = json.loads((model_dir / "config.json").read_text())
         arch = "gpt-oss" if config["model_type"] == "gpt_oss" else "mimo-v2-flash"
         quantization = config["quantization_config"]["quant_method"]
-        small = make_tiny_model(Path(tmp), arch=arch, num_layers=1, quantization=quantization)
+        small = make_tiny_model(
+            Path(tmp), arch=arch, num_layers=1, quantization=quantization, mtp_layers=0
+        )
         load: dict[str, Any] = dict(dtype=dtype, dequantize_weights=dequantize, progress=False)
         load_model(small, UnboundBackend(), **load)
     before = rss_anon_bytes()

@@ -1,5 +1,5 @@
-"""Speculative decoding with n-gram drafts against plain decoding, side by side in one process,
-`Engine.step()` timed.
+"""Speculative decoding (n-gram and MTP drafts) against plain decoding, side by side in one
+process, `Engine.step()` timed.
 
 What drafts buy is set by how often they are accepted, and that is set by the model and the
 workload: a model rewriting a file it was given (a code edit, an agent re-emitting its context)
@@ -12,6 +12,9 @@ float32: the `bench/decode.py` shapes) that bound it:
                draft taken from that text is right)
     random     as made: it never repeats its earlier text (the worst case: drafts are proposed
                where its own n-grams recur and almost never accepted; what they cost shows)
+    mtp        a tiny MiMo-V2-Flash of the same shapes (6 layers, hidden 256) with its three
+               MTP depths, drafting with them (`speculative_method="mtp"`): random weights
+               accept almost nothing, so what shows is what the drafts cost per step
 
 Workload, a rewrite: per request a seed of 8 random tokens, the file = the model's own greedy
 continuation of it (96 tokens, made before timing), and the prompt = seed + file + seed (the
@@ -21,18 +24,24 @@ times each, the same fresh prompts for both in a repeat; the best run of each co
 
     decode tok/s      tokens emitted by the steps after every request has its first token,
                       over those steps' time
-    speedup           ngram decode tok/s / plain decode tok/s
+    speedup           drafting decode tok/s / plain decode tok/s
     acceptance_len    tokens a verify emits per request: 1 + accepted drafts / verifies
     draft_accept      accepted / proposed drafts
     verify_step_ratio median step with drafts / median plain decode step (what verifying up to
-                      k drafts per request costs against decoding one token)
+                      k drafts per request, and with MTP making the next step's, costs against
+                      decoding one token)
+    position_cost     verify_step_ratio / the positions a step verifies per request (1 + the
+                      drafts it verifies): the cost of one verified position against a plain
+                      decode step
+    draft_share       MTP: the time of the draft forwards / the target forwards' (`draft` and
+                      `model` phases of `EngineStats.step_time_s`)
     same_tokens       greedy tokens of the two engines equal in every repeat
 
 Both engines run eagerly (the CPU default) unless --compile: then both run the compiled decode
 step, which takes the steps that verify drafts too when no prefill shares them (each draft is a
 decode row of its own).
 
-    python bench/speculative.py [--json] [--quick] [--compile] [--batches 1,8,32] [--k 3] [--models repeating,random]
+    python bench/speculative.py [--json] [--quick] [--compile] [--batches 1,8,32] [--k 3] [--models repeating,random,mtp]
 """
 
 from __future__ import annotations
@@ -52,9 +61,14 @@ from safetensors.torch import load_file, save_file
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 
+METHODS = {"repeating": "ngram", "random": "ngram", "mtp": "mtp"}
+
 
 def make_model(root: Path, kind: str) -> Path:
-    """The decode bench's tiny GPT-OSS (`repeating`: its attention output projections zeroed)."""
+    """The decode bench's tiny GPT-OSS (`repeating`: its attention output projections zeroed),
+    or its tiny MiMo-V2-Flash with MTP depths (`mtp`)."""
+    if kind == "mtp":
+        return make_decode_bench_model(root / kind, "mimo-v2-flash")
     path = make_decode_bench_model(root / kind, "gpt-oss")
     if kind == "repeating":
         weights = load_file(path / "model.safetensors")
@@ -65,7 +79,7 @@ def make_model(root: Path, kind: str) -> Path:
     return path
 
 
-def engine(model: Path, k: int | None, compile_: bool) -> Engine:
+def engine(model: Path, k: int | None, compile_: bool, method: str = "ngram") -> Engine:
     return Engine(
         EngineConfig(
             model=str(model),
@@ -74,7 +88,7 @@ def engine(model: Path, k: int | None, compile_: bool) -> Engine:
             max_running_requests=160,
             check_on_idle=False,
             compile=compile_,
-            speculative_method=None if k is None else "ngram",
+            speculative_method=None if k is None else method,
             num_speculative_tokens=k or 3,
         )
     )
@@ -98,6 +112,7 @@ def run_batch(
     decode_s, decoded, steps = 0.0, 0, []
     stats = eng.stats
     before = (stats.spec_verifies, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+    phases = dict(stats.step_time_s)
     while eng.has_unfinished_requests():
         started = all(tokens.values())
         start = time.perf_counter()
@@ -117,34 +132,40 @@ def run_batch(
             strict=True,
         )
     )
+    spent = {p: stats.step_time_s[p] - phases[p] for p in ("model", "draft")}
     figures = {
         "decode_tok_s": decoded / decode_s,
         "acceptance_len": 1 + accepted / verifies if verifies else 1.0,
         "draft_accept": accepted / drafts if drafts else 0.0,
+        "verified_positions": 1 + drafts / verifies if verifies else 1.0,
+        "draft_share": spent["draft"] / spent["model"],
     }
     return figures, [tokens[i] for i in ids], steps
 
 
 def bench_batch(plain: Engine, spec: Engine, batch: int, args: argparse.Namespace) -> dict:
-    runs: dict[str, list[dict[str, float]]] = {"plain": [], "ngram": []}
-    steps: dict[str, list[float]] = {"plain": [], "ngram": []}
-    tokens: dict[str, list[list[int]]] = {"plain": [], "ngram": []}
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "spec": []}
+    steps: dict[str, list[float]] = {"plain": [], "spec": []}
+    tokens: dict[str, list[list[int]]] = {"plain": [], "spec": []}
     for repeat in range(args.repeats):
         prompts = rewrite_prompts(plain, batch, batch * 1000 + repeat)
-        for side, eng in (("plain", plain), ("ngram", spec)):
+        for side, eng in (("plain", plain), ("spec", spec)):
             figures, toks, took = run_batch(eng, prompts, args.new_tokens)
             runs[side].append(figures)
             tokens[side].extend(toks)
             steps[side].extend(took)
     best = {side: max(r, key=lambda f: f["decode_tok_s"]) for side, r in runs.items()}
-    differing = sum(a != b for a, b in zip(tokens["plain"], tokens["ngram"], strict=True))
+    differing = sum(a != b for a, b in zip(tokens["plain"], tokens["spec"], strict=True))
+    ratio = statistics.median(steps["spec"]) / statistics.median(steps["plain"])
     return {
         "plain_decode_tok_s": best["plain"]["decode_tok_s"],
-        "ngram_decode_tok_s": best["ngram"]["decode_tok_s"],
-        "speedup": best["ngram"]["decode_tok_s"] / best["plain"]["decode_tok_s"],
-        "acceptance_len": statistics.mean(r["acceptance_len"] for r in runs["ngram"]),
-        "draft_accept": statistics.mean(r["draft_accept"] for r in runs["ngram"]),
-        "verify_step_ratio": statistics.median(steps["ngram"]) / statistics.median(steps["plain"]),
+        "spec_decode_tok_s": best["spec"]["decode_tok_s"],
+        "speedup": best["spec"]["decode_tok_s"] / best["plain"]["decode_tok_s"],
+        "acceptance_len": statistics.mean(r["acceptance_len"] for r in runs["spec"]),
+        "draft_accept": statistics.mean(r["draft_accept"] for r in runs["spec"]),
+        "verify_step_ratio": ratio,
+        "position_cost": ratio / statistics.mean(r["verified_positions"] for r in runs["spec"]),
+        "draft_share": statistics.mean(r["draft_share"] for r in runs["spec"]),
         "same_tokens": differing == 0,
         "differing_requests": differing,
         "requests": len(tokens["plain"]),
@@ -160,7 +181,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--models", default="repeating,random")
+    parser.add_argument("--models", default="repeating,random,mtp")
     parser.add_argument(
         "--compile", action="store_true", help="both engines with the compiled decode step"
     )
@@ -179,17 +200,19 @@ def main() -> None:
         for kind in args.models.split(","):
             model = make_model(Path(tmp), kind)
             plain = engine(model, None, args.compile)
-            spec = engine(model, args.k, args.compile)
+            spec = engine(model, args.k, args.compile, METHODS[kind])
             rows: dict[str, Any] = results["models"].setdefault(kind, {})
             try:
                 for batch in batches:
                     row = rows[str(batch)] = bench_batch(plain, spec, batch, args)
                     print(
                         f"{kind:9s} batch {batch:3d}: plain {row['plain_decode_tok_s']:7.1f} "
-                        f"tok/s, ngram {row['ngram_decode_tok_s']:7.1f} tok/s, speedup "
+                        f"tok/s, {METHODS[kind]} {row['spec_decode_tok_s']:7.1f} tok/s, speedup "
                         f"{row['speedup']:.2f}x, acceptance length {row['acceptance_len']:.2f}, "
                         f"drafts accepted {row['draft_accept']:.2f}, verify step / plain step "
-                        f"{row['verify_step_ratio']:.2f}, same tokens {row['same_tokens']}",
+                        f"{row['verify_step_ratio']:.2f} ({row['position_cost']:.2f} per "
+                        f"verified position), drafting / target forwards "
+                        f"{row['draft_share']:.2f}, same tokens {row['same_tokens']}",
                         flush=True,
                     )
             finally:

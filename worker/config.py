@@ -88,11 +88,12 @@ class EngineConfig(BaseModel):
         "graphs on CUDA, torch.compile (inductor, cached on disk) on CPU; 'auto': on with "
         "CUDA, off on CPU (compiling costs the start-up; see the README)",
     )
-    speculative_method: Literal["ngram"] | None = Field(
+    speculative_method: Literal["ngram", "mtp"] | None = Field(
         default=None,
         description="draft tokens and verify them in one forward (exact: greedy output is "
         "token-for-token the output without it): 'ngram' proposes what followed the latest "
-        "earlier occurrence of the sequence's own suffix (prompt and output); None: off",
+        "earlier occurrence of the sequence's own suffix (prompt and output); 'mtp' runs the "
+        "checkpoint's multi-token-prediction layers (MiMo-V2-Flash); None: off",
     )
     num_speculative_tokens: int = Field(
         default=3, ge=1, le=16, description="k: draft tokens per request and step"

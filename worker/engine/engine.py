@@ -25,9 +25,11 @@ from swaserve.worker.config import EngineConfig
 from swaserve.worker.engine.builder import build_host_state
 from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.grammar import GrammarCompiler, GrammarMatcher, bitmask_width
+from swaserve.worker.engine.mtp import MTPDrafter
 from swaserve.worker.engine.request import Request, RequestSampling, RequestStatus
 from swaserve.worker.engine.scheduler import ScheduledBatch
 from swaserve.worker.engine.stats import StepLog, StepRecord
+from swaserve.worker.kv.memory import scratch_base
 from swaserve.worker.runner.executor import RankHandles, TPLauncher
 from swaserve.worker.runner.host_tensors import to_device
 from swaserve.worker.runner.logits import PenaltyState, process_logits, token_logprobs
@@ -139,6 +141,17 @@ class Engine:
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks during forwards
         self._arrivals = itertools.count()
         self._events: list[KVEvent] = []
+        self._mtp: MTPDrafter | None = None  # speculative_method="mtp": drafts after each step
+        if config.speculative_method == "mtp":
+            self._mtp = MTPDrafter(
+                executor,
+                num_layers=self.model_config.num_mtp_layers,
+                page_size=self.page_size,
+                scratch_base=scratch_base(self.plan),
+                two_pools=not self.plan.single_pool,
+                window=self.window,
+            )
+            self.scheduler.drafter = self._mtp
 
     def _measure_prefill(self, num_tokens: int, translate: Callable | None) -> None:
         """Time a prefill of `num_tokens` padding tokens on slots of the pools and count it in
@@ -387,6 +400,9 @@ class Engine:
         else:
             stopped = self._accept_verified(batch, emitted, next_tokens)
             self._count_verified(batch, emitted, next_tokens)
+        if self._mtp is not None:
+            self._draft(batch, model_input, next_tokens, emitted)
+            timer.lap("draft")
         finished = self.scheduler.process_results(batch, next_tokens, stopped, emitted)
         self.stats.steps += 1
         outputs = self._outputs(batch, next_tokens, finished, logprobs, emitted)
@@ -403,6 +419,47 @@ class Engine:
             )
         )
         return failed + outputs if failed else outputs
+
+    def _draft(
+        self,
+        batch: ScheduledBatch,
+        model_input: ModelInput,
+        next_tokens: list[int | None],
+        emitted: list[list[int]] | None,
+    ) -> None:
+        """MTP: refresh the depths over what the step committed and make the next step's
+        drafts (`engine.mtp`). A failure here costs only the drafts: the step's tokens stand
+        and the next step decodes without them."""
+        assert self._mtp is not None
+        limit = self.scheduler.limits.speculative_max_batch
+        if limit is not None and len(self.scheduler.running) >= limit:
+            caps = [0] * len(batch.reqs)  # the next step drafts nothing: refresh only
+        else:
+            caps = [
+                self.scheduler.draft_room(req, emitted_now)
+                for req, emitted_now in zip(
+                    batch.reqs, self._emitted_counts(batch, next_tokens, emitted), strict=True
+                )
+            ]
+        try:
+            self._mtp.after_step(batch, model_input, next_tokens, emitted, caps)
+        except TensorParallelError:
+            raise
+        except Exception:
+            logger.exception("MTP drafts failed; the next step decodes without them")
+            for req in batch.reqs:
+                req.mtp_drafts = None
+
+    @staticmethod
+    def _emitted_counts(
+        batch: ScheduledBatch, next_tokens: list[int | None], emitted: list[list[int]] | None
+    ) -> list[int]:
+        """Tokens each request of the batch gains from this step."""
+        nd = batch.num_decodes
+        return [
+            len(emitted[i]) if emitted is not None and i < nd else int(t is not None)
+            for i, t in enumerate(next_tokens)
+        ]
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         return self.executor.forward(model_input)

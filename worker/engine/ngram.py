@@ -16,7 +16,7 @@ m-gram seen, updated as tokens arrive (O(max_n) per token, no scan of the histor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from swaserve.worker.engine.request import Request
@@ -60,6 +60,17 @@ class NgramIndex:
             if end is not None:
                 return self.tokens[end : end + k]
         return []
+
+
+class Drafter(Protocol):
+    """What the scheduler asks of a drafter: n-gram (`NgramDrafter`) or MTP
+    (`engine.mtp.MTPDrafter`)."""
+
+    def new_step(self) -> None: ...
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to `k` drafts to follow `req`'s tokens so far."""
+        ...
 
 
 INDEX_TOKENS_PER_STEP = 8192

@@ -126,6 +126,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # sampling one ends it: stop ids, EOS unless ignored
     max_output_len: int = 0  # output tokens it may make: max_new_tokens, capped by the context
     draft_index: NgramIndex | None = None  # its n-gram drafts' index (speculative decoding)
+    mtp_drafts: list[int] | None = None  # the MTP drafts the last step made for it
+    mtp_anchor: int = -1  # the seq_len they follow (`engine.mtp`)
 
     @property
     def draftable(self) -> bool:

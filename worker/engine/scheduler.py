@@ -38,7 +38,7 @@ from swaserve.proto.kv_rules import page_ceil, page_floor, swa_tokens_for_extend
 from swaserve.proto.stream import FinishReason
 from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.kv_manager import KVCacheManager, PrefixHit, WindowRepair
-from swaserve.worker.engine.ngram import NgramDrafter
+from swaserve.worker.engine.ngram import Drafter
 from swaserve.worker.engine.request import Request, RequestStatus
 from swaserve.worker.engine.stats import EngineStats
 
@@ -140,7 +140,7 @@ class Scheduler:
         kv: KVCacheManager,
         stats: EngineStats,
         eos_token_ids: frozenset[int] = frozenset(),
-        drafter: NgramDrafter | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.limits = limits
         self.drafter = drafter if limits.num_speculative_tokens else None
@@ -441,6 +441,13 @@ class Scheduler:
             if i in slots:
                 locs.append(slots[i])
         return drafts, torch.cat(locs)
+
+    def draft_room(self, req: Request, arriving: int = 0) -> int:
+        """The drafts `req` may verify in its next step once `arriving` more of its tokens
+        are committed (the MTP drafter asks before this step's results are)."""
+        return max(
+            0, min(self._draft_cap(req), req.max_output_len - len(req.output_ids) - arriving - 1)
+        )
 
     def _draft_cap(self, req: Request) -> int:
         """The drafts `req` takes per step: k, or fewer if it asked

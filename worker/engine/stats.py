@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
-STEP_PHASES = ("schedule", "input", "model", "sample", "postprocess")
+STEP_PHASES = ("schedule", "input", "model", "sample", "draft", "postprocess")
 STEP_LOG_LEN = 8192
 """Steps `StepLog` keeps (a few minutes of a busy engine; ~100 bytes each)."""
 

@@ -52,11 +52,16 @@ class KVPool:
         page_size: int = 1,
         device: str | torch.device = "cpu",
         layer_ids: list[int] | None = None,
+        scratch_rows: int = 0,
     ) -> None:
         """`layer_ids`: the global id of each layout's layer (default 0, 1, ...): a model whose
-        KV-shared layers own no KV leaves their ids out."""
-        if size < 0 or page_size <= 0:
-            raise ValueError(f"bad KV pool shape: size={size}, page_size={page_size}")
+        KV-shared layers own no KV leaves their ids out. `scratch_rows`: rows past the slots
+        (ids from `scratch_base` on) that no allocator hands out: where MTP draft steps write
+        the KV of positions that hold no slot yet (`engine.mtp`)."""
+        if size < 0 or page_size <= 0 or scratch_rows < 0:
+            raise ValueError(
+                f"bad KV pool shape: size={size}, page_size={page_size}, scratch={scratch_rows}"
+            )
         self.layer_ids = list(range(len(layouts))) if layer_ids is None else list(layer_ids)
         if len(self.layer_ids) != len(layouts):
             raise ValueError(f"{len(self.layer_ids)} layer ids for {len(layouts)} layouts")
@@ -67,7 +72,8 @@ class KVPool:
         self.dtype = dtype
         self.page_size = page_size
         self.device = torch.device(device)
-        rows = size + page_size
+        self.scratch_base = size + page_size
+        rows = size + page_size + scratch_rows
         self.k_buffer = [
             torch.zeros(
                 rows, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=self.device
@@ -136,7 +142,9 @@ class SWAKVPool:
         dtype: torch.dtype = torch.float32,
         page_size: int = 1,
         device: str | torch.device = "cpu",
+        scratch_rows: int = 0,
     ) -> None:
+        """`scratch_rows`: the SWA pool's (see `KVPool`)."""
         overlap = set(full_layer_ids) & set(swa_layer_ids)
         if overlap:
             raise ValueError(f"layer(s) {sorted(overlap)} are listed as both full and SWA")
@@ -157,6 +165,7 @@ class SWAKVPool:
             dtype=dtype,
             page_size=page_size,
             device=device,
+            scratch_rows=scratch_rows,
         )
         self.layers_mapping: dict[int, LayerSlot] = {}
         for local, layer in enumerate(sorted(full_layer_ids)):

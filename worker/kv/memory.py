@@ -214,8 +214,10 @@ def build_kv_pool(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    scratch_rows: int = 0,
 ) -> SWAKVPool | KVPool:
-    """Every rank's KV buffers for `plan` on `device` (the same slot ids on every rank)."""
+    """Every rank's KV buffers for `plan` on `device` (the same slot ids on every rank);
+    `scratch_rows` past the slots of the pool that holds the SWA layers (`scratch_base`)."""
     p = plan.page_size
     if plan.single_pool:
         return KVPool(
@@ -225,6 +227,7 @@ def build_kv_pool(
             page_size=p,
             device=device,
             layer_ids=spec.kv_layer_ids,
+            scratch_rows=scratch_rows,
         )
     return SWAKVPool(
         full_size=plan.full_tokens,
@@ -236,7 +239,14 @@ def build_kv_pool(
         dtype=dtype,
         page_size=p,
         device=device,
+        scratch_rows=scratch_rows,
     )
+
+
+def scratch_base(plan: PoolPlan) -> int:
+    """The first scratch id of the pool that holds the SWA layers (`build_kv_pool`): past its
+    slots and its padding page."""
+    return (plan.full_tokens if plan.single_pool else plan.swa_tokens) + plan.page_size
 
 
 def build_kv_memory(

@@ -18,7 +18,7 @@ from torch import nn
 
 from swaserve.worker.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 from swaserve.worker.attention.static_decode import DecodeBatch
-from swaserve.worker.models.config import ModelConfig
+from swaserve.worker.models.config import SLIDING_ATTENTION, ModelConfig
 from swaserve.worker.models.layers import (
     Attention,
     DecoderLayer,
@@ -27,6 +27,7 @@ from swaserve.worker.models.layers import (
     RMSNorm,
     SandwichDecoderLayer,
 )
+from swaserve.worker.models.mtp import MTPLayer, MTPStack
 from swaserve.worker.models.rotary import RotaryEmbedding
 from swaserve.worker.models.tp_layers import ParallelLMHead, VocabParallelEmbedding
 from swaserve.worker.runner.parallel import TPGroup
@@ -97,6 +98,14 @@ class HybridCausalLM(nn.Module):
         self.model = DecoderModel(embed, layers, self.make_norm(d))
         self.lm_head = ParallelLMHead(d, config.vocab_size, dtype=dtype, tp=tp)
         self.tie_weights()
+        # Speculative decoding with MTP drafts: the depths (`model.mtp`), and every forward
+        # keeps its rows' normed hidden states (`last_hidden`), the drafts' input.
+        self.keep_hidden = config.num_mtp_layers > 0
+        self.last_hidden: torch.Tensor | None = None  # [T, D] of the latest forward
+        self.mtp_layers: list[MTPLayer] = []  # the same modules, typed (not registered twice)
+        if self.keep_hidden:
+            self.model.mtp = MTPStack(self)
+            self.mtp_layers = list(self.model.mtp.layers)  # type: ignore[arg-type, union-attr]
         # In the order the kinds first appear, not a set's: that order is the traced graph's,
         # and a set of strings iterates in a per-process order (hash randomisation), so the
         # compiled step's cache key would differ from one start to the next.
@@ -144,6 +153,8 @@ class HybridCausalLM(nn.Module):
         self.backend = backend
         for layer in self.model.layers:
             layer.self_attn.backend = backend
+        for mtp_layer in self.mtp_layers:
+            mtp_layer.self_attn.backend = backend
 
     def fuse_projections(self) -> None:
         """Once the weights are loaded: projections of one input into one weight each (q/k/v;
@@ -196,7 +207,19 @@ class HybridCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch) -> torch.Tensor:  # [N, vocab]
         """Run all layers over the batch's new tokens. Calls the backend's
-        `init_forward_metadata(batch)` first unless the runner already did."""
+        `init_forward_metadata(batch)` first unless the runner already did. With MTP layers,
+        keeps every row's normed hidden state in `last_hidden` (the drafts' input)."""
+        logits, hidden = self.forward_hidden(batch)
+        if hidden is not None:
+            self.last_hidden = hidden
+        return logits
+
+    @torch.no_grad()
+    def forward_hidden(
+        self, batch: ForwardBatch | DecodeBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` without side effects (what a compiled or captured step traces): the
+        logits [N, vocab] and, with MTP layers, every row's normed hidden state [T, D]."""
         if batch.attn_metadata is None:
             self.backend.init_forward_metadata(batch)
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, D]
@@ -208,7 +231,12 @@ class HybridCausalLM(nn.Module):
         }
         hidden = self.run_layers(hidden, cos_sin, batch)
         rows = batch.logits_indices()  # None: every row (a fixed-shape decode step)
-        hidden = self.model.norm(hidden if rows is None else hidden[rows])  # [N, D]; per row
+        if not self.keep_hidden:
+            return self.logits(self.model.norm(hidden if rows is None else hidden[rows])), None
+        normed = self.model.norm(hidden)  # [T, D] every row's (the norm is per row)
+        return self.logits(normed if rows is None else normed[rows]), normed
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] normed → [N, vocab]
         logits = self.lm_head(hidden)  # [N, vocab]
         if self.config.logit_scale is not None:
             logits = logits * self.config.logit_scale
@@ -216,6 +244,29 @@ class HybridCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    @torch.no_grad()
+    def draft(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,  # [T, D] the target's normed hidden state for each row
+        depth: int,
+        with_logits: bool,
+    ) -> torch.Tensor | None:  # [N, vocab] for `batch.logits_indices()`, or None
+        """MTP depth `depth` over the batch (`models.mtp`): its tokens are the tokens that
+        followed each hidden state; it writes the depth's KV at the batch's slots."""
+        if batch.attn_metadata is None:
+            self.backend.init_forward_metadata(batch)
+        embeds = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        if self.embed_scale:
+            embeds = embeds * self._embed_multiplier
+        rotary = self.rotary.get(SLIDING_ATTENTION)
+        cos_sin = None if rotary is None else rotary.cos_sin(batch.positions, embeds.dtype)
+        out = self.mtp_layers[depth](embeds, hidden, cos_sin, batch)  # [T, D]
+        if not with_logits:
+            return None
+        rows = batch.logits_indices()
+        return self.logits(out if rows is None else out[rows])
 
 
 class DenseHybridCausalLM(HybridCausalLM):

@@ -193,6 +193,10 @@ class ModelConfig:
     per_layer_input_vocab_size: int = 0
     # KV-shared layers have an MLP twice as wide (Gemma 4's use_double_wide_mlp).
     double_wide_shared_mlp: bool = False
+    # Multi-token-prediction layers the engine runs as a draft model (MiMo-V2-Flash's
+    # `model.mtp.layers.{j}`, speculative_method="mtp"): SWA layers with ids num_layers + j,
+    # their KV in the SWA pool beside the stack's. 0: none (the checkpoint's are skipped).
+    num_mtp_layers: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -208,14 +212,16 @@ class ModelConfig:
 
     def kv_source(self, layer_id: int) -> int:
         """The layer whose KV `layer_id` reads (itself unless it shares another's)."""
-        return self.kv_source_layers[layer_id] if self.kv_source_layers else layer_id
+        if layer_id >= len(self.kv_source_layers):  # none shares, or an MTP layer
+            return layer_id
+        return self.kv_source_layers[layer_id]
 
     def layer_cache_specs(self, tp_size: int = 1) -> tuple[LayerCacheSpec, ...]:
         """Per layer, its attention's cache rule and KV shape on one rank of a TP group of
         `tp_size`: layers with one rule share a pool (the full pool; the local pool); a
         "shared" layer keeps nothing (it reads `kv_source(layer)`'s KV)."""
         out = []
-        for i in range(self.num_layers):
+        for i in range(self.num_layers + self.num_mtp_layers):
             kind = self.attention_kind(i)
             rule = (
                 "shared"
@@ -238,6 +244,9 @@ class ModelConfig:
         return tuple(out)
 
     def is_swa_layer(self, layer_id: int) -> bool:
+        """Whether `layer_id` slides (ids from num_layers on are the MTP layers: SWA)."""
+        if layer_id >= self.num_layers:
+            return True
         return self.layer_types[layer_id] == SLIDING_ATTENTION
 
     def attention_kind(self, layer_id: int) -> AttentionKindConfig:

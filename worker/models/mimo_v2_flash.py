@@ -123,7 +123,8 @@ class MiMoV2FlashMoE(nn.Module):
 
 
 class MiMoV2FlashForCausalLM(HybridCausalLM):
-    # The released checkpoint carries multi-token-prediction layers that HF (and we) do not run.
+    # The released checkpoint carries multi-token-prediction layers, which HF does not run and
+    # we run only as drafts (`models.mtp`: built then, and loaded as any parameter).
     ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = (r"^model\.mtp\.",)
     norm_weight_after_cast: ClassVar[bool] = True
 

@@ -21,6 +21,7 @@ it from the command line. For llama4 the window argument is the chunk C (`attent
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -71,6 +72,8 @@ HARMONY_TOKENS = HARMONY_SPECIAL_TOKENS
 """With `harmony=True` a GPT-OSS tokenizer also has harmony's special tokens (ids from 262,
 after SPECIAL_TOKENS): its chat goes through the harmony renderer and parser, as the published
 model's does."""
+MIMO_MTP_LAYERS = 3
+"""MiMo-V2-Flash's multi-token-prediction depths (`model.mtp.layers.{0,1,2}`)."""
 MIMO_SPECIAL_TOKENS = mimo.SPECIAL_TOKENS
 MIMO_ADDED_TOKENS = mimo.ADDED_TOKENS
 """With `native_chat=True` a MiMo-V2-Flash tokenizer also has ChatML's special tokens and the
@@ -140,6 +143,7 @@ def make_tiny_model(
     fp8_block_size: tuple[int, int] = (128, 128),
     harmony: bool = False,
     native_chat: bool = False,
+    mtp_layers: int | None = None,
     **overrides: Any,
 ) -> Path:
     """Write the model dir and return its path.
@@ -154,7 +158,9 @@ def make_tiny_model(
     `<tool_call>` tokens and template); off, a simple chat template (tests that compare raw
     output text use it). `harmony`: the same, GPT-OSS only.
     `checkpoint_format`, `quantization`: see the module docstring; `fp8_block_size` is FP8's
-    `weight_block_size` (rows, cols).
+    `weight_block_size` (rows, cols). `mtp_layers`: MiMo-V2-Flash's multi-token-prediction
+    depths (`model.mtp.layers.{j}`, `models.mtp`), 3 by default as the published model; the
+    other families have none.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
@@ -168,6 +174,10 @@ def make_tiny_model(
         raise ValueError("need sliding_window_size >= 0, num_layers >= 1 and num_shards >= 1")
     if harmony and arch != "gpt-oss":
         raise ValueError("harmony is GPT-OSS's format")
+    if mtp_layers is None:
+        mtp_layers = MIMO_MTP_LAYERS if arch == "mimo-v2-flash" else 0
+    if mtp_layers < 0 or (mtp_layers and arch != "mimo-v2-flash"):
+        raise ValueError("mtp_layers: MiMo-V2-Flash's multi-token-prediction depths, >= 0")
     special: tuple[str, ...] = ()
     added: tuple[str, ...] = ()
     template = CHAT_TEMPLATE
@@ -426,20 +436,24 @@ def make_tiny_model(
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    weights = checkpoint_weights(hf, seed, checkpoint_format)
+    weights = checkpoint_weights(hf, seed, checkpoint_format, mtp_layers)
     _write_weights(root, weights, num_shards)
     write_byte_tokenizer(root, special, added, template)
     return root
 
 
 def checkpoint_weights(
-    hf_config: dict[str, Any], seed: int, checkpoint_format: str = "hf"
+    hf_config: dict[str, Any], seed: int, checkpoint_format: str = "hf", mtp_layers: int = 0
 ) -> dict[str, torch.Tensor]:
     """Checkpoint name → tensor as `make_tiny_model` writes them: `random_weights`, MXFP4 experts
-    drawn at random (from the same generator, after the float weights), renamed to
-    `checkpoint_format`, FP8 projections quantized per `quantization_config`."""
+    drawn at random (from the same generator, after the float weights), `mtp_layers` MTP
+    depths (from a generator of their own: the stack's weights are the same with or without
+    them), renamed to `checkpoint_format`, FP8 projections quantized per
+    `quantization_config`."""
     config = parse_model_config(hf_config, source="<tiny model config>")
     weights = random_weights(hf_config, seed)
+    if mtp_layers:
+        weights |= random_weights(hf_config, seed + 2, mtp_layers=mtp_layers, prefix="model.mtp.")
     quant = config.quantization
     if quant is not None and quant.method == MXFP4:
         gen = torch.Generator().manual_seed(seed + 1)
@@ -456,17 +470,21 @@ def checkpoint_weights(
     return weights
 
 
-def random_weights(hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+def random_weights(
+    hf_config: dict[str, Any], seed: int, *, mtp_layers: int = 0, prefix: str = ""
+) -> dict[str, torch.Tensor]:
     """HF name → random tensor for every parameter and persistent buffer of the model that
-    `hf_config` describes (a tied LM head appears once, as model.embed_tokens.weight)."""
+    `hf_config` describes (a tied LM head appears once, as model.embed_tokens.weight), with
+    `mtp_layers` MTP depths; only the names that start with `prefix`."""
     config = parse_model_config(hf_config, source="<tiny model config>")
+    config = dataclasses.replace(config, num_mtp_layers=mtp_layers)
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, UnboundBackend())
     gen = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, meta in model.state_dict(keep_vars=True).items():
-        if id(meta) in seen:
+        if id(meta) in seen or not name.startswith(prefix):
             continue
         seen.add(id(meta))
         noise = torch.randn(meta.shape, generator=gen, dtype=torch.float32)  # [param shape] float32
@@ -587,6 +605,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "models' are",
     )
     parser.add_argument("--harmony", action="store_true", help="GPT-OSS: the same as --native-chat")
+    parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=None,
+        help="MiMo-V2-Flash: multi-token-prediction depths to write (default 3, as published)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -603,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         harmony=args.harmony,
         native_chat=args.native_chat,
+        mtp_layers=args.mtp_layers,
     )
     config = parse_model_config(json.loads((root / "config.json").read_text()))
     print(

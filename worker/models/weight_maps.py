@@ -14,7 +14,8 @@ two layouts, and a model dir may mix them tensor by tensor:
       mlp.experts.{e}.down_proj.weight [D, I]   stacked               → mlp.experts.down_proj   [E, D, I]
 
 `SkipRule`s name checkpoint tensors the model does not run (MiMo-V2-Flash's multi-token-
-prediction layers); any other tensor the map does not place is an error in the loader.
+prediction layers, unless the engine drafts with them: `models.mtp`); any other tensor the map
+does not place is an error in the loader.
 """
 
 from __future__ import annotations
@@ -150,7 +151,11 @@ MIMO_V2_FLASH_WEIGHTS = WeightMap(
     ),
     # The same rule as MiMoV2FlashForCausalLM.ignored_checkpoint_tensors, with its reason.
     skip=(
-        SkipRule(r"^model\.mtp\.", "multi-token-prediction layers, which swaserve does not run"),
+        SkipRule(
+            r"^model\.mtp\.",
+            "multi-token-prediction layers, which swaserve runs only as "
+            "speculative_method='mtp' drafts",
+        ),
     ),
 )
 

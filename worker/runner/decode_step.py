@@ -245,6 +245,14 @@ class DecodeStep:
         self._direct: dict[tuple[int, int], Callable[[], Any]] = {}  # (Bp, Lf) → its graph,
         # bound to the arguments dynamo gave it
         self._seen: set[tuple[int, int]] = set()
+        # A model with MTP layers: each step's normed hidden states, written inside the graph
+        # (the drafts read them: `model.last_hidden` is set to this step's rows)
+        self.hidden: torch.Tensor | None = None
+        if getattr(model, "keep_hidden", False):
+            config, dtype = model.config, model.dtype  # type: ignore[attr-defined]
+            self.hidden = torch.zeros(
+                self.buckets[-1] + 1, config.hidden_size, dtype=dtype, device=device
+            )  # [Bmax + 1, D]
 
     def accepts(self, inp: ModelInput) -> bool:
         """Whether `inp` is a pure-decode step this graph runs: one new token per request, no
@@ -286,6 +294,8 @@ class DecodeStep:
             self._seen.add((bp, width))
             self.stats.captures += 1
             self.stats.compile_s += time.perf_counter() - start
+        if self.hidden is not None:
+            self.model.last_hidden = self.hidden[:b]  # type: ignore[attr-defined]
         rows = inp.logits_indices
         if (rows.numel() == b and b == bp) or logits.shape[0] == 0:  # [0, V]: a TP rank > 0
             return logits
@@ -317,7 +327,12 @@ class DecodeStep:
             sliding_window_size=self.window,
             attention_chunk_size=self.attention_chunk_size,
         )
-        return self.model(DecodeBatch(inputs[0], inputs[1], meta)).float()
+        batch = DecodeBatch(inputs[0], inputs[1], meta)
+        if self.hidden is None:
+            return self.model(batch).float()
+        logits, hidden = self.model.forward_hidden(batch)  # type: ignore[attr-defined]
+        self.hidden[: hidden.shape[0]].copy_(hidden)
+        return logits.float()
 
     def _graph(self, bp: int, width: int) -> torch.Tensor:
         key = (bp, width)

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STEP, SHUTDOWN = 0, 1
+STEP, SHUTDOWN, DRAFT = 0, 1, 2
 JOIN_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 600.0  # a rank loading its shard, after rank 0 loaded its own
 POLL_S = 0.05  # how often rank 0 looks at the store and the ranks while they start
@@ -116,21 +116,48 @@ def broadcast_model_input(tp: TPGroup, inp: ModelInput) -> None:
     tp.broadcast_control(payload)
 
 
+@dataclass(frozen=True, slots=True)
+class DraftArgs:
+    """What an MTP draft forward adds to its `ModelInput` (`ModelRunner.draft_forward`)."""
+
+    hidden_rows: torch.Tensor  # [T] int64: the target rows whose hidden states it reads
+    depth: int
+    chain: bool
+
+
+def broadcast_draft(tp: TPGroup, inp: ModelInput, args: DraftArgs) -> None:
+    """Rank 0: send an MTP draft forward: the input's header and payload, the payload
+    followed by (depth, chain) and a hidden-state row per token."""
+    header, payload = pack_model_input(dataclasses.replace(inp, input_ids=inp.input_ids.cpu()))
+    header[COMMAND_FIELD] = DRAFT
+    extra = torch.tensor([args.depth, int(args.chain)], dtype=torch.int64)  # [2] int64
+    tp.broadcast_control(header)
+    tp.broadcast_control(torch.cat([payload, extra, args.hidden_rows.to(torch.int64)]))
+
+
 def broadcast_shutdown(tp: TPGroup) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [HEADER_LEN] int64
     header[COMMAND_FIELD] = SHUTDOWN
     tp.broadcast_control(header)
 
 
-def receive_model_input(tp: TPGroup) -> ModelInput | None:
-    """Ranks 1..: the next step's input (waiting as long as rank 0 lives: an engine may idle),
-    or None when rank 0 shuts the group down."""
+def receive_model_input(tp: TPGroup) -> tuple[ModelInput, DraftArgs | None] | None:
+    """Ranks 1..: the next forward's input, with its `DraftArgs` when it is an MTP draft
+    forward (waiting as long as rank 0 lives: an engine may idle), or None when rank 0 shuts
+    the group down."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [HEADER_LEN] int64
     tp.broadcast_control(header, wait_forever=True)
-    if int(header[COMMAND_FIELD]) == SHUTDOWN:
+    command = int(header[COMMAND_FIELD])
+    if command == SHUTDOWN:
         return None
-    payload = tp.broadcast_control(torch.empty(payload_len(header), dtype=torch.int64))
-    return unpack_model_input(header, payload)
+    n, t = payload_len(header), int(header[0])
+    extra = 2 + t if command == DRAFT else 0
+    payload = tp.broadcast_control(torch.empty(n + extra, dtype=torch.int64))
+    inp = unpack_model_input(header, payload[:n])
+    if command != DRAFT:
+        return inp, None
+    depth, chain = (int(x) for x in payload[n : n + 2])
+    return inp, DraftArgs(payload[n + 2 :], depth, bool(chain))
 
 
 def run_worker_rank(
@@ -144,7 +171,7 @@ def run_worker_rank(
     """The loop of TP rank `rank` >= 1: join the group, load the shard, then run every forward
     rank 0 broadcasts until it says stop. Its logits stay here: the forward gathers them to
     rank 0 and returns no row on this rank, which samples nothing."""
-    from swaserve.worker.models.config import load_model_config
+    from swaserve.worker.runner.model_executor import engine_model_config
     from swaserve.worker.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 
     config = spec.config
@@ -158,7 +185,7 @@ def run_worker_rank(
         store = connect_store(store_host, store_port, world_size, rendezvous_timeout_s(timeout_s))
         store.set(stage_key(ARRIVED, rank), "1")
         tp = init_tp_group(store, rank, world_size, device, timeout_s)
-        model_config = load_model_config(config.model)
+        model_config = engine_model_config(config)
         runner = ModelRunner(
             config,
             model_config,
@@ -169,8 +196,12 @@ def run_worker_rank(
             tp=tp,
         )
         store.set(stage_key(READY, rank), "1")
-        while (inp := receive_model_input(tp)) is not None:
-            runner.forward(inp)
+        while (received := receive_model_input(tp)) is not None:
+            inp, draft = received
+            if draft is None:
+                runner.forward(inp)
+            else:
+                runner.draft_forward(inp, draft.hidden_rows, draft.depth, chain=draft.chain)
     except KeyboardInterrupt:
         return
     except TensorParallelError as exc:  # rank 0 or a peer went away: nothing left to serve
@@ -276,11 +307,20 @@ class TPLauncher:
         except TensorParallelError as exc:
             raise TensorParallelError(self._failure(str(exc))) from exc
 
-    def run_step(self, inp: ModelInput, forward: Callable[[ModelInput], Any]) -> Any:
-        """Broadcast `inp`, then run rank 0's own `forward(inp)`. A step cut short (an error,
-        Ctrl-C) leaves the other ranks inside a collective: `close()` then stops them hard."""
+    def run_step(
+        self,
+        inp: ModelInput,
+        forward: Callable[[ModelInput], Any],
+        draft: DraftArgs | None = None,
+    ) -> Any:
+        """Broadcast `inp` (an MTP draft forward's with its `draft` arguments), then run rank
+        0's own `forward(inp)`. A step cut short (an error, Ctrl-C) leaves the other ranks
+        inside a collective: `close()` then stops them hard."""
         self._in_step = True
-        self.guard(lambda: broadcast_model_input(self.tp, inp))
+        if draft is None:
+            self.guard(lambda: broadcast_model_input(self.tp, inp))
+        else:
+            self.guard(lambda: broadcast_draft(self.tp, inp, draft))
         try:
             out = self.guard(lambda: forward(inp))
         except TensorParallelError:

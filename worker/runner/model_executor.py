@@ -15,6 +15,7 @@ an attention backend or a device API itself (architecture §4).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,8 +24,15 @@ import torch
 
 from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.pool_plan import PoolPlan
-from swaserve.worker.models.config import ModelConfig, load_model_config
-from swaserve.worker.runner.executor import RankHandles, RankSpec, TPLauncher, rank_device
+from swaserve.worker.models.config import MIMO_V2_FLASH, ModelConfig, load_model_config
+from swaserve.worker.models.mtp import checkpoint_mtp_layers
+from swaserve.worker.runner.executor import (
+    DraftArgs,
+    RankHandles,
+    RankSpec,
+    TPLauncher,
+    rank_device,
+)
 from swaserve.worker.runner.model_input import (
     ModelInput,
     padding_decode_input,
@@ -43,6 +51,27 @@ from swaserve.worker.runner.process_ranks import ProcessRanks
 logger = logging.getLogger(__name__)
 
 
+def engine_model_config(config: EngineConfig) -> ModelConfig:
+    """The model as the engine runs it: config.json, with the checkpoint's MTP depths when
+    the engine drafts with them (the first k: draft i runs depth min(i, L - 1))."""
+    model_config = load_model_config(config.model)
+    if config.speculative_method != "mtp":
+        return model_config
+    depths = checkpoint_mtp_layers(config.model)
+    if depths == 0:
+        raise ValueError(
+            "speculative_method='mtp' needs a checkpoint with multi-token-prediction layers "
+            f"(model.mtp.layers.*); {config.model} has none (use 'ngram')"
+        )
+    if model_config.architecture != MIMO_V2_FLASH:
+        raise ValueError(
+            f"speculative_method='mtp' runs MiMo-V2-Flash's MTP layers; "
+            f"{model_config.architecture} has its own format (use 'ngram')"
+        )
+    layers = min(depths, config.num_speculative_tokens)
+    return dataclasses.replace(model_config, num_mtp_layers=layers)
+
+
 class ModelExecutor:
     """Rank 0's model, KV buffers and TP group (see the module docstring)."""
 
@@ -50,7 +79,7 @@ class ModelExecutor:
         """`tp_ranks`: how ranks 1..tp-1 run (default: child processes, `ProcessRanks`; the
         cluster passes Ray actors)."""
         self.config = config
-        self.model_config: ModelConfig = load_model_config(config.model)
+        self.model_config: ModelConfig = engine_model_config(config)
         self.model_config.check_tp_size(config.tp_size)  # ShardingError before any rank starts
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -116,6 +145,21 @@ class ModelExecutor:
             if self.launcher is not None:
                 self.launcher.close()
             raise
+
+    def draft_forward(
+        self, model_input: ModelInput, hidden_rows: torch.Tensor, depth: int, *, chain: bool
+    ) -> torch.Tensor | None:
+        """An MTP depth over `model_input` (`ModelRunner.draft_forward`) on every rank: rank 0
+        broadcasts it as a step; returns rank 0's logits."""
+        runner = self.runner
+        if self.launcher is None:
+            return runner.draft_forward(model_input, hidden_rows, depth, chain=chain)
+        args = DraftArgs(hidden_rows, depth, chain)
+        return self.launcher.run_step(
+            model_input,
+            lambda inp: runner.draft_forward(inp, hidden_rows, depth, chain=chain),
+            args,
+        )
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         """Every rank runs the step: rank 0 broadcasts the input, then runs its own shard.

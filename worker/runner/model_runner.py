@@ -21,7 +21,7 @@ from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.models.causal_lm import UnboundBackend
 from swaserve.worker.models.config import ModelConfig
-from swaserve.worker.models.loader import build_meta_model, load_model
+from swaserve.worker.models.loader import build_meta_model, build_model, load_weights
 from swaserve.worker.models.quantized_weights import resident_bytes
 from swaserve.worker.runner.decode_step import DecodeStep, Graph
 from swaserve.worker.runner.host_tensors import to_device
@@ -148,14 +148,15 @@ class ModelRunner:
         self.dtype = dtype
         self.model_config = model_config
         self.attention_backend = config.attention_backend
-        self.model = load_model(
-            config.model,
+        self.model = build_model(
+            model_config,
             UnboundBackend(),
             dtype=dtype,
             device=device,
             tp=self.tp,
             dequantize_weights=config.dequantize_weights,
         )
+        load_weights(self.model, config.model)
         self.model.fuse_projections()
         self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
         self.compile_mode = compile_mode(config, device)
@@ -174,8 +175,10 @@ class ModelRunner:
         self.plan = plan
         device, dtype = self.device, self.dtype
         spec = self.model_config.kv_spec(self.tp.world_size)
-        self.kv_pool = build_kv_pool(spec, plan, dtype=dtype, device=device)
         rows, max_len = slot_table_shape
+        # MTP draft steps write positions that hold no slot yet: a scratch page per table row
+        scratch = rows * plan.page_size if self.model_config.num_mtp_layers else 0
+        self.kv_pool = build_kv_pool(spec, plan, dtype=dtype, device=device, scratch_rows=scratch)
         self.slot_table = DeviceSlotTable(
             rows, max_len, with_swa=not plan.single_pool, device=device
         )
@@ -250,3 +253,39 @@ class ModelRunner:
             swa_floor=inp.swa_floor(),
         )
         return self.model(batch).float()
+
+    @torch.inference_mode()
+    def draft_forward(
+        self, inp: ModelInput, hidden_rows: torch.Tensor, depth: int, *, chain: bool
+    ) -> torch.Tensor | None:  # [N, vocab] float32 (device), or None without logits rows
+        """MTP depth `depth` (`models.mtp`) over `inp`, whose row r reads the target's normed
+        hidden state at row `hidden_rows[r]` of the latest `forward`. A refresh (`chain`
+        False) runs over positions whose slots the slot tables hold already; a chain step
+        (one new token per request, `engine.mtp`) first points each request's table at
+        `prefix_lens` (the position after its last computed one) to its out slot, and its
+        RoPE position (`inp.positions`) may lie past that."""
+        last = self.model.last_hidden
+        assert last is not None, "a draft forward follows a target forward"
+        dev = self._to_device
+        if chain:
+            rows, at = dev(inp.req_rows), dev(inp.prefix_lens)
+            if inp.out_swa_loc is not None:
+                self.slot_table.write_swa(rows, at, dev(inp.out_swa_loc))
+            else:
+                self.slot_table.write_full(rows, at, dev(inp.out_full_loc))
+        out_swa = None if inp.out_swa_loc is None else dev(inp.out_swa_loc)
+        batch = ForwardBatch(
+            input_ids=dev(inp.input_ids),
+            positions=dev(inp.positions),
+            prefix_lens=inp.prefix_lens,
+            seq_lens=inp.seq_lens,
+            req_rows=inp.req_rows,
+            slot_table=self.slot_table,
+            out_full_loc=dev(inp.out_full_loc),
+            out_swa_loc=out_swa,
+            logits_rows=dev(inp.logits_indices),
+            swa_floor=inp.swa_floor(),
+        )
+        hidden = last[dev(hidden_rows)]
+        logits = self.model.draft(batch, hidden, depth, inp.logits_indices.numel() > 0)
+        return None if logits is None else logits.float()

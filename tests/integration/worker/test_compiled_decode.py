@@ -133,6 +133,39 @@ def test_compiled_decode_equals_transformers_and_eager(
         engine.shutdown()
 
 
+def test_compiled_decode_keeps_the_hidden_states_mtp_drafts_read(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """MiMo-V2-Flash with MTP drafts, compiled: decode and verify steps run the compiled graph,
+    which writes each row's hidden state into a persistent buffer the drafts read (called
+    directly, without dynamo): the drafts after every step and the tokens are the eager
+    engine's."""
+    from test_mtp import run_recording_drafts
+
+    model = tiny_model_factory("mimo-v2-flash", num_layers=4, sliding_window_size=W, seed=7)
+    prompts = workload(2)[:6]
+    options = dict(
+        model=str(model),
+        max_total_tokens=640,
+        speculative_method="mtp",
+        num_speculative_tokens=3,
+        max_running_requests=6,
+    )
+    eager = Engine(EngineConfig(compile=False, **options))  # type: ignore[arg-type]
+    want = run_recording_drafts(eager, prompts, GREEDY)
+    eager.shutdown()
+    engine = Engine(EngineConfig(compile=True, **options))  # type: ignore[arg-type]
+    try:
+        step = engine.runner.decode_step
+        assert step is not None and step.hidden is not None
+        warmed = step.stats.steps
+        assert run_recording_drafts(engine, prompts, GREEDY) == want
+        assert step.stats.steps - warmed >= MAX_NEW // 4
+        assert step.stats.direct > 0
+    finally:
+        engine.shutdown()
+
+
 def test_tp2_compiled_equals_tp1(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory(
         "gpt-oss", num_layers=4, num_heads=4, num_kv_heads=2, sliding_window_size=W, seed=5

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_mtp import run_recording_drafts
 
 from swaserve.proto import StructuredOutputs
 from swaserve.worker import Engine, EngineConfig, SamplingParams
@@ -158,6 +159,31 @@ def test_tp2_with_ngram_drafts_equals_tp1_without(
     engines.append(tp)
     assert [o.token_ids for o in tp.generate(prompts, GREEDY)] == want
     assert tp.stats.spec_accepted_tokens > 0 and tp.stats.swa_freed_tokens > 0
+    tp.check()
+
+
+def test_tp2_with_mtp_drafts_equals_tp1(
+    tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """MiMo-V2-Flash's MTP depths under TP: every rank runs each draft forward (sharded heads
+    and MLP, replicated eh_proj); the drafts after every step and the tokens equal one rank's
+    (and the tokens plain decoding's)."""
+    model_dir = tiny_model_factory(
+        "mimo-v2-flash", sliding_window_size=W, hidden_size=32, seed=5, **MODELS["mimo-v2-flash"]
+    )
+    prompts = workload(1)
+    plain = make_engine(model_dir, 1)
+    engines.append(plain)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+
+    single = make_engine(model_dir, 1, speculative_method="mtp", num_speculative_tokens=3)
+    engines.append(single)
+    tokens_1, drafts_1 = run_recording_drafts(single, prompts, GREEDY)
+    tp = make_engine(model_dir, 2, speculative_method="mtp", num_speculative_tokens=3)
+    engines.append(tp)
+    tokens_2, drafts_2 = run_recording_drafts(tp, prompts, GREEDY)
+    assert tokens_1 == tokens_2 == want
+    assert drafts_2 == drafts_1 and sum(map(len, drafts_1)) > 20
     tp.check()
 
 

@@ -34,7 +34,10 @@ MAX_NEW = 12
 EXPERT_HEAVY = dict(hidden_size=64, num_layers=3, num_experts=32, num_experts_per_tok=2)
 MODELS = {
     "gpt-oss-mxfp4": dict(arch="gpt-oss", quantization="mxfp4", intermediate_size=256),
-    "mimo-fp8": dict(arch="mimo-v2-flash", quantization="fp8", moe_intermediate_size=256),
+    # without MTP depths: they are loaded only to draft (speculative_method="mtp")
+    "mimo-fp8": dict(
+        arch="mimo-v2-flash", quantization="fp8", moe_intermediate_size=256, mtp_layers=0
+    ),
 }
 
 

@@ -497,14 +497,16 @@ def fuzz_params(a: Arrival, stop: int) -> SamplingParams:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(config=configs, plan=arrivals)
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_fuzz_every_request_equals_its_solo_run_without_drafts(
-    gpt_oss: Path, solo: Engine, config: dict, plan: list[Arrival]
+    fuzzed: dict[str, tuple[Path, Engine]], method: str, config: dict, plan: list[Arrival]
 ) -> None:
-    """Requests arrive, share prefixes, are aborted, through tight pools with verify steps:
-    the engine never idles with work, every request that ends by itself has its solo run's
-    tokens (an aborted one a prefix of them), `check()` holds after every step, and the
-    pools are whole at the end."""
-    engine = spec_engine(gpt_oss, **config)
+    """Requests arrive, share prefixes, are aborted, through tight pools with verify steps
+    (n-gram drafts on GPT-OSS, MTP drafts on MiMo-V2-Flash): the engine never idles with
+    work, every request that ends by itself has its solo run's tokens (an aborted one a prefix
+    of them), `check()` holds after every step, and the pools are whole at the end."""
+    model, solo = fuzzed[method]
+    engine = spec_engine(model, speculative_method=method, **config)
     try:
         prompts = [PHRASES[a.phrase] * a.repeats + list(range(60, 60 + a.tail)) for a in plan]
         params = [fuzz_params(a, stop=PHRASES[a.phrase][0]) for a in plan]
@@ -547,11 +549,20 @@ def test_fuzz_every_request_equals_its_solo_run_without_drafts(
 
 
 @pytest.fixture(scope="module")
-def solo(gpt_oss: Path) -> Iterator[Engine]:
-    """Plain decoding, one request at a time: the reference."""
-    engine = Engine(EngineConfig(model=str(gpt_oss), max_total_tokens=2048))
-    yield engine
-    engine.shutdown()
+def fuzzed(
+    gpt_oss: Path, tiny_model_factory: Callable[..., Path]
+) -> Iterator[dict[str, tuple[Path, Engine]]]:
+    """By drafter: its model and plain decoding on it, one request at a time (the reference)."""
+    mimo = tiny_model_factory("mimo-v2-flash", num_layers=4, sliding_window_size=W, seed=3)
+    models = {"ngram": gpt_oss, "mtp": mimo}
+    engines = {
+        m: Engine(EngineConfig(model=str(p), max_total_tokens=2048)) for m, p in models.items()
+    }
+    try:
+        yield {m: (models[m], engines[m]) for m in models}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
 
 
 def test_generate_cli_with_ngram_drafts(gpt_oss: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -224,6 +224,43 @@ def test_verify_steps_run_as_captured_decode_steps(
     assert max(step.stats.buckets) > len(prompts)  # a batch of more rows than requests
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mtp_drafts_on_the_flash_kernel_and_captured_steps_equal_the_torch_backend(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, page_size: int
+) -> None:
+    """MiMo-V2-Flash's MTP depths read their caches through the kernel (P = 16: paged, a chain
+    step's KV at the request's page tail or at its scratch page, where the block table finds
+    it), and the captured decode step keeps the hidden states the drafts read: the drafts
+    after every step and the tokens equal the torch backend's eager engine."""
+    model_dir = tiny_model_factory("mimo-v2-flash", num_layers=6, sliding_window_size=W, seed=5)
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [[3, 4, 5, 6] * 8, [*PREFIX, 9, 9], [7, 7, 8] * 9, PREFIX[:21]]
+
+    def drafted(eng: Engine) -> tuple[list[list[int]], list[dict[int, list[int]]]]:
+        ids = [eng.add_request(p, greedy) for p in prompts]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        steps = []
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                tokens[out.request_id] += out.new_token_ids
+            eng.check()
+            steps.append({ids.index(r.request_id): r.mtp_drafts for r in eng.scheduler.running})
+        return [tokens[rid] for rid in ids], steps
+
+    options = dict(speculative_method="mtp", num_speculative_tokens=3)
+    want_tokens, want_drafts = drafted(engine(model_dir, page_size, **options))
+    fake = FakeFlashAttn()
+    backend = functools.partial(FlashAttentionBackend, kernel=fake.v2_6)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner_module, "select_backend", lambda *a, **k: backend)
+        twin = engine(model_dir, page_size, **options)
+    step = twin.runner.decode_step = twin.runner.make_decode_step("graphs", ReplayedGraph)
+    tokens, drafts = drafted(twin)
+    assert tokens == want_tokens and drafts == want_drafts
+    assert sum(len(d) for s in drafts for d in s.values() if d) > 40
+    assert step.stats.steps > 0 and {c.paged for c in fake.calls} == {page_size == 16}
+
+
 def test_decode_block_tables_start_at_the_window_page() -> None:
     """Row 0 at position 40 with W = 8 reads from position 32 (its block) on SWA layers, from
     0 on full ones; row 1 (position 3) from 0 on both; block ids are pool rows // 16 - 1."""

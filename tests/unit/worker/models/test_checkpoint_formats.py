@@ -41,7 +41,12 @@ GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 @pytest.fixture
 def mimo_original(tmp_path: Path) -> Path:
     return make_tiny_model(
-        tmp_path / "orig", arch="mimo-v2-flash", num_layers=2, seed=4, checkpoint_format="original"
+        tmp_path / "orig",
+        arch="mimo-v2-flash",
+        num_layers=2,
+        seed=4,
+        checkpoint_format="original",
+        mtp_layers=0,
     )
 
 
@@ -109,8 +114,8 @@ def test_mtp_layers_are_skipped_and_logged_once(
     assert sorted(report.skipped) == sorted(mtp)
     skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert skips == [
-        "skipping 3 checkpoint tensors (multi-token-prediction layers, which swaserve does not "
-        "run): 'model.mtp.layers.0.eh_proj.weight', 'model.mtp.layers.0.enorm.weight', "
+        "skipping 3 checkpoint tensors (multi-token-prediction layers, which swaserve runs only "
+        "as speculative_method='mtp' drafts): 'model.mtp.layers.0.eh_proj.weight', 'model.mtp.layers.0.enorm.weight', "
         "'model.mtp.layers.0.self_attn.attention_sink_bias'"
     ]
     assert MIMO_V2_FLASH_WEIGHTS.skipped("model.mtp.layers.0.enorm.weight") is not None

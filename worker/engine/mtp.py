@@ -1,0 +1,254 @@
+"""MTP drafts for speculative decoding (issue #44): the checkpoint's multi-token-prediction
+depths (`models.mtp`) propose each request's next k tokens at the end of every step, from the
+hidden states the step's target forward just computed; the next step verifies them as any
+drafts (`Engine._verify`), so the output is the target's whatever the drafts are.
+
+After a step, per request of the batch, with p0 its first position in the step and c the
+positions it committed (a prefill chunk's tokens; a decode's token and its accepted drafts):
+
+    refresh   every depth j at positions [p0, p0 + c), token t_{p+1}, the target's h_p
+              (their KV lands at the positions' own slots: each depth's cache is complete
+              up to the committed length, as the stack's is)
+    chain     a request that decodes next (m = p0 + c - 1, its last committed position):
+              draft 1 = argmax of depth 0's logits at m (the refresh's last row);
+              draft s + 1 = argmax of depth min(s, L - 1) at RoPE position m + s, token
+              draft s, the target's h_m (every depth reads the anchor's target state)
+
+A chain step attends to its depth's cache up to m and to itself. Its KV goes to the table
+position m + 1 (the next one with no KV), at the request's own page tail when m + 1 is inside
+its last page, else at the request's scratch page (`KVPool.scratch_base`, one page per
+slot-table row); the next step writes its own slot there before anything reads it. A depth
+never reads a rejected draft: the refresh writes only committed positions.
+
+Drafts are greedy (the argmax): `Engine._verify` keeps any drafts' target distribution
+exactly (sampled requests draw at each position what plain decoding draws there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from swaserve.worker.runner.host_tensors import int_tensor
+from swaserve.worker.runner.model_input import ModelInput, SlotWrites
+from swaserve.worker.runner.sampler import argmax_rows
+
+if TYPE_CHECKING:
+    from swaserve.worker.engine.request import Request
+    from swaserve.worker.engine.scheduler import ScheduledBatch
+    from swaserve.worker.runner.model_executor import ModelExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _Rows:
+    """The refresh rows of one request: positions [p0, p0 + len(next_tokens)) of its
+    slot-table row, from the target's rows [first, first + len)."""
+
+    req: Request
+    row: int
+    p0: int
+    first: int  # its first row in the target forward
+    next_tokens: list[int]
+    cap: int  # drafts it takes after this step (0: it does not decode next, or takes none)
+
+    @property
+    def chains(self) -> bool:
+        return self.cap > 0
+
+
+class MTPDrafter:
+    """The engine's MTP drafter (see the module docstring). The scheduler asks `propose` for a
+    request's drafts as it asks the n-gram drafter; `after_step` makes them."""
+
+    def __init__(
+        self,
+        executor: ModelExecutor,
+        *,
+        num_layers: int,
+        page_size: int,
+        scratch_base: int,
+        two_pools: bool,
+        window: int | None,
+    ) -> None:
+        self.executor = executor
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.scratch_base = scratch_base
+        self.two_pools = two_pools
+        self.window = window
+
+    def new_step(self) -> None:
+        """Nothing to reset per step (the n-gram drafter's step budget)."""
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to `k` of the drafts the last step made for `req` ([] when it made none for
+        its current tokens)."""
+        if req.mtp_drafts is None or req.mtp_anchor != req.seq_len:
+            return []
+        return req.mtp_drafts[:k]
+
+    def after_step(
+        self,
+        batch: ScheduledBatch,
+        inp: ModelInput,
+        next_tokens: list[int | None],
+        emitted: list[list[int]] | None,
+        caps: list[int],
+    ) -> None:
+        """Refresh every depth over what the step committed and chain the drafts of the
+        requests that decode next; `caps[i]`: the drafts request i may take (0: none).
+        Call after the step's tokens are accepted, before the scheduler commits them."""
+        rows = self._rows(batch, next_tokens, emitted, caps)
+        if not rows:
+            return
+        for r in rows:
+            r.req.mtp_drafts = None
+        refresh, hidden_rows, anchors = self._refresh_input(rows, inp)
+        drafts: torch.Tensor | None = None
+        for depth in range(self.num_layers):
+            step_input = refresh
+            if depth > 0 or not anchors:
+                step_input = dataclasses.replace(refresh, logits_indices=int_tensor([]))
+            logits = self.executor.draft_forward(step_input, hidden_rows, depth, chain=False)
+            if depth == 0 and logits is not None:
+                drafts = argmax_rows(logits)  # [A] int64 (device)
+        if drafts is None:
+            return
+        chained = [rows[i] for i in anchors]
+        anchor_rows = hidden_rows[self._anchor_offsets(rows, anchors)]  # [A] target rows
+        found = [drafts]  # draft s + 1 of each chaining request, [A] int64 each (device)
+        for s in range(1, max(r.cap for r in chained)):
+            live = [i for i, r in enumerate(chained) if r.cap > s]
+            index = torch.as_tensor(live, device=drafts.device)
+            chain = self._chain_input([chained[i] for i in live], s, inp)
+            chain = dataclasses.replace(chain, input_ids=found[-1][index])  # stays on device
+            depth = min(s, self.num_layers - 1)
+            logits = self.executor.draft_forward(
+                chain, anchor_rows[torch.as_tensor(live)], depth, chain=True
+            )
+            assert logits is not None
+            step = torch.zeros_like(drafts)
+            step[index] = argmax_rows(logits)
+            found.append(step)
+        table = torch.stack(found, dim=1).tolist()  # [A, max cap]: the one read back
+        for r, proposed in zip(chained, table, strict=True):
+            r.req.mtp_drafts = proposed[: r.cap]
+            r.req.mtp_anchor = r.p0 + len(r.next_tokens) + 1  # its tokens once committed
+
+    # ---- the rows ---------------------------------------------------------------------------
+    def _rows(
+        self,
+        batch: ScheduledBatch,
+        next_tokens: list[int | None],
+        emitted: list[list[int]] | None,
+        caps: list[int],
+    ) -> list[_Rows]:
+        nd = batch.num_decodes
+        out: list[_Rows] = []
+        first = 0
+        if batch.decode is not None:
+            db = batch.decode
+            positions = db.seq_lens.tolist()
+            for i, (req, row, p0) in enumerate(
+                zip(db.reqs, db.rows.tolist(), positions, strict=True)
+            ):
+                drafts = 0 if batch.drafts is None else len(batch.drafts[i])
+                kept = emitted[i] if emitted is not None else [next_tokens[i]]
+                tokens = [t for t in kept if t is not None]
+                if tokens:
+                    out.append(_Rows(req, row, p0, first, tokens, caps[i]))
+                first += 1 + drafts
+        for i in range(nd, len(batch.reqs)):
+            req, p0, n = batch.reqs[i], batch.prefix_lens[i], batch.extend_lens[i]
+            tokens = req.token_slice(p0 + 1, p0 + n + 1)
+            token = next_tokens[i]
+            sampled = token is not None and len(tokens) < n
+            if token is not None and sampled:
+                tokens.append(token)
+            if tokens:
+                out.append(_Rows(req, req.row, p0, first, tokens, caps[i] if sampled else 0))
+            first += n
+        return out
+
+    @staticmethod
+    def _anchor_offsets(rows: list[_Rows], anchors: list[int]) -> list[int]:
+        """Index into the refresh's rows of each anchor's last row."""
+        ends = np.cumsum([len(r.next_tokens) for r in rows])
+        return [int(ends[i]) - 1 for i in anchors]
+
+    def _refresh_input(
+        self, rows: list[_Rows], inp: ModelInput
+    ) -> tuple[ModelInput, torch.Tensor, list[int]]:
+        """(the refresh's input, its rows' target rows, the indices of the chaining requests)."""
+        counts = np.asarray([len(r.next_tokens) for r in rows], dtype=np.int64)
+        p0 = np.asarray([r.p0 for r in rows], dtype=np.int64)
+        firsts = np.asarray([r.first for r in rows], dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        hidden_rows = torch.from_numpy(np.repeat(firsts, counts) + offsets)  # [T] int64
+        anchors = [i for i, r in enumerate(rows) if r.chains]
+        last_rows = (starts + counts - 1)[anchors] if anchors else np.empty(0, np.int64)
+        repair = None
+        if inp.window_repair is not None:  # the SWA floor of each request that repairs
+            starts_by_first = self._repair_by_first(inp)
+            repair = (
+                torch.tensor(
+                    [starts_by_first.get(r.first, (0, 0)) for r in rows], dtype=torch.int64
+                )
+                .reshape(-1, 2)
+                .T.contiguous()
+            )
+        tokens = [t for r in rows for t in r.next_tokens]
+        refresh = ModelInput(
+            input_ids=int_tensor(tokens),
+            positions=torch.from_numpy(np.repeat(p0, counts) + offsets),
+            req_rows=int_tensor([r.row for r in rows]),
+            prefix_lens=torch.from_numpy(p0),
+            seq_lens=torch.from_numpy(p0 + counts),
+            out_full_loc=inp.out_full_loc[hidden_rows],
+            out_swa_loc=None if inp.out_swa_loc is None else inp.out_swa_loc[hidden_rows],
+            writes=SlotWrites.empty(inp.out_swa_loc is not None),
+            logits_indices=torch.from_numpy(np.asarray(last_rows, dtype=np.int64)),
+            sliding_window_size=inp.sliding_window_size,
+            window_repair=repair,
+        )
+        return refresh, hidden_rows, anchors
+
+    @staticmethod
+    def _repair_by_first(inp: ModelInput) -> dict[int, tuple[int, int]]:
+        """A repairing request's (start, end) by its first token row in the target forward."""
+        extend = (inp.seq_lens - inp.prefix_lens).tolist()
+        firsts = np.cumsum([0, *extend[:-1]]).tolist()
+        assert inp.window_repair is not None
+        pairs = inp.window_repair.T.tolist()
+        return {f: (s, e) for f, (s, e) in zip(firsts, pairs, strict=True) if (s, e) != (0, 0)}
+
+    def _chain_input(self, picked: list[_Rows], s: int, inp: ModelInput) -> ModelInput:
+        """Chain step s of the requests `picked`: RoPE position m + s, table position m + 1
+        (module docstring); the caller sets the tokens."""
+        p = self.page_size
+        q = np.asarray([r.p0 + len(r.next_tokens) for r in picked], dtype=np.int64)  # m + 1
+        anchor_target = torch.as_tensor([r.first + len(r.next_tokens) - 1 for r in picked])
+        pool = inp.out_swa_loc if inp.out_swa_loc is not None else inp.out_full_loc
+        own = pool[anchor_target] + 1  # [A] the slot after m's, in m's page
+        scratch = torch.as_tensor([self.scratch_base + r.row * p for r in picked])
+        slots = torch.where(torch.from_numpy(q % p == 0), scratch, own)  # [A] int64
+        n = len(picked)
+        return ModelInput(
+            input_ids=torch.zeros(n, dtype=torch.int64),
+            positions=torch.from_numpy(q - 1 + s),
+            req_rows=int_tensor([r.row for r in picked]),
+            prefix_lens=torch.from_numpy(q),
+            seq_lens=torch.from_numpy(q + 1),
+            out_full_loc=slots if inp.out_swa_loc is None else torch.zeros(n, dtype=torch.int64),
+            out_swa_loc=None if inp.out_swa_loc is None else slots,
+            writes=SlotWrites.empty(inp.out_swa_loc is not None),
+            logits_indices=torch.arange(n),
+            sliding_window_size=inp.sliding_window_size,
+        )
