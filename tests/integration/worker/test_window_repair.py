@@ -174,13 +174,13 @@ def test_aborting_a_request_mid_repair_leaves_the_pools_whole(model_dir: Path) -
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_repaired_hits_with_ngram_drafts_give_the_cold_tokens(
-    model_dir: Path, page_size: int
-) -> None:
-    """Speculative decoding over repaired hits: the requests that resume by a window repair
-    then verify drafts, and every token is the cold engine's without drafts."""
+def test_repaired_hits_with_drafts_give_the_cold_tokens(model_dir: Path, page_size: int) -> None:
+    """Speculative decoding over repaired hits (n-gram drafts; MTP drafts on MiMo-V2-Flash,
+    whose depths' KV the repair recomputes with the window): the requests that resume by a
+    window repair then verify drafts, and every token is the cold engine's without drafts."""
     options = {"page_size": page_size, "chunked_prefill_size": 8, "swa_full_tokens_ratio": 0.08}
-    engine = make_engine(model_dir, speculative_method="ngram", num_speculative_tokens=3, **options)
+    method = "mtp" if "mimo" in model_dir.name else "ngram"
+    engine = make_engine(model_dir, speculative_method=method, num_speculative_tokens=3, **options)
     outs = run_one_by_one(engine, PROMPTS)
     assert [o.token_ids for o in outs] == cold_tokens(model_dir, PROMPTS, **options)
     assert engine.stats.window_repairs >= 1 and engine.stats.spec_verifies > 0
