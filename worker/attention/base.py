@@ -87,6 +87,8 @@ class ForwardBatch:
         None  # [N] int64 (device): explicit rows; overrides the above
     )
     swa_floor: torch.Tensor | None = None  # [B] int64 (CPU): SWA layers read no key before it
+    # Only local (SWA) layers run over it (an MTP depth's forward): full layers read nothing
+    local_only: bool = False
     attn_metadata: Any = field(default=None)  # set by AttentionBackend.init_forward_metadata
 
     def __post_init__(self) -> None:

@@ -232,9 +232,12 @@ def build_attention_metadata(
     zeros_d = torch.zeros_like(seq_d)  # [B] int64: full reads start at 0
     plan = _DecodePlan(decode_ids_d, decode_ids) if decode_table else None
 
-    full = _reads(
-        table.full, rows, rows_d, np.zeros_like(seq), zeros_d, seq, seq_d, None, False, plan
-    )
+    if batch.local_only:  # only local layers run (MTP depths): the full layers read nothing
+        full = _reads(table.full, rows, rows_d, seq, seq_d, seq, seq_d, None, False, plan)
+    else:
+        full = _reads(
+            table.full, rows, rows_d, np.zeros_like(seq), zeros_d, seq, seq_d, None, False, plan
+        )
     swa = None
     if sliding_window_size is not None:
         swa_table = table.swa if two_pools and table.swa is not None else table.full

@@ -429,7 +429,8 @@ class Engine:
     ) -> None:
         """MTP: refresh the depths over what the step committed and make the next step's
         drafts (`engine.mtp`). A failure here costs only the drafts: the step's tokens stand
-        and the next step decodes without them."""
+        and the next step decodes without them (under TP a failure leaves the ranks out of
+        step: the batch fails and the engine is broken, as when a forward fails)."""
         assert self._mtp is not None
         limit = self.scheduler.limits.speculative_max_batch
         if limit is not None and len(self.scheduler.running) >= limit:
@@ -443,7 +444,9 @@ class Engine:
             ]
         try:
             self._mtp.after_step(batch, model_input, next_tokens, emitted, caps)
-        except TensorParallelError:
+        except TensorParallelError as exc:  # the group is out of step: as a failed forward
+            self._broken = str(exc)
+            self._fail(batch, exc)
             raise
         except Exception:
             logger.exception("MTP drafts failed; the next step decodes without them")

@@ -14,7 +14,10 @@ positions it committed (a prefill chunk's tokens; a decode's token and its accep
               draft s + 1 = argmax of depth min(s, L - 1) at RoPE position m + s, token
               draft s, the target's h_m (every depth reads the anchor's target state)
 
-A chain step attends to its depth's cache up to m and to itself. Its KV goes to the table
+Depth 0's refresh gives draft 1; depth s's refresh and chain step s are then one forward (the
+refresh rows write their KV before the chain row reads it), so k = L = 3 costs three draft
+forwards; chain steps past the last depth run alone. A chain step attends to its depth's cache
+up to m and to itself. Its KV goes to the table
 position m + 1 (the next one with no KV), at the request's own page tail when m + 1 is inside
 its last page, else at the request's scratch page (`KVPool.scratch_base`, one page per
 slot-table row); the next step writes its own slot there before anything reads it. A depth
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from swaserve.worker.runner.host_tensors import int_tensor
+from swaserve.worker.runner.host_tensors import int_tensor, to_device
 from swaserve.worker.runner.model_input import ModelInput, SlotWrites
 from swaserve.worker.runner.sampler import argmax_rows
 
@@ -110,33 +113,37 @@ class MTPDrafter:
         for r in rows:
             r.req.mtp_drafts = None
         refresh, hidden_rows, anchors = self._refresh_input(rows, inp)
-        drafts: torch.Tensor | None = None
-        for depth in range(self.num_layers):
-            step_input = refresh
-            if depth > 0 or not anchors:
-                step_input = dataclasses.replace(refresh, logits_indices=int_tensor([]))
-            logits = self.executor.draft_forward(step_input, hidden_rows, depth, chain=False)
-            if depth == 0 and logits is not None:
-                drafts = argmax_rows(logits)  # [A] int64 (device)
-        if drafts is None:
-            return
+        forward = self.executor.draft_forward
+        logits = forward(refresh, hidden_rows, 0, chain_entries=0, with_logits=bool(anchors))
         chained = [rows[i] for i in anchors]
+        steps = max((r.cap for r in chained), default=0)
+        found: list[torch.Tensor] = []  # draft s + 1 of each chaining request, [A] (device)
+        if logits is not None:
+            found.append(argmax_rows(logits))
+            # the refresh's tokens where the chain's are, once (a concat then copies nothing)
+            refresh_ids = to_device(refresh.input_ids, found[0].device)
         anchor_rows = hidden_rows[self._anchor_offsets(rows, anchors)]  # [A] target rows
-        found = [drafts]  # draft s + 1 of each chaining request, [A] int64 each (device)
-        for s in range(1, max(r.cap for r in chained)):
-            live = [i for i, r in enumerate(chained) if r.cap > s]
-            index = torch.as_tensor(live, device=drafts.device)
-            chain = self._chain_input([chained[i] for i in live], s, inp)
-            chain = dataclasses.replace(chain, input_ids=found[-1][index])  # stays on device
+        for s in range(1, max(steps, self.num_layers)):
             depth = min(s, self.num_layers - 1)
-            logits = self.executor.draft_forward(
-                chain, anchor_rows[torch.as_tensor(live)], depth, chain=True
-            )
+            live = [i for i, r in enumerate(chained) if r.cap > s]
+            if not live:  # no chain step: the depth's refresh alone
+                if s < self.num_layers:
+                    forward(refresh, hidden_rows, depth, chain_entries=0, with_logits=False)
+                continue
+            index = to_device(torch.as_tensor(live), found[-1].device)  # pinned, no sync
+            chain = self._chain_input([chained[i] for i in live], s, inp, found[-1][index])
+            chain_hidden = anchor_rows[torch.as_tensor(live)]
+            if s < self.num_layers:  # the depth's refresh and its chain step: one forward
+                chain = _concat(refresh, refresh_ids, chain)
+                chain_hidden = torch.cat([hidden_rows, chain_hidden])
+            logits = forward(chain, chain_hidden, depth, chain_entries=len(live), with_logits=True)
             assert logits is not None
-            step = torch.zeros_like(drafts)
+            step = torch.zeros_like(found[0])
             step[index] = argmax_rows(logits)
             found.append(step)
-        table = torch.stack(found, dim=1).tolist()  # [A, max cap]: the one read back
+        if not found:
+            return
+        table = torch.stack(found, dim=1).tolist()  # [A, steps]: the one read back
         for r, proposed in zip(chained, table, strict=True):
             r.req.mtp_drafts = proposed[: r.cap]
             r.req.mtp_anchor = r.p0 + len(r.next_tokens) + 1  # its tokens once committed
@@ -229,9 +236,11 @@ class MTPDrafter:
         pairs = inp.window_repair.T.tolist()
         return {f: (s, e) for f, (s, e) in zip(firsts, pairs, strict=True) if (s, e) != (0, 0)}
 
-    def _chain_input(self, picked: list[_Rows], s: int, inp: ModelInput) -> ModelInput:
-        """Chain step s of the requests `picked`: RoPE position m + s, table position m + 1
-        (module docstring); the caller sets the tokens."""
+    def _chain_input(
+        self, picked: list[_Rows], s: int, inp: ModelInput, tokens: torch.Tensor
+    ) -> ModelInput:
+        """Chain step s of the requests `picked` with `tokens` (their draft s, on the device):
+        RoPE position m + s, table position m + 1 (module docstring)."""
         p = self.page_size
         q = np.asarray([r.p0 + len(r.next_tokens) for r in picked], dtype=np.int64)  # m + 1
         anchor_target = torch.as_tensor([r.first + len(r.next_tokens) - 1 for r in picked])
@@ -241,7 +250,7 @@ class MTPDrafter:
         slots = torch.where(torch.from_numpy(q % p == 0), scratch, own)  # [A] int64
         n = len(picked)
         return ModelInput(
-            input_ids=torch.zeros(n, dtype=torch.int64),
+            input_ids=tokens,
             positions=torch.from_numpy(q - 1 + s),
             req_rows=int_tensor([r.row for r in picked]),
             prefix_lens=torch.from_numpy(q),
@@ -252,3 +261,30 @@ class MTPDrafter:
             logits_indices=torch.arange(n),
             sliding_window_size=inp.sliding_window_size,
         )
+
+
+def _concat(refresh: ModelInput, refresh_ids: torch.Tensor, chain: ModelInput) -> ModelInput:
+    """The refresh's entries, then the chain step's (whose logits alone are wanted): one
+    forward of a depth. Every row writes its KV before any attends, so a chain row reads the
+    positions the refresh writes in it."""
+    n = refresh.num_tokens
+    tokens = chain.input_ids
+    repair = refresh.window_repair
+    if repair is not None:
+        repair = torch.cat([repair, torch.zeros(2, chain.batch_size, dtype=torch.int64)], dim=1)
+    swa = None
+    if refresh.out_swa_loc is not None and chain.out_swa_loc is not None:
+        swa = torch.cat([refresh.out_swa_loc, chain.out_swa_loc])
+    return ModelInput(
+        input_ids=torch.cat([refresh_ids, tokens]),
+        positions=torch.cat([refresh.positions, chain.positions]),
+        req_rows=torch.cat([refresh.req_rows, chain.req_rows]),
+        prefix_lens=torch.cat([refresh.prefix_lens, chain.prefix_lens]),
+        seq_lens=torch.cat([refresh.seq_lens, chain.seq_lens]),
+        out_full_loc=torch.cat([refresh.out_full_loc, chain.out_full_loc]),
+        out_swa_loc=swa,
+        writes=refresh.writes,
+        logits_indices=chain.logits_indices + n,
+        sliding_window_size=refresh.sliding_window_size,
+        window_repair=repair,
+    )

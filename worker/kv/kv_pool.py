@@ -53,11 +53,13 @@ class KVPool:
         device: str | torch.device = "cpu",
         layer_ids: list[int] | None = None,
         scratch_rows: int = 0,
+        scratch_layer_ids: frozenset[int] = frozenset(),
     ) -> None:
         """`layer_ids`: the global id of each layout's layer (default 0, 1, ...): a model whose
         KV-shared layers own no KV leaves their ids out. `scratch_rows`: rows past the slots
-        (ids from `scratch_base` on) that no allocator hands out: where MTP draft steps write
-        the KV of positions that hold no slot yet (`engine.mtp`)."""
+        (ids from `scratch_base` on) that no allocator hands out, in the buffers of the layers
+        `scratch_layer_ids` only: where MTP draft steps write the KV of positions that hold no
+        slot yet (`engine.mtp`)."""
         if size < 0 or page_size <= 0 or scratch_rows < 0:
             raise ValueError(
                 f"bad KV pool shape: size={size}, page_size={page_size}, scratch={scratch_rows}"
@@ -73,18 +75,21 @@ class KVPool:
         self.page_size = page_size
         self.device = torch.device(device)
         self.scratch_base = size + page_size
-        rows = size + page_size + scratch_rows
+        rows = [
+            size + page_size + (scratch_rows if layer in scratch_layer_ids else 0)
+            for layer in self.layer_ids
+        ]
         self.k_buffer = [
             torch.zeros(
-                rows, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=self.device
+                n, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=self.device
             )  # [rows, Hkv, Dk]
-            for lay in self.layouts
+            for n, lay in zip(rows, self.layouts, strict=True)
         ]
         self.v_buffer = [
             torch.zeros(
-                rows, lay.num_kv_heads, lay.v_head_dim, dtype=dtype, device=self.device
+                n, lay.num_kv_heads, lay.v_head_dim, dtype=dtype, device=self.device
             )  # [rows, Hkv, Dv]
-            for lay in self.layouts
+            for n, lay in zip(rows, self.layouts, strict=True)
         ]
 
     def token_bytes(self) -> int:
@@ -143,8 +148,10 @@ class SWAKVPool:
         page_size: int = 1,
         device: str | torch.device = "cpu",
         scratch_rows: int = 0,
+        scratch_layer_ids: frozenset[int] = frozenset(),
     ) -> None:
-        """`scratch_rows`: the SWA pool's (see `KVPool`)."""
+        """`scratch_rows`: in the SWA pool's buffers of the (global) `scratch_layer_ids` (see
+        `KVPool`)."""
         overlap = set(full_layer_ids) & set(swa_layer_ids)
         if overlap:
             raise ValueError(f"layer(s) {sorted(overlap)} are listed as both full and SWA")
@@ -166,6 +173,11 @@ class SWAKVPool:
             page_size=page_size,
             device=device,
             scratch_rows=scratch_rows,
+            scratch_layer_ids=frozenset(
+                local
+                for local, layer in enumerate(sorted(swa_layer_ids))
+                if layer in scratch_layer_ids
+            ),
         )
         self.layers_mapping: dict[int, LayerSlot] = {}
         for local, layer in enumerate(sorted(full_layer_ids)):

@@ -215,9 +215,11 @@ def build_kv_pool(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     scratch_rows: int = 0,
+    scratch_layer_ids: frozenset[int] = frozenset(),
 ) -> SWAKVPool | KVPool:
     """Every rank's KV buffers for `plan` on `device` (the same slot ids on every rank);
-    `scratch_rows` past the slots of the pool that holds the SWA layers (`scratch_base`)."""
+    `scratch_rows` past the slots, from `scratch_base`, in the buffers of `scratch_layer_ids`
+    (the MTP layers: SWA layers, in whichever pool holds those)."""
     p = plan.page_size
     if plan.single_pool:
         return KVPool(
@@ -228,6 +230,7 @@ def build_kv_pool(
             device=device,
             layer_ids=spec.kv_layer_ids,
             scratch_rows=scratch_rows,
+            scratch_layer_ids=scratch_layer_ids,
         )
     return SWAKVPool(
         full_size=plan.full_tokens,
@@ -240,6 +243,7 @@ def build_kv_pool(
         page_size=p,
         device=device,
         scratch_rows=scratch_rows,
+        scratch_layer_ids=scratch_layer_ids,
     )
 
 

@@ -122,15 +122,18 @@ class DraftArgs:
 
     hidden_rows: torch.Tensor  # [T] int64: the target rows whose hidden states it reads
     depth: int
-    chain: bool
+    chain_entries: int  # its last entries that are chain steps
+    with_logits: bool
 
 
 def broadcast_draft(tp: TPGroup, inp: ModelInput, args: DraftArgs) -> None:
     """Rank 0: send an MTP draft forward: the input's header and payload, the payload
-    followed by (depth, chain) and a hidden-state row per token."""
+    followed by (depth, chain entries, with_logits) and a hidden-state row per token."""
     header, payload = pack_model_input(dataclasses.replace(inp, input_ids=inp.input_ids.cpu()))
     header[COMMAND_FIELD] = DRAFT
-    extra = torch.tensor([args.depth, int(args.chain)], dtype=torch.int64)  # [2] int64
+    extra = torch.tensor(
+        [args.depth, args.chain_entries, int(args.with_logits)], dtype=torch.int64
+    )  # [3] int64
     tp.broadcast_control(header)
     tp.broadcast_control(torch.cat([payload, extra, args.hidden_rows.to(torch.int64)]))
 
@@ -151,13 +154,13 @@ def receive_model_input(tp: TPGroup) -> tuple[ModelInput, DraftArgs | None] | No
     if command == SHUTDOWN:
         return None
     n, t = payload_len(header), int(header[0])
-    extra = 2 + t if command == DRAFT else 0
+    extra = 3 + t if command == DRAFT else 0
     payload = tp.broadcast_control(torch.empty(n + extra, dtype=torch.int64))
     inp = unpack_model_input(header, payload[:n])
     if command != DRAFT:
         return inp, None
-    depth, chain = (int(x) for x in payload[n : n + 2])
-    return inp, DraftArgs(payload[n + 2 :], depth, bool(chain))
+    depth, chain_entries, with_logits = (int(x) for x in payload[n : n + 3])
+    return inp, DraftArgs(payload[n + 3 :], depth, chain_entries, bool(with_logits))
 
 
 def run_worker_rank(
@@ -201,7 +204,13 @@ def run_worker_rank(
             if draft is None:
                 runner.forward(inp)
             else:
-                runner.draft_forward(inp, draft.hidden_rows, draft.depth, chain=draft.chain)
+                runner.draft_forward(
+                    inp,
+                    draft.hidden_rows,
+                    draft.depth,
+                    chain_entries=draft.chain_entries,
+                    with_logits=draft.with_logits,
+                )
     except KeyboardInterrupt:
         return
     except TensorParallelError as exc:  # rank 0 or a peer went away: nothing left to serve

@@ -147,17 +147,31 @@ class ModelExecutor:
             raise
 
     def draft_forward(
-        self, model_input: ModelInput, hidden_rows: torch.Tensor, depth: int, *, chain: bool
+        self,
+        model_input: ModelInput,
+        hidden_rows: torch.Tensor,
+        depth: int,
+        *,
+        chain_entries: int = 0,
+        with_logits: bool = True,
     ) -> torch.Tensor | None:
         """An MTP depth over `model_input` (`ModelRunner.draft_forward`) on every rank: rank 0
-        broadcasts it as a step; returns rank 0's logits."""
+        broadcasts it as a step; returns rank 0's logits (None without `with_logits`)."""
         runner = self.runner
         if self.launcher is None:
-            return runner.draft_forward(model_input, hidden_rows, depth, chain=chain)
-        args = DraftArgs(hidden_rows, depth, chain)
+            return runner.draft_forward(
+                model_input,
+                hidden_rows,
+                depth,
+                chain_entries=chain_entries,
+                with_logits=with_logits,
+            )
+        args = DraftArgs(hidden_rows, depth, chain_entries, with_logits)
         return self.launcher.run_step(
             model_input,
-            lambda inp: runner.draft_forward(inp, hidden_rows, depth, chain=chain),
+            lambda inp: runner.draft_forward(
+                inp, hidden_rows, depth, chain_entries=chain_entries, with_logits=with_logits
+            ),
             args,
         )
 

@@ -127,6 +127,7 @@ class ModelRunner:
     runs forward passes from `ModelInput`s."""
 
     decode_step: DecodeStep | None = None  # the compiled pure-decode step (`allocate_kv`)
+    _draft_batch: tuple[ModelInput, ForwardBatch] | None = None  # the latest MTP refresh's
 
     def __init__(
         self,
@@ -176,9 +177,18 @@ class ModelRunner:
         device, dtype = self.device, self.dtype
         spec = self.model_config.kv_spec(self.tp.world_size)
         rows, max_len = slot_table_shape
-        # MTP draft steps write positions that hold no slot yet: a scratch page per table row
-        scratch = rows * plan.page_size if self.model_config.num_mtp_layers else 0
-        self.kv_pool = build_kv_pool(spec, plan, dtype=dtype, device=device, scratch_rows=scratch)
+        # MTP draft steps write positions that hold no slot yet: a scratch page per table row,
+        # in the MTP layers' buffers only
+        mtp = self.model_config.num_mtp_layers
+        first = self.model_config.num_layers
+        self.kv_pool = build_kv_pool(
+            spec,
+            plan,
+            dtype=dtype,
+            device=device,
+            scratch_rows=rows * plan.page_size if mtp else 0,
+            scratch_layer_ids=frozenset(range(first, first + mtp)),
+        )
         self.slot_table = DeviceSlotTable(
             rows, max_len, with_swa=not plan.single_pool, device=device
         )
@@ -256,23 +266,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_forward(
-        self, inp: ModelInput, hidden_rows: torch.Tensor, depth: int, *, chain: bool
-    ) -> torch.Tensor | None:  # [N, vocab] float32 (device), or None without logits rows
+        self,
+        inp: ModelInput,
+        hidden_rows: torch.Tensor,
+        depth: int,
+        *,
+        chain_entries: int = 0,
+        with_logits: bool = True,
+    ) -> torch.Tensor | None:  # [N, vocab] float32 (device), or None
         """MTP depth `depth` (`models.mtp`) over `inp`, whose row r reads the target's normed
-        hidden state at row `hidden_rows[r]` of the latest `forward`. A refresh (`chain`
-        False) runs over positions whose slots the slot tables hold already; a chain step
-        (one new token per request, `engine.mtp`) first points each request's table at
-        `prefix_lens` (the position after its last computed one) to its out slot, and its
-        RoPE position (`inp.positions`) may lie past that."""
+        hidden state at row `hidden_rows[r]` of the latest `forward`. Its entries are a refresh
+        (positions whose slots the slot tables hold already), then `chain_entries` chain steps
+        (one token each, `engine.mtp`): each first points its request's table at `prefix_lens`
+        (the position after its last computed one) to its out slot; its RoPE position
+        (`inp.positions`) may lie past that. Depths that run the same input share its
+        attention metadata (built for the first). Logits of `inp.logits_indices` when
+        `with_logits`."""
         last = self.model.last_hidden
         assert last is not None, "a draft forward follows a target forward"
         dev = self._to_device
-        if chain:
-            rows, at = dev(inp.req_rows), dev(inp.prefix_lens)
+        hidden = last[dev(hidden_rows)]
+        if self._draft_batch is not None and self._draft_batch[0] is inp:
+            return self._draft(self._draft_batch[1], hidden, depth, with_logits)
+        if n := chain_entries:  # a chain entry is one token: the last n tokens are theirs
+            rows, at = dev(inp.req_rows[-n:]), dev(inp.prefix_lens[-n:])
             if inp.out_swa_loc is not None:
-                self.slot_table.write_swa(rows, at, dev(inp.out_swa_loc))
+                self.slot_table.write_swa(rows, at, dev(inp.out_swa_loc[-n:]))
             else:
-                self.slot_table.write_full(rows, at, dev(inp.out_full_loc))
+                self.slot_table.write_full(rows, at, dev(inp.out_full_loc[-n:]))
         out_swa = None if inp.out_swa_loc is None else dev(inp.out_swa_loc)
         batch = ForwardBatch(
             input_ids=dev(inp.input_ids),
@@ -285,7 +306,13 @@ class ModelRunner:
             out_swa_loc=out_swa,
             logits_rows=dev(inp.logits_indices),
             swa_floor=inp.swa_floor(),
+            local_only=True,
         )
-        hidden = last[dev(hidden_rows)]
-        logits = self.model.draft(batch, hidden, depth, inp.logits_indices.numel() > 0)
+        self._draft_batch = (inp, batch)
+        return self._draft(batch, hidden, depth, with_logits)
+
+    def _draft(
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, with_logits: bool
+    ) -> torch.Tensor | None:
+        logits = self.model.draft(batch, hidden, depth, with_logits)
         return None if logits is None else logits.float()

@@ -225,8 +225,8 @@ class DraftSpy:
         executor = engine.executor
         original = executor.draft_forward
 
-        def spy(inp, hidden_rows, depth, *, chain):  # type: ignore[no-untyped-def]
-            logits = original(inp, hidden_rows, depth, chain=chain)
+        def spy(inp, hidden_rows, depth, **options):  # type: ignore[no-untyped-def]
+            logits = original(inp, hidden_rows, depth, **options)
             if logits is not None:
                 self.calls.append((inp, depth, logits.clone()))
             return logits
