@@ -286,6 +286,34 @@ def test_a_forward_that_raises_on_rank_0_takes_the_group_down_cleanly(
     assert all(p.poll() is not None for p in rank_processes(engine))
 
 
+def test_a_draft_forward_that_raises_on_rank_0_takes_the_group_down_cleanly(
+    tiny_model_factory: Callable[..., Path], engines: list[Engine]
+) -> None:
+    """The same for an MTP draft forward at TP = 2 (at TP = 1 it costs only the drafts): the
+    step's batch is released and every later step raises."""
+    model_dir = tiny_model_factory(
+        "mimo-v2-flash", sliding_window_size=W, hidden_size=32, seed=5, **MODELS["mimo-v2-flash"]
+    )
+    engine = make_engine(model_dir, 2, tp_timeout_s=10.0, speculative_method="mtp")
+    engines.append(engine)
+    for prompt in workload(4):
+        engine.add_request(prompt, GREEDY)
+    engine.step()
+
+    def boom(*args: object, **options: object) -> torch.Tensor:
+        raise RuntimeError("out of memory (injected)")
+
+    engine.runner.draft_forward = boom  # type: ignore[method-assign]
+    with pytest.raises(TensorParallelError, match="out of step: RuntimeError: out of memory"):
+        engine.step()
+    engine.check()
+    assert not engine.scheduler.running
+    with pytest.raises(TensorParallelError, match="TP group is down"):
+        engine.step()
+    engine.shutdown()
+    assert all(p.poll() is not None for p in rank_processes(engine))
+
+
 def test_a_hung_rank_raises_within_the_timeout(
     tiny_model_factory: Callable[..., Path], engines: list[Engine]
 ) -> None:

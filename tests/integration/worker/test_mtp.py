@@ -319,3 +319,31 @@ def test_mtp_is_refused_without_its_layers(tiny_model_factory: Callable[..., Pat
     bare = tiny_model_factory("mimo-v2-flash", num_layers=2, sliding_window_size=W, mtp_layers=0)
     with pytest.raises(ValueError, match="multi-token-prediction layers"):
         mtp_engine(bare, max_total_tokens=256)
+
+
+def test_a_failed_draft_forward_costs_only_the_drafts(model: Path) -> None:
+    """At TP = 1 a draft forward that raises (every seventh call here) leaves the step's tokens
+    as they are: the next step decodes without drafts, and the output is plain decoding's."""
+    batch = prompts(6, 4)
+    plain = Engine(EngineConfig(model=str(model), max_total_tokens=4096))
+    try:
+        want = run(plain, batch, greedy(20))
+    finally:
+        plain.shutdown()
+    engine = mtp_engine(model, max_total_tokens=4096)
+    original = engine.executor.draft_forward
+    calls = [0]
+
+    def flaky(*args, **options):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] % 7 == 0:
+            raise RuntimeError("injected")
+        return original(*args, **options)
+
+    engine.executor.draft_forward = flaky  # type: ignore[method-assign]
+    try:
+        assert run(engine, batch, greedy(20)) == want
+        assert engine.stats.failed_steps == 0 and engine.stats.spec_verifies > 0
+        assert_pools_whole(engine)
+    finally:
+        engine.shutdown()

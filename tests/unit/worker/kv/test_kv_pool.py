@@ -98,3 +98,28 @@ def test_single_pool_holds_mixed_layouts() -> None:
     assert pool.token_bytes() == (4 * 20 + 2 * 8 * 20) * 2
     with pytest.raises(ValueError, match="locations"):
         pool.set_kv_buffer(0, torch.tensor([4, 5]), torch.zeros(1, 4, 12), torch.zeros(1, 4, 8))
+
+
+def test_scratch_rows_only_in_the_scratch_layers() -> None:
+    """MTP draft steps' scratch pages (`engine.mtp`): past the slots and the padding page, in
+    the buffers of the MTP layers alone (here global layer 4, the SWA pool's local layer 2)."""
+    pool = SWAKVPool(
+        full_size=16,
+        swa_size=8,
+        full_layer_ids=[0, 3],
+        swa_layer_ids=[1, 2, 4],
+        full_layout=FULL,
+        swa_layout=SWA,
+        page_size=2,
+        scratch_rows=6,
+        scratch_layer_ids=frozenset({4}),
+    )
+    assert pool.swa_pool.scratch_base == 10
+    rows = {layer: pool.get_kv_buffer(layer)[0].shape[0] for layer in range(5)}
+    assert rows == {0: 18, 1: 10, 2: 10, 3: 18, 4: 16}
+    assert pool.kv_bytes() == make_pool(page_size=2).kv_bytes()  # the plan's bytes: no scratch
+    pool.set_kv_buffer(
+        4, torch.tensor([0]), torch.tensor([15]), torch.ones(1, 8, 12), torch.ones(1, 8, 8)
+    )
+    single = KVPool(8, [FULL, SWA], page_size=2, scratch_rows=4, scratch_layer_ids=frozenset({1}))
+    assert [b.shape[0] for b in single.k_buffer] == [10, 14] and single.scratch_base == 10
