@@ -347,3 +347,16 @@ def test_a_failed_draft_forward_costs_only_the_drafts(model: Path) -> None:
         assert_pools_whole(engine)
     finally:
         engine.shutdown()
+
+
+def test_generate_cli_with_mtp_drafts(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`swaserve generate --speculative-method mtp`: the flag reaches the engine, the text is
+    plain decoding's."""
+    from swaserve.cluster.cli import main
+
+    argv = ["generate", "--model", str(model), "--prompt", "a model with MTP layers"]
+    argv += ["--max-new-tokens", "24", "--max-total-tokens", "512", "--json"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main([*argv, "--speculative-method", "mtp", "--num-speculative-tokens", "2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == plain
