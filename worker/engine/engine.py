@@ -401,7 +401,7 @@ class Engine:
             stopped = self._accept_verified(batch, emitted, next_tokens)
             self._count_verified(batch, emitted, next_tokens)
         if self._mtp is not None:
-            self._draft(batch, model_input, next_tokens, emitted)
+            self._draft(batch, model_input, next_tokens, emitted, stopped)
             timer.lap("draft")
         finished = self.scheduler.process_results(batch, next_tokens, stopped, emitted)
         self.stats.steps += 1
@@ -426,22 +426,23 @@ class Engine:
         model_input: ModelInput,
         next_tokens: list[int | None],
         emitted: list[list[int]] | None,
+        stopped: list[int],
     ) -> None:
         """MTP: refresh the depths over what the step committed and make the next step's
-        drafts (`engine.mtp`). A failure here costs only the drafts: the step's tokens stand
-        and the next step decodes without them (under TP a failure leaves the ranks out of
-        step: the batch fails and the engine is broken, as when a forward fails)."""
+        drafts (`engine.mtp`) for the requests that go on (not those this step ends: by their
+        sampling, a stop id or their length). A failure here costs only the drafts: the step's
+        tokens stand and the next step decodes without them (under TP a failure leaves the
+        ranks out of step: the batch fails and the engine is broken, as when a forward fails)."""
         assert self._mtp is not None
+        caps = [0] * len(batch.reqs)  # refresh only
         limit = self.scheduler.limits.speculative_max_batch
-        if limit is not None and len(self.scheduler.running) >= limit:
-            caps = [0] * len(batch.reqs)  # the next step drafts nothing: refresh only
-        else:
-            caps = [
-                self.scheduler.draft_room(req, emitted_now)
-                for req, emitted_now in zip(
-                    batch.reqs, self._emitted_counts(batch, next_tokens, emitted), strict=True
-                )
-            ]
+        if limit is None or len(self.scheduler.running) < limit:
+            ending = set(stopped)
+            counts = self._emitted_counts(batch, next_tokens, emitted)
+            for i, req in enumerate(batch.reqs):
+                last = next_tokens[i]
+                if i not in ending and (last is None or last not in req.stop_ids):
+                    caps[i] = self.scheduler.draft_room(req, counts[i])
         try:
             self._mtp.after_step(batch, model_input, next_tokens, emitted, caps)
         except TensorParallelError as exc:  # the group is out of step: as a failed forward
