@@ -1,5 +1,5 @@
 """Speculative decoding on the served cluster: gRPC streams from workers that verify n-gram
-drafts give exactly the tokens of plain decoding in-process (a stream item may now carry several
+(or MTP) drafts give exactly the tokens of plain decoding in-process (a stream item may now carry several
 tokens), a request can turn its drafts off, and the workers' reports count drafts and accepted
 tokens for the metrics."""
 
@@ -59,3 +59,29 @@ def test_streams_with_drafts_equal_plain_decoding(
         pb.GenerateRequest(token_ids=prompts[1], sampling_params=greedy(24)),
     )
     assert ids == expected[1]
+
+
+def test_streams_with_mtp_drafts_equal_plain_decoding(
+    make_cluster: Callable[..., ServedCluster], tiny_model_factory: Callable[..., Path]
+) -> None:
+    """Workers that draft with MiMo-V2-Flash's MTP depths (`--speculative-method mtp`, the
+    engine config the cluster hands its workers): concurrent gRPC streams give plain
+    decoding's tokens, and the reports count the drafts verified."""
+    model = tiny_model_factory("mimo-v2-flash", num_layers=4, sliding_window_size=8, seed=4)
+    served = make_cluster(model=model, replicas=2, speculative_method="mtp")
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(10 + 3 * i)] for i in range(8)]
+    expected = reference_tokens(model, prompts, [20] * len(prompts))
+    with served.channel() as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        def one(i: int) -> list[int]:
+            request = pb.GenerateRequest(
+                request_id=f"m{i}", token_ids=prompts[i], sampling_params=greedy(20)
+            )
+            return [t for item in stub.Generate(request, timeout=60) for t in item.token_ids]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(one, range(len(prompts)))) == expected
+    wait_idle(served)
+    reports = [status.headroom for status in served.loop.run(served.cluster.load())]
+    assert sum(h.spec_draft_tokens_total for h in reports) > 0
