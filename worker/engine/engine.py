@@ -148,8 +148,6 @@ class Engine:
                 num_layers=self.model_config.num_mtp_layers,
                 page_size=self.page_size,
                 scratch_base=scratch_base(self.plan),
-                two_pools=not self.plan.single_pool,
-                window=self.window,
             )
             self.scheduler.drafter = self._mtp
 

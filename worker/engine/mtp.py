@@ -76,15 +76,13 @@ class MTPDrafter:
         num_layers: int,
         page_size: int,
         scratch_base: int,
-        two_pools: bool,
-        window: int | None,
     ) -> None:
+        """`num_layers`: the depths the model runs; `scratch_base`: the first scratch id of
+        the pool that holds the SWA layers (`kv.memory.scratch_base`)."""
         self.executor = executor
         self.num_layers = num_layers
         self.page_size = page_size
         self.scratch_base = scratch_base
-        self.two_pools = two_pools
-        self.window = window
 
     def new_step(self) -> None:
         """Nothing to reset per step (the n-gram drafter's step budget)."""
