@@ -96,8 +96,8 @@ class ClusterSnapshotCollector(Collector):
             "seconds of the steps that computed them: tokens / seconds is the prefill speed",
             labels=labels,
         )
-        spec = {
-            name: CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        spec = {  # by drafter too: "ngram", "mtp" ("none" on a worker without one)
+            name: CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "method"])
             for name, doc in (
                 ("spec_decode_num_drafts", "verifies of a request's drafts (one per step)"),
                 ("spec_decode_num_draft_tokens", "draft tokens proposed and verified"),
@@ -119,9 +119,12 @@ class ClusterSnapshotCollector(Collector):
             repairs.add_metric(values, h.window_repair_tokens_total)
             prefill_tokens.add_metric(values, h.prefill_tokens_total)
             prefill_seconds.add_metric(values, h.prefill_s_total)
-            spec["spec_decode_num_drafts"].add_metric(values, h.spec_verifies_total)
-            spec["spec_decode_num_draft_tokens"].add_metric(values, h.spec_draft_tokens_total)
-            spec["spec_decode_num_accepted_tokens"].add_metric(values, h.spec_accepted_tokens_total)
+            drafter = [*values, h.spec_method or "none"]
+            spec["spec_decode_num_drafts"].add_metric(drafter, h.spec_verifies_total)
+            spec["spec_decode_num_draft_tokens"].add_metric(drafter, h.spec_draft_tokens_total)
+            spec["spec_decode_num_accepted_tokens"].add_metric(
+                drafter, h.spec_accepted_tokens_total
+            )
         yield from (running, waiting, usage, swa_usage, tombstoned, queries, hits, repairs)
         yield from (prefill_tokens, prefill_seconds, *spec.values())
         decisions = CounterMetricFamily(

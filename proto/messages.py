@@ -43,6 +43,7 @@ class Headroom:
     spec_verifies_total: int = 0  # ... a decode's verify of its drafts (speculative decoding) ...
     spec_draft_tokens_total: int = 0  # ... drafts proposed ...
     spec_accepted_tokens_total: int = 0  # ... and accepted
+    spec_method: str = ""  # the drafter of those counters ("ngram", "mtp"); "": none
     sliding_window_size: int = 0
     attention_chunk_size: int = 0  # C of chunked local layers (W = C - 1); 0: a sliding window
     window_repair_tokens: int = 0  # R of a window repair (architecture §6); 0: it does not repair

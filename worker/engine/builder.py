@@ -63,6 +63,7 @@ class HostState:
     scheduler: Scheduler
     stats: EngineStats
     max_model_len: int
+    spec_method: str = ""  # the drafter (`speculative_method`); "": none
 
     @property
     def slot_table_shape(self) -> tuple[int, int]:
@@ -106,6 +107,7 @@ class HostState:
             spec_verifies_total=self.stats.spec_verifies,
             spec_draft_tokens_total=self.stats.spec_draft_tokens,
             spec_accepted_tokens_total=self.stats.spec_accepted_tokens,
+            spec_method=self.spec_method,
             sliding_window_size=self.window or 0,
             attention_chunk_size=(self.tree.attention_chunk_size or 0) if self.tree else 0,
             page_size=self.plan.page_size,
@@ -198,6 +200,7 @@ def build_host_state(
         scheduler,
         stats,
         max_model_len,
+        config.speculative_method or "",
     )
 
 

@@ -51,6 +51,7 @@ def test_streams_with_drafts_equal_plain_decoding(
     wait_idle(served)
     reports = [status.headroom for status in served.loop.run(served.cluster.load())]
     assert sum(h.spec_accepted_tokens_total for h in reports) > 0
+    assert {h.spec_method for h in reports} == {"ngram"}
     assert sum(h.spec_draft_tokens_total for h in reports) >= sum(
         h.spec_verifies_total for h in reports
     )
@@ -85,3 +86,4 @@ def test_streams_with_mtp_drafts_equal_plain_decoding(
     wait_idle(served)
     reports = [status.headroom for status in served.loop.run(served.cluster.load())]
     assert sum(h.spec_draft_tokens_total for h in reports) > 0
+    assert {h.spec_method for h in reports} == {"mtp"}  # the metrics' `method` label

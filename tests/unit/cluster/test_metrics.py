@@ -29,6 +29,7 @@ HEADROOM = Headroom(
     spec_verifies_total=30,
     spec_draft_tokens_total=90,
     spec_accepted_tokens_total=45,
+    spec_method="mtp",
 )
 
 
@@ -72,9 +73,10 @@ def test_snapshot_and_histograms_render_with_their_labels() -> None:
     assert got["swaserve:window_repair_tokens_total", w] == 64
     assert got["swaserve:prefill_tokens_total", w] == 2560
     assert got["swaserve:prefill_seconds_total", w] == 0.5
-    assert got["swaserve:spec_decode_num_drafts_total", w] == 30
-    assert got["swaserve:spec_decode_num_draft_tokens_total", w] == 90
-    assert got["swaserve:spec_decode_num_accepted_tokens_total", w] == 45
+    drafter = tuple(sorted((*w, ("method", "mtp"))))  # the worker's drafter labels them
+    assert got["swaserve:spec_decode_num_drafts_total", drafter] == 30
+    assert got["swaserve:spec_decode_num_draft_tokens_total", drafter] == 90
+    assert got["swaserve:spec_decode_num_accepted_tokens_total", drafter] == 45
     routed = (("model_name", "tiny"), ("outcome", "routed"), ("policy", "prefix"))
     assert got["swaserve:router_decisions_total", routed] == 7
     assert got["swaserve:router_queue_len", (("model_name", "tiny"),)] == 1
