@@ -428,7 +428,7 @@ class Scheduler:
         slots: dict[int, torch.Tensor] = {}  # batch index → its drafts' slots
         drafter.new_step()
         for i, (req, start) in enumerate(zip(db.reqs, db.seq_lens.tolist(), strict=True)):
-            k = self._draft_room(req)
+            k = self.draft_room(req)
             proposed = drafter.propose(req, k) if k > 0 else []
             got = self.kv.allocate_drafts(req, start + 1, len(proposed)) if proposed else None
             if got is not None:
@@ -443,8 +443,11 @@ class Scheduler:
         return drafts, torch.cat(locs)
 
     def draft_room(self, req: Request, arriving: int = 0) -> int:
-        """The drafts `req` may verify in its next step once `arriving` more of its tokens
-        are committed (the MTP drafter asks before this step's results are)."""
+        """How many drafts `req` may verify in its next step once `arriving` more of its
+        tokens are committed (the MTP drafter asks before this step's results are): its cap,
+        fewer when fewer tokens are left to it (every kept token is an output). A draft is a
+        decode row of its own (`Engine._verify_rows`), so drafts may cross a chunk boundary:
+        each row reads from its own chunk's start."""
         return max(
             0, min(self._draft_cap(req), req.max_output_len - len(req.output_ids) - arriving - 1)
         )
@@ -459,13 +462,6 @@ class Scheduler:
         if (asked := req.params.num_speculative_tokens) is not None:
             k = min(k, asked)
         return k
-
-    def _draft_room(self, req: Request) -> int:
-        """How many drafts `req` may verify this step: its
-        cap, fewer when fewer tokens are left to it (every kept token is an output). A draft
-        is a decode row of its own (`Engine._verify_rows`), so drafts may cross a chunk
-        boundary: each row reads from its own chunk's start."""
-        return min(self._draft_cap(req), req.max_output_len - len(req.output_ids) - 1)
 
     def _retract(self, req: Request) -> None:
         self.kv.release(req)

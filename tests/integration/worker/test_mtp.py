@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
+from test_speculative import assert_pools_whole, greedy, run
 
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.engine.request import Request
@@ -25,10 +26,6 @@ W = 8
 K = 3
 
 
-def greedy(max_new_tokens: int, **options: object) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True, **options)
-
-
 def prompts(seed: int, count: int, shared: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(1, 250) for _ in range(shared)]
@@ -37,21 +34,10 @@ def prompts(seed: int, count: int, shared: int = 0) -> list[list[int]]:
     ]
 
 
-def run(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Every prompt at once, `check()` after every step; the tokens of each, in order."""
-    ids = [engine.add_request(p, params) for p in batch]
-    got: dict[str, list[int]] = {rid: [] for rid in ids}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
-        engine.check()
-    return [got[rid] for rid in ids]
-
-
 def run_recording_drafts(
     engine: Engine, batch: list[list[int]], params: SamplingParams
 ) -> tuple[list[list[int]], list[dict[int, list[int]]]]:
-    """`run`, and after every step the MTP drafts of each running request (by prompt index)."""
+    """`test_speculative.run`, and after every step the MTP drafts of each running request (by prompt index)."""
     ids = [engine.add_request(p, params) for p in batch]
     index = {rid: i for i, rid in enumerate(ids)}
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -68,17 +54,6 @@ def run_recording_drafts(
             }
         )
     return [tokens[rid] for rid in ids], steps
-
-
-def assert_pools_whole(engine: Engine) -> None:
-    if engine.tree is not None:
-        engine.flush_cache()
-    head = engine.headroom()
-    assert (head.full_free_tokens, head.swa_free_tokens) == (
-        head.full_total_tokens,
-        head.swa_total_tokens,
-    )
-    engine.check()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ FULL = KVLayout(num_kv_heads=4, head_dim=12, v_head_dim=8)
 SWA = KVLayout(num_kv_heads=8, head_dim=12, v_head_dim=8)
 
 
-def make_pool(page_size: int = 1) -> SWAKVPool:
+def make_pool(page_size: int = 1, **scratch: object) -> SWAKVPool:
     return SWAKVPool(
         full_size=16,
         swa_size=8,
@@ -19,6 +19,7 @@ def make_pool(page_size: int = 1) -> SWAKVPool:
         full_layout=FULL,
         swa_layout=SWA,
         page_size=page_size,
+        **scratch,  # type: ignore[arg-type]
     )
 
 
@@ -103,17 +104,7 @@ def test_single_pool_holds_mixed_layouts() -> None:
 def test_scratch_rows_only_in_the_scratch_layers() -> None:
     """MTP draft steps' scratch pages (`engine.mtp`): past the slots and the padding page, in
     the buffers of the MTP layers alone (here global layer 4, the SWA pool's local layer 2)."""
-    pool = SWAKVPool(
-        full_size=16,
-        swa_size=8,
-        full_layer_ids=[0, 3],
-        swa_layer_ids=[1, 2, 4],
-        full_layout=FULL,
-        swa_layout=SWA,
-        page_size=2,
-        scratch_rows=6,
-        scratch_layer_ids=frozenset({4}),
-    )
+    pool = make_pool(page_size=2, scratch_rows=6, scratch_layer_ids=frozenset({4}))
     assert pool.swa_pool.scratch_base == 10
     rows = {layer: pool.get_kv_buffer(layer)[0].shape[0] for layer in range(5)}
     assert rows == {0: 18, 1: 10, 2: 10, 3: 18, 4: 16}
