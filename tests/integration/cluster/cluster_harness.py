@@ -26,6 +26,7 @@ from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 from swaserve.proto.swaserve.v1 import inference_pb2_grpc as pb_grpc
 from swaserve.proto.text.tokenizer import TextTokenizer
 from swaserve.router import RouterConfig
+from swaserve.router.policies import BALANCE_FREE_SHARE
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 
 T = TypeVar("T")
@@ -215,6 +216,21 @@ def wait_idle(served: ServedCluster, timeout_s: float = 60.0) -> dict[str, pb.Wo
         if time.monotonic() > deadline:
             raise AssertionError(f"workers still busy: {load}")
         time.sleep(0.05)
+
+
+def wait_idle_for_reuse(served: ServedCluster) -> dict[str, pb.WorkerLoad]:
+    """`wait_idle`, and no worker's full pool under pressure: there the `ttft` policy keeps a
+    session's next turn on the worker that caches its history. Under pressure it may move a
+    short history to the freest worker (`policies.BALANCE_FREE_SHARE`), so a test that counts
+    a turn's cached tokens runs while the pools are mostly free (early in its module)."""
+    load = wait_idle(served)
+    for worker_id, w in load.items():
+        free = w.full_free_tokens / w.full_total_tokens
+        assert free >= BALANCE_FREE_SHARE, (
+            f"worker {worker_id} is {1 - free:.0%} full: routing weighs free KV there; "
+            "count cached tokens before the module's other tests fill the pools"
+        )
+    return load
 
 
 def _router_holds_latest_idle_reports(served: ServedCluster) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from cluster_harness import ServedCluster, greedy, stream, wait_idle
+from cluster_harness import ServedCluster, greedy, stream, wait_idle, wait_idle_for_reuse
 
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
 
@@ -33,7 +33,7 @@ def test_a_session_on_a_chunked_model_reuses_its_history_where_the_router_predic
         stub, pb.GenerateRequest(token_ids=turn1, session_id="c-1", sampling_params=greedy(20))
     )
     assert first.cached_tokens == 0
-    wait_idle(served)
+    wait_idle_for_reuse(served)
     turn2 = turn1 + answer + tokenizer.encode("\nUser: and the radix cache?\n")[1:]
     history = len(turn1) + len(answer) - 1  # the last answer token was never computed
     hits = ray.get(served.cluster.router.predict_hits.remote(turn2[:-1]), timeout=10)

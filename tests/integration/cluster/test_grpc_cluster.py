@@ -25,6 +25,7 @@ from cluster_harness import (
     stopped,
     stream,
     wait_idle,
+    wait_idle_for_reuse,
     worker_pids,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -69,7 +70,7 @@ def test_second_turn_of_a_session_lands_where_the_first_was_cached(
         stub, pb.GenerateRequest(token_ids=turn1, session_id="s-1", sampling_params=greedy(12))
     )
     assert first.cached_tokens == 0
-    wait_idle(two_workers)
+    wait_idle_for_reuse(two_workers)
     turn2 = turn1 + answer + tokenizer.encode("\nUser: and the radix cache?\n")[1:]
     _, _, second = stream(
         stub, pb.GenerateRequest(token_ids=turn2, session_id="s-1", sampling_params=greedy(8))
