@@ -27,7 +27,10 @@ from swaserve.proto.environment import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_decode_attention.cpp", "cpu_prepacked_linear.cpp")
+)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "op": the loaded op or None (the build failed); absent: not tried
 
@@ -71,7 +74,7 @@ def _build() -> Any:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="swaserve_cpu_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -81,6 +84,9 @@ def _build() -> Any:
         logger.warning("the CPU decode-attention kernel did not build (%s): using loops", exc)
         return None
     torch.library.register_fake("swaserve::decode_attention")(_decode_attention_fake)
+    from swaserve.worker.models import prepacked  # imports nothing of the attention package
+
+    prepacked.use_native()
     return torch.ops.swaserve.decode_attention
 
 

@@ -13,7 +13,10 @@ and inductor makes such copies itself only for weights frozen into the graph, wh
 caches then skip (no cached start). So the step calls the op `swaserve::prepacked_linear(x,
 source, bias, out_features)` instead: `source` is the parameter the copy was made from (a graph
 input like every weight, read for nothing but its address) and the op's kernel runs oneDNN over
-the copy held for it (`pack`). One call costs about 2.5 µs of dispatch from the compiled graph.
+the copy held for it (`pack`). Once our C++ kernels are built (`attention/cpu_kernels.py`, when a
+compiled step is made) the step calls their `swaserve::prepacked_linear_native` instead, which
+finds the copy and calls oneDNN without Python (`use_native`: the copies are mirrored there);
+through the Python kernel a call cost about 12 µs more (25 per step of the decode bench).
 
 Only the static step uses the copies (`Prepackable.prepacked` and `in_static_step`): prefill
 and mixed steps keep MKL over the parameters, so the copies add their bytes to the weights
@@ -45,6 +48,7 @@ class _Held:
 
 
 _HELD: dict[int, _Held] = {}  # source data_ptr → its copy, while the source lives
+_NATIVE = [False]  # the C++ op is loaded and mirrors `_HELD` (`use_native`)
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -78,9 +82,33 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
         held = _HELD.get(key)
         if held is not None and held.source() is None:
             del _HELD[key]
+            if _NATIVE[0]:
+                torch.ops.swaserve.forget_prepacked(key)
 
     _HELD[key] = _Held(weakref.ref(source, forget), source.shape, packed, weight.shape[0])
+    if _NATIVE[0]:
+        torch.ops.swaserve.hold_prepacked(source, packed, weight.shape[0])
     return weight.numel() * weight.element_size()
+
+
+def drop(source: torch.Tensor) -> None:
+    """Forget the copy held for `source` (a static step over it then raises)."""
+    key = source.data_ptr()
+    if _HELD.pop(key, None) is not None and _NATIVE[0]:
+        torch.ops.swaserve.forget_prepacked(key)
+
+
+def use_native() -> None:
+    """The C++ op is loaded (`cpu_kernels.load`): mirror the copies held into it, and from now
+    on every copy made or forgotten; `prepacked_linear` calls it."""
+    if _NATIVE[0]:
+        return
+    torch.library.register_fake("swaserve::prepacked_linear_native")(_prepacked_linear_fake)
+    for held in list(_HELD.values()):
+        source = held.source()
+        if source is not None:
+            torch.ops.swaserve.hold_prepacked(source, held.packed, held.out_features)
+    _NATIVE[0] = True
 
 
 def _held(source: torch.Tensor) -> _Held | None:
@@ -138,6 +166,8 @@ def prepacked_linear(
     out_features: int,
 ) -> torch.Tensor:  # [..., out_features]
     """`x @ W.T + bias` for the weight W held prepacked for `source` (`pack`)."""
+    if _NATIVE[0]:
+        return torch.ops.swaserve.prepacked_linear_native(x, source, bias, out_features)
     return torch.ops.swaserve.prepacked_linear(x, source, bias, out_features)
 
 

@@ -1,14 +1,17 @@
-"""Prepacked linear weights (oneDNN) for the compiled CPU decode step: the op against
-`F.linear`, its errors, the copies' lifetime, and where the layers use them."""
+"""Prepacked linear weights (oneDNN) for the compiled CPU decode step: the op (its Python kernel
+and the C++ one of our kernels) against `F.linear`, its errors, the copies' lifetime in both,
+and where the layers use them."""
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from swaserve.worker.attention import cpu_kernels
 from swaserve.worker.models import prepacked
 from swaserve.worker.models.layers import FusedLinear
 from swaserve.worker.models.prepacked import held_for, pack, prepacked_linear
@@ -27,35 +30,50 @@ def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=GEN)
 
 
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
+
+
+@pytest.fixture(params=["python", "native"])
+def linear(request: pytest.FixtureRequest) -> Linear:
+    """The op through its Python kernel, or our C++ one (built here; copies made before the
+    build are mirrored into it, later ones as they are made and freed)."""
+    if request.param == "python":
+        return torch.ops.swaserve.prepacked_linear
+    if cpu_kernels.load() is None:
+        pytest.skip("the C++ kernels did not build here")
+    return torch.ops.swaserve.prepacked_linear_native
+
+
 @pytest.mark.parametrize("rows", [1, 8, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_prepacked_linear_equals_f_linear(rows: int, with_bias: bool) -> None:
+def test_prepacked_linear_equals_f_linear(rows: int, with_bias: bool, linear: Linear) -> None:
     weight, x = randn(48, 40), randn(rows, 40)
     bias = randn(48) if with_bias else None
     assert pack(weight, weight) == 48 * 40 * 4
-    assert (prepacked_linear(x, weight, bias, 48) - F.linear(x, weight, bias)).abs().max() < 1e-5
+    assert (linear(x, weight, bias, 48) - F.linear(x, weight, bias)).abs().max() < 1e-5
     strided = randn(40, rows).t()  # a transposed view
     want = F.linear(strided, weight, bias)
-    assert (prepacked_linear(strided, weight, bias, 48) - want).abs().max() < 1e-5
-    assert prepacked_linear(x[:0], weight, bias, 48).shape == (0, 48)
+    assert (linear(strided, weight, bias, 48) - want).abs().max() < 1e-5
+    assert linear(x[:0], weight, bias, 48).shape == (0, 48)
+    assert torch.equal(prepacked_linear(x, weight, bias, 48), linear(x, weight, bias, 48))
 
 
-def test_a_copy_of_rearranged_values_serves_its_source() -> None:
+def test_a_copy_of_rearranged_values_serves_its_source(linear: Linear) -> None:
     source = randn(3, 16, 10)  # [E, D, N]: three experts' weights
     stacked = source.transpose(1, 2).reshape(30, 16)  # [E·N, D], a rearranged copy
     pack(source, stacked)
     x = randn(5, 16)
     want = torch.cat([x @ source[e] for e in range(3)], dim=1)  # [5, E·N]
-    assert (prepacked_linear(x, source, None, 30) - want).abs().max() < 1e-5
+    assert (linear(x, source, None, 30) - want).abs().max() < 1e-5
 
 
-def test_errors_are_clear() -> None:
+def test_errors_are_clear(linear: Linear) -> None:
     weight = randn(8, 4)
     with pytest.raises(RuntimeError, match="no prepacked weight is held"):
-        prepacked_linear(randn(2, 4), weight, None, 8)
+        linear(randn(2, 4), weight, None, 8)
     pack(weight, weight)
     with pytest.raises(RuntimeError, match="has 8 output features, the call asks for 9"):
-        prepacked_linear(randn(2, 4), weight, None, 9)
+        linear(randn(2, 4), weight, None, 9)
     with pytest.raises(ValueError, match="float32 on CPU"):
         pack(weight, weight.double())
     with pytest.raises(ValueError, match=r"\[out_features, in_features\]"):
@@ -63,19 +81,27 @@ def test_errors_are_clear() -> None:
     view = weight[:4]  # same address, another shape: not the source
     assert held_for(view) is None
     with pytest.raises(RuntimeError, match="no prepacked weight is held"):
-        prepacked_linear(randn(2, 4), view, None, 8)
+        linear(randn(2, 4), view, None, 8)
+    prepacked.drop(weight)
+    with pytest.raises(RuntimeError, match="no prepacked weight is held"):
+        linear(randn(2, 4), weight, None, 8)
 
 
-def test_a_copy_lives_as_long_as_its_source() -> None:
+def test_a_copy_lives_as_long_as_its_source(linear: Linear) -> None:
     gc.collect()
     before = len(prepacked._HELD)
     weight = randn(16, 16)
     pack(weight, weight)
     assert held_for(weight) is not None
     assert len(prepacked._HELD) == before + 1
+    address = weight.data_ptr()
     del weight
     gc.collect()
     assert len(prepacked._HELD) == before
+    other = torch.empty(16, 16)  # maybe at the freed address: no copy is held for it
+    if other.data_ptr() == address:
+        with pytest.raises(RuntimeError, match="no prepacked weight is held"):
+            linear(randn(2, 16), other, None, 16)
 
 
 def linears() -> list[torch.nn.Module]:
@@ -107,11 +133,11 @@ def test_layers_use_the_copy_only_in_a_static_step_of_several_rows(index: int) -
         outs = (got, want) if isinstance(got, tuple) else ((got,), (want,))
         for a, b in zip(*outs, strict=True):
             assert (a - b).abs().max() < 1e-5
-        prepacked._HELD.pop(layer.weight.data_ptr())  # now only the eager path works
+        prepacked.drop(layer.weight)  # now only the eager path works
         layer(x)
         with static_shapes():
             layer(x[:1])  # one row: inductor's own loops, not the copy
-            with pytest.raises(RuntimeError, match="no prepacked weight is held"):
+            with pytest.raises(RuntimeError, match="no prepacked weight is held"):  # either op
                 layer(x)
 
 
