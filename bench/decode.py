@@ -1,5 +1,7 @@
 """Decode at small batches: the compiled decode step (`EngineConfig(compile=True)`) against the
-eager one, on the same model, in the same process, `Engine.step()` timed.
+eager one, and the default configuration (`compile="auto"`: eager from the start, compiled in
+the background) once its compile is done, on the same model, in the same process,
+`Engine.step()` timed.
 
 Models (tiny, random, written by the tiny-model maker): GPT-OSS and MiMo-V2-Flash shapes of
 vocab 1024, hidden 256, 6 layers (W = 32), 4 experts top-2, float32. Per batch size B, B prompts
@@ -9,8 +11,9 @@ of --prompt-len tokens generate --new-tokens greedy tokens each:
     decode step ms  median of the steps after that (all B requests decoding)
     decode tok/s    B / decode step
 
-Eager and compiled runs alternate, --repeats times each, on the same fresh prompts (no prefix
-hit); the best run of each counts (a busy machine slows both alike). The greedy tokens of the
+Eager, compiled and default runs alternate, --repeats times each, on the same fresh prompts (no
+prefix hit); the best run of each counts (a busy machine slows all alike). `default_ratio` is
+the default's decode speed over the compiled one's (goal: >= 0.95). The greedy tokens of the
 two should be equal in every repeat (`same_tokens`; `differing_requests` of `requests` counts
 those that are not); the two steps add in different orders, so a token whose
 MoE router scores two experts within float rounding of each other may pick either expert and
@@ -18,10 +21,13 @@ the request's tokens part from there (seen once: GPT-OSS, batch 24, 1 of 24 requ
 32nd token, where transformers' router logits put layer 1's 2nd and 3rd experts 2.3e-6 apart;
 it is the prompts of seed 24001, the second repeat).
 
-Start-up: the compile is paid when the engine starts (it compiles its decode graphs before the
-first request). `compile_cold_s` is that extra start-up time in a new process with an empty
-inductor cache; `compile_cached_s` the same in a second new process over the cache the first one
-left (what a second `swaserve serve` pays).
+Start-up: `compile=True` pays the compile when the engine starts (it compiles its decode graphs
+before the first request). `compile_cold_s` is that extra start-up time in a new process with an
+empty inductor cache; `compile_cached_s` the same in a second new process over the cache the
+first one left (what a second `swaserve serve` pays). The default configuration starts as fast
+as the eager one (`default_start_s`: its extra start-up in the cached process) and compiles in
+the background: `background_s` is how long after its start every bucket was compiled (cold,
+in the bench's own process).
 
     python bench/decode.py [--json] [--quick] [--batches 1,8,24,64] [--archs gpt-oss,mimo-v2-flash]
 """
@@ -41,6 +47,7 @@ from typing import Any
 
 import torch
 
+from swaserve.proto.environment import CPU_AUTO_COMPILE_ENV
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.models.tiny import make_tiny_model
 
@@ -62,7 +69,10 @@ def make_model(root: Path, arch: str) -> Path:
     )
 
 
-def engine(model: Path, compile_: bool) -> Engine:
+CONFIGS: dict[str, bool | str] = {"eager": False, "compiled": True, "default": "auto"}
+
+
+def engine(model: Path, compile_: bool | str) -> Engine:
     return Engine(
         EngineConfig(
             model=str(model),
@@ -70,12 +80,12 @@ def engine(model: Path, compile_: bool) -> Engine:
             max_total_tokens=65536,
             max_running_requests=64,
             check_on_idle=False,
-            compile=compile_,
+            compile=compile_,  # type: ignore[arg-type]
         )
     )
 
 
-def timed_start(model: Path, compile_: bool) -> tuple[Engine, float]:
+def timed_start(model: Path, compile_: bool | str) -> tuple[Engine, float]:
     start = time.perf_counter()
     eng = engine(model, compile_)
     return eng, time.perf_counter() - start
@@ -126,15 +136,19 @@ def best(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def startup_probe(model: Path) -> None:
-    """Child process: the start-up of an eager and a compiled engine, on the inherited cache."""
+    """Child process: the start-up of an eager, a compiled and a default engine, on the
+    inherited cache."""
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     _, eager_s = timed_start(model, False)
     _, compiled_s = timed_start(model, True)
-    print(json.dumps({"eager_s": eager_s, "compiled_s": compiled_s}))
+    default, default_s = timed_start(model, "auto")
+    default.shutdown()  # after the bucket its thread compiles now
+    print(json.dumps({"eager_s": eager_s, "compiled_s": compiled_s, "default_s": default_s}))
 
 
-def probe_startup(model: Path, cache: Path, threads: int) -> float:
-    """Seconds the compile adds to an engine's start, in a new process over `cache`."""
+def probe_startup(model: Path, cache: Path, threads: int) -> dict[str, float]:
+    """Seconds the compile (and the default configuration) adds to an engine's start, in a
+    new process over `cache`."""
     probe = subprocess.run(
         [sys.executable, __file__, "--startup-probe", str(model)],
         capture_output=True,
@@ -143,39 +157,62 @@ def probe_startup(model: Path, cache: Path, threads: int) -> float:
         env=dict(os.environ, BENCH_THREADS=str(threads), TORCHINDUCTOR_CACHE_DIR=str(cache)),
     )
     times = json.loads(probe.stdout.strip().splitlines()[-1])
-    return float(times["compiled_s"] - times["eager_s"])
+    return {
+        "compiled": float(times["compiled_s"] - times["eager_s"]),
+        "default": float(times["default_s"] - times["eager_s"]),
+    }
 
 
 def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     model = make_model(root, arch)
     cache = root / f"inductor-{arch}"  # the arch's own: cold is cold, one model per process
+    cold = probe_startup(model, cache, args.threads)
+    cached = probe_startup(model, cache, args.threads)
     out: dict[str, Any] = {
-        "compile_cold_s": probe_startup(model, cache, args.threads),
-        "compile_cached_s": probe_startup(model, cache, args.threads),
+        "compile_cold_s": cold["compiled"],
+        "compile_cached_s": cached["compiled"],
+        "default_start_s": cached["default"],
         "batches": {},
     }
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / f"inductor-{arch}-default")  # cold
+    start = time.perf_counter()
+    default = engine(model, "auto")
+    step = default.runner.decode_step
+    if step is None or not step.background:
+        raise SystemExit("compile='auto' does not compile in the background here")
+    step.compiled.wait()
+    if step.compile_error is not None:
+        raise SystemExit(f"the background compile failed: {step.compile_error!r}")
+    out["background_s"] = time.perf_counter() - start
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    eager, compiled = engine(model, False), engine(model, True)
+    engines = {"eager": engine(model, False), "compiled": engine(model, True), "default": default}
     for batch in args.batches:
-        runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-        tokens: dict[bool, list[list[int]]] = {False: [], True: []}  # every repeat's requests
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+        tokens: dict[str, list[list[int]]] = {name: [] for name in engines}  # every repeat's
         for repeat in range(args.repeats):
-            for compile_, eng in ((False, eager), (True, compiled)):
+            for name, eng in engines.items():
                 seed = batch * 1000 + repeat
                 figures, toks = run_batch(eng, batch, args.prompt_len, args.new_tokens, seed)
-                runs[compile_].append(figures)
-                tokens[compile_].extend(toks)
-        e, c = best(runs[False]), best(runs[True])
-        differing = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
+                runs[name].append(figures)
+                tokens[name].extend(toks)
+        e, c, d = (best(runs[name]) for name in engines)
+        differing = sum(
+            a != b or a != x
+            for a, b, x in zip(tokens["eager"], tokens["compiled"], tokens["default"], strict=True)
+        )
         out["batches"][batch] = {
             "eager": e,
             "compiled": c,
+            "default": d,
             "decode_speedup": e["decode_step_ms"] / c["decode_step_ms"],
+            "default_ratio": c["decode_step_ms"] / d["decode_step_ms"],
             "prefill_ratio": c["prefill_tok_s"] / e["prefill_tok_s"],
             "same_tokens": differing == 0,
             "differing_requests": differing,
-            "requests": len(tokens[False]),
+            "requests": len(tokens["eager"]),
         }
+    for eng in engines.values():
+        eng.shutdown()
     return out
 
 
@@ -199,22 +236,30 @@ def main() -> None:
     if args.quick:
         args.batches, archs, args.repeats, args.new_tokens = [1, 8], archs[:1], 1, 12
     torch.set_num_threads(args.threads)
+    os.environ.pop(CPU_AUTO_COMPILE_ENV, None)  # the default configuration as a user gets it
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         results = {arch: bench_arch(arch, root, args) for arch in archs}
     load = os.getloadavg()[0]
     for arch, res in results.items():
         print(
-            f"{arch}: compile at start {res['compile_cold_s']:.1f} s cold, "
-            f"{res['compile_cached_s']:.1f} s cached"
+            f"{arch}: compile=True adds {res['compile_cold_s']:.1f} s to a start cold, "
+            f"{res['compile_cached_s']:.1f} s cached; the default adds "
+            f"{res['default_start_s']:.1f} s and compiles in the background "
+            f"({res['background_s']:.1f} s cold)"
         )
-        print("  batch  eager ms  compiled ms  speed-up  goal  prefill ratio  same tokens")
+        print(
+            "  batch  eager ms  compiled ms  speed-up  goal  default ms  default ÷ compiled"
+            "  prefill ratio  same tokens"
+        )
         for batch, r in res["batches"].items():
             goal = GOALS.get(batch)
             print(
                 f"  {batch:5d}  {r['eager']['decode_step_ms']:8.2f}  "
                 f"{r['compiled']['decode_step_ms']:11.2f}  {r['decode_speedup']:7.2f}×  "
-                f"{'' if goal is None else f'{goal:.1f}×':>4}  {r['prefill_ratio']:12.2f}×  "
+                f"{'' if goal is None else f'{goal:.1f}×':>4}  "
+                f"{r['default']['decode_step_ms']:10.2f}  {r['default_ratio']:17.2f}×  "
+                f"{r['prefill_ratio']:12.2f}×  "
                 f"{r['same_tokens']} ({r['differing_requests']} of {r['requests']} differ)"
             )
     print(f"load average at the end: {load:.2f}")

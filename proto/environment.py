@@ -8,6 +8,7 @@
 | `SWASERVE_API_KEY` | `api_key` | the HTTP API's key, when no key file is given |
 | `SWASERVE_AUTH_TOKEN` | `auth_token` | the gRPC bearer token, when no token file is given |
 | `SWASERVE_RAY_NODE_IP_ADDRESS` | `ray_node_ip_address` | `swaserve serve --ray-node-ip-address` |
+| `SWASERVE_CPU_AUTO_COMPILE` | `cpu_auto_compile` | `0`: `compile="auto"` stays eager on CPU (no background compile) |
 | `PATH` | `prepend_path` | the ninja that builds the C++ CPU kernel is put first |
 | `NCCL_*` | `nccl_variables` | checked at TP start for settings that undo NCCL's timeouts |
 
@@ -24,6 +25,7 @@ API_KEY_ENV = "SWASERVE_API_KEY"
 AUTH_TOKEN_ENV = "SWASERVE_AUTH_TOKEN"
 NODE_IP_ADDRESS_ENV = "SWASERVE_RAY_NODE_IP_ADDRESS"
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CPU_AUTO_COMPILE_ENV = "SWASERVE_CPU_AUTO_COMPILE"
 
 
 def _stripped(name: str) -> str | None:
@@ -43,6 +45,13 @@ def inductor_cache_dir(default: Path) -> Path:
     (inductor reads the variable itself)."""
     os.environ.setdefault(INDUCTOR_CACHE_ENV, str(default))
     return Path(os.environ[INDUCTOR_CACHE_ENV])
+
+
+def cpu_auto_compile() -> bool:
+    """Whether `compile="auto"` compiles the CPU decode step in the background: unless
+    `$SWASERVE_CPU_AUTO_COMPILE` is `0` (the test suite sets it: each of its hundreds of
+    engines would otherwise compile beside the others)."""
+    return _stripped(CPU_AUTO_COMPILE_ENV) != "0"
 
 
 def _secret(file: str | None, name: str) -> str | None:

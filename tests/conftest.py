@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from swaserve.proto.environment import CPU_AUTO_COMPILE_ENV
 from swaserve.worker.models.tiny import make_tiny_model
+
+# `compile="auto"` stays eager on CPU in the suite's hundreds of engines (and in the Ray
+# workers and subprocesses they start, which inherit it): each would otherwise compile its
+# decode step in a thread beside the others. The tests of the background compile set it.
+os.environ[CPU_AUTO_COMPILE_ENV] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -85,8 +85,9 @@ class EngineConfig(BaseModel):
     compile: bool | Literal["auto"] = Field(
         default="auto",
         description="run pure-decode steps as one fixed-shape graph per batch bucket: CUDA "
-        "graphs on CUDA, torch.compile (inductor, cached on disk) on CPU; 'auto': on with "
-        "CUDA, off on CPU (compiling costs the start-up; see the README)",
+        "graphs on CUDA, torch.compile (inductor, cached on disk) on CPU, made before the "
+        "first request; 'auto': CUDA graphs on CUDA, and on CPU (TP 1) eager steps until a "
+        "background thread has compiled each bucket (see the README)",
     )
     speculative_method: Literal["ngram", "mtp"] | None = Field(
         default=None,

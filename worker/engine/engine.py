@@ -131,6 +131,9 @@ class Engine:
         if self.model_config.attention_chunk_size and self.model_config.swa_layer_ids:
             calibration = min(calibration, self.model_config.attention_chunk_size)  # one extend
         self._measure_prefill(calibration, translate)
+        executor.compile_decode_step_in_background(
+            two_pools=not self.plan.single_pool, window=self.window
+        )  # after the measurement, which it would slow
         self.sampler = Sampler(executor.device, config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self._requests: dict[str, Request] = {}

@@ -60,18 +60,27 @@ class DeviceSlotTable:
     """
 
     def __init__(
-        self, num_rows: int, max_len: int, *, with_swa: bool, device: str | torch.device = "cpu"
+        self,
+        num_rows: int,
+        max_len: int,
+        *,
+        with_swa: bool,
+        device: str | torch.device = "cpu",
+        padding_row: bool = False,
     ) -> None:
+        """`num_rows` rows for requests; `padding_row`: one more, row `num_rows`, which no
+        request has: the padded rows of a fixed-shape decode step read and write it."""
         self.device = torch.device(device)
         self.dtype = torch.int32 if self.device.type == "cuda" else torch.int64
+        self.num_rows = num_rows
+        self.padding_row = num_rows if padding_row else None
+        rows = num_rows + padding_row
         self.full = torch.zeros(
-            num_rows, max_len, dtype=self.dtype, device=self.device
-        )  # [R, L] full slot ids
+            rows, max_len, dtype=self.dtype, device=self.device
+        )  # [R (+1), L] full slot ids
         self.swa = (
-            torch.zeros(num_rows, max_len, dtype=self.dtype, device=self.device)
-            if with_swa
-            else None
-        )  # [R, L] SWA slot ids, or None (one pool)
+            torch.zeros(rows, max_len, dtype=self.dtype, device=self.device) if with_swa else None
+        )  # [R (+1), L] SWA slot ids, or None (one pool)
 
     @property
     def max_len(self) -> int:

@@ -11,8 +11,8 @@ window (`DecodeStep.accepts`); prefill and mixed steps stay eager. The step is p
 
     batch      B rows → Bp = the smallest bucket >= B (`BATCH_BUCKETS`, up to the slot table's
                rows, more with speculative decoding, where a request's drafts are rows of
-               its own: `model_runner.decode_rows`); a padded row reads slot-table row 0,
-               writes the padding slot 0
+               its own: `model_runner.decode_rows`); a padded row is the slot table's padding
+               row (no request's), position 0, and writes the padding slot 0
     full keys  the longest read → Lf, rounded up to `KEY_BLOCK` (CPU: a dynamic dimension of
                one compiled graph) or to a power of two >= `MIN_GRAPH_KEYS` (CUDA: one graph
                per (Bp, Lf))
@@ -40,12 +40,22 @@ shape), so the later steps of that shape call the graph with the same list: no g
 and no Python rebuilding ~100 arguments per step (0.12 ms of a 0.65 ms step at batch 1 of the
 decode bench, 0.35 ms of 2.74 ms at batch 8). A step that breaks the graph (TP) always goes
 through dynamo.
+
+Compiling in the background (`compile="auto"` on CPU): the engine serves eagerly from its
+first step while a thread compiles (or loads from the disk cache) each bucket's graph, by
+running a padding-only step of that bucket, smallest bucket first. A step whose bucket is
+ready runs compiled; one whose bucket is not, or that comes while the thread holds the step
+(`_lock`: one thread at a time uses the persistent buffers `inputs` and `hidden`), runs
+eagerly (`run` returns None). What the thread's steps write beside the engine's eager steps is
+theirs alone: the padding row of the slot table, the padding slot of each pool, and `hidden`
+(whose rows a compiled step hands the drafts as a copy then). `static_shapes` is per thread.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -145,6 +155,7 @@ class DecodeStepStats:
     captures: int = 0  # graphs captured (CUDA) or compiled shapes first run (CPU)
     compile_s: float = 0.0  # wall time of the first runs of each shape (compile or capture)
     direct: int = 0  # CPU: steps that called their shape's compiled graph directly
+    eager: int = 0  # background compile: steps left to the eager path (bucket not ready, or busy)
     buckets: dict[int, int] = field(default_factory=dict)  # Bp → steps run in it
 
 
@@ -211,11 +222,15 @@ class DecodeStep:
         graph_breaks: bool = False,
         attention_chunk_size: int | None = None,
         max_batch: int | None = None,
+        background: bool = False,
     ) -> None:
         """`graph_breaks`: the model's forward breaks the graph (TP collectives run eagerly
         between compiled pieces, see `compile_options`). `max_batch`: the most rows a step
-        has (default: the slot table's rows; more when a request's drafts are rows of its
-        own, speculative decoding)."""
+        has (default: the slot table's request rows; more when a request's drafts are rows of
+        its own, speculative decoding). `background`: the graphs are made by
+        `compile_in_background`, and a step runs only in a bucket that is ready."""
+        if slot_table.padding_row is None:
+            raise ValueError("the decode step needs a slot table with a padding row")
         self.graph_breaks = graph_breaks
         if mode not in ("graphs", "compile"):
             raise ValueError(f"mode must be 'graphs' or 'compile', got {mode!r}")
@@ -230,7 +245,15 @@ class DecodeStep:
         self.two_pools = two_pools
         self.device = device
         self.mode = mode
-        self.buckets = batch_buckets(max_batch or slot_table.full.shape[0])
+        self.buckets = batch_buckets(max_batch or slot_table.num_rows)
+        self.padding_row = slot_table.padding_row
+        self.background = background
+        self.ready: set[int] = set()  # buckets whose graph has run once (compiled or captured)
+        self.compiled = threading.Event()  # background: the thread is done (see compile_error)
+        self.compile_error: BaseException | None = None  # why the background compile stopped
+        self._lock = threading.Lock()  # held by the thread that runs the step
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.max_len = slot_table.max_len
         self.inputs = torch.zeros(
             INPUT_FIELDS, self.buckets[-1] + 1, dtype=torch.int64, device=device
@@ -271,12 +294,30 @@ class DecodeStep:
         longest = int(inp.positions.max()) + 1
         return bp, key_width(longest, self.max_len, graphs=self.mode == "graphs")
 
-    def run(self, inp: ModelInput) -> torch.Tensor:  # [N, vocab] float32 (device)
+    def run(self, inp: ModelInput) -> torch.Tensor | None:  # [N, vocab] float32 (device)
         """The logits of `inp.logits_indices`. The runner applies `inp.writes` (re-addressed
-        positions) first; the new tokens' own slot-table entries are written in the graph."""
+        positions) first; the new tokens' own slot-table entries are written in the graph.
+        None (compiling in the background) when the step's bucket is not ready yet or the
+        compiling thread holds the step now: the caller runs it eagerly."""
+        if not self.background:
+            return self._run(inp)
+        if bucket_of(inp.batch_size, self.buckets) not in self.ready or not self._lock.acquire(
+            blocking=False
+        ):
+            self.stats.eager += 1
+            return None
+        try:
+            return self._run(inp)
+        finally:
+            self._lock.release()
+
+    def _run(self, inp: ModelInput, *, publish: bool = True) -> torch.Tensor:
+        """`run` in this thread; `publish`: hand the model this step's hidden states (the
+        background compile's padding steps do not)."""
         bp, width = self.shape(inp)
         b = inp.batch_size
-        host = torch.zeros(INPUT_FIELDS, bp, dtype=torch.int64)  # [5, Bp] int64; padding 0
+        host = torch.zeros(INPUT_FIELDS, bp, dtype=torch.int64)  # [5, Bp] int64
+        host[2, b:] = self.padding_row  # padding: position 0 of the padding row, slot 0
         host[0, :b] = inp.input_ids
         host[1, :b] = inp.positions
         host[2, :b] = inp.req_rows
@@ -294,8 +335,12 @@ class DecodeStep:
             self._seen.add((bp, width))
             self.stats.captures += 1
             self.stats.compile_s += time.perf_counter() - start
-        if self.hidden is not None:
-            self.model.last_hidden = self.hidden[:b]  # type: ignore[attr-defined]
+        self.ready.add(bp)
+        if self.hidden is not None and publish:
+            hidden = self.hidden[
+                :b
+            ]  # the next compiled step (maybe the compiling thread's) rewrites it
+            self.model.last_hidden = hidden.clone() if self.background else hidden  # type: ignore[attr-defined]
         rows = inp.logits_indices
         if (rows.numel() == b and b == bp) or logits.shape[0] == 0:  # [0, V]: a TP rank > 0
             return logits
@@ -304,15 +349,10 @@ class DecodeStep:
     def _step(self, inputs: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # [Bp, V] float
         """The step over the persistent inputs [5, Bp] and the key columns [Lf]."""
         table = self.slot_table
-        rows, positions, out_full = inputs[2], inputs[1], inputs[3]
-        real = out_full > 0  # [Bp] bool: a padded request's slot is the padding slot 0
-        table.full[rows, positions] = torch.where(
-            real, out_full.to(table.dtype), table.full[rows, positions]
-        )  # a padded request (row 0, position 0) writes back what is there
+        rows, positions = inputs[2], inputs[1]
+        table.full[rows, positions] = inputs[3].to(table.dtype)  # padding: the padding row's
         if table.swa is not None and self.two_pools:
-            table.swa[rows, positions] = torch.where(
-                real, inputs[4].to(table.dtype), table.swa[rows, positions]
-            )
+            table.swa[rows, positions] = inputs[4].to(table.dtype)
         swa_table = None
         if self.window is not None:
             swa_table = table.swa if self.two_pools else table.full
@@ -388,6 +428,46 @@ class DecodeStep:
             logger.warning("the decode step breaks the graph (%s): compiling it in pieces", exc)
             self.graph_breaks, self._compiled = True, None
             return self._compile(bp, width)
+
+    def compile_in_background(self, inputs: list[ModelInput]) -> None:
+        """Start a thread that runs each of `inputs` (padding-only steps, one per bucket: see
+        `warm_up_shapes`) through the step, holding it, so that its bucket becomes ready; then
+        sets `compiled`. A failure is logged and kept in `compile_error`: the buckets not ready
+        stay eager. `close` stops it between buckets."""
+
+        threads = torch.get_num_threads()  # the engine thread's: a new thread has the default
+
+        def work() -> None:
+            start = time.perf_counter()
+            try:
+                torch.set_num_threads(threads)  # inductor's kernels keep the count they see
+                with torch.inference_mode():
+                    for inp in inputs:
+                        if self._stop.is_set():
+                            return
+                        with self._lock:
+                            self._run(inp, publish=False)
+                logger.info(
+                    "decode step compiled in the background: %d buckets in %.1f s",
+                    len(self.ready),
+                    time.perf_counter() - start,
+                )
+            except Exception as exc:  # the engine keeps serving eagerly
+                self.compile_error = exc
+                logger.warning("background compile of the decode step failed: %r", exc)
+            finally:
+                self.compiled.set()
+
+        if not self.background or self._thread is not None:
+            raise RuntimeError("compile_in_background: once, on a step made with background=True")
+        self._thread = threading.Thread(target=work, name="swaserve-decode-compile", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background compile (after the bucket it is compiling) and wait for it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
     def warm_up_shapes(self) -> list[int]:
         """The batch sizes whose padding-only steps compile (CPU) or capture (CUDA) every graph

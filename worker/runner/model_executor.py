@@ -26,6 +26,7 @@ from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.models.config import MIMO_V2_FLASH, ModelConfig, load_model_config
 from swaserve.worker.models.mtp import checkpoint_mtp_layers
+from swaserve.worker.runner.decode_step import DecodeStep
 from swaserve.worker.runner.executor import (
     DraftArgs,
     RankHandles,
@@ -184,22 +185,38 @@ class ModelExecutor:
 
     def warm_up_decode_step(self, *, two_pools: bool, window: int | None) -> None:
         """With `compile`, compile (CPU) or capture (CUDA) the decode graphs now, through the
-        same path as a step (every TP rank runs them), so that no request waits for it."""
+        same path as a step (every TP rank runs them), so that no request waits for it.
+        Compiling in the background: nothing (`compile_decode_step_in_background`)."""
         step = self.runner.decode_step
-        if step is None:
+        if step is None or step.background:
             return
         start = time.perf_counter()
         shapes = step.warm_up_shapes()
-        for batch_size in shapes:
-            self.forward(
-                padding_decode_input(batch_size, two_pools=two_pools, sliding_window_size=window)
-            )
+        for inp in self._padding_steps(step, two_pools, window):
+            self.forward(inp)
         logger.info(
             "decode step %s: %d shapes ready in %.1f s",
             step.mode,
             len(shapes),
             time.perf_counter() - start,
         )
+
+    def compile_decode_step_in_background(self, *, two_pools: bool, window: int | None) -> None:
+        """Compiling in the background (`model_runner.compiles_in_background`, TP 1): start
+        the thread that makes each bucket's graph; the steps run eagerly until theirs is
+        ready (`DecodeStep.compile_in_background`)."""
+        step = self.runner.decode_step
+        if step is not None and step.background:
+            step.compile_in_background(self._padding_steps(step, two_pools, window))
+
+    @staticmethod
+    def _padding_steps(step: DecodeStep, two_pools: bool, window: int | None) -> list[ModelInput]:
+        return [
+            padding_decode_input(
+                b, two_pools=two_pools, sliding_window_size=window, row=step.padding_row
+            )
+            for b in step.warm_up_shapes()
+        ]
 
     def time_prefill(
         self,
@@ -227,8 +244,12 @@ class ModelExecutor:
             self.launcher.check_alive()
 
     def close(self) -> None:
-        """Stop the TP ranks and drop the weights and the KV buffers."""
+        """Stop the background compile and the TP ranks, and drop the weights and the KV
+        buffers."""
         try:
+            step = self._runner.decode_step if self._runner is not None else None
+            if step is not None:
+                step.close()
             if self.launcher is not None:
                 self.launcher.close()
         finally:

@@ -124,16 +124,17 @@ class ModelInput:
 
 
 def padding_decode_input(
-    batch_size: int, *, two_pools: bool, sliding_window_size: int | None
+    batch_size: int, *, two_pools: bool, sliding_window_size: int | None, row: int
 ) -> ModelInput:
     """A decode step of `batch_size` requests that are all padding: token 0 at position 0 of
-    slot-table row 0, KV into the padding slot 0 (which no request reads), slot tables left
-    as they are. What the engine runs to compile or capture the decode graphs at start."""
+    slot-table row `row` (the table's padding row, which no request has), KV into the padding
+    slot 0 (which no request reads). What the engine runs to compile or capture the decode
+    graphs."""
     zeros = torch.zeros(batch_size, dtype=torch.int64)  # [B] int64
     return ModelInput(
         input_ids=zeros,
         positions=zeros,
-        req_rows=zeros,
+        req_rows=zeros + row,
         prefix_lens=zeros,
         seq_lens=zeros + 1,
         out_full_loc=zeros,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from swaserve.proto import environment
 from swaserve.worker.attention.base import ForwardBatch
 from swaserve.worker.attention.registry import select_backend
 from swaserve.worker.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
@@ -95,12 +96,27 @@ def default_kv_cache_bytes(
 
 def compile_mode(config: EngineConfig, device: torch.device) -> str | None:
     """How the pure-decode step runs: "graphs" (CUDA graphs), "compile" (torch.compile) or
-    None (eager). `compile="auto"`: CUDA graphs on CUDA, eager on CPU (see the README)."""
+    None (eager). `compile="auto"`: CUDA graphs on CUDA; on CPU torch.compile in the
+    background (`compiles_in_background`), else eager (see the README)."""
     if config.compile == "auto":
-        return "graphs" if device.type == "cuda" else None
+        if device.type == "cuda":
+            return "graphs"
+        return "compile" if compiles_in_background(config, device) else None
     if not config.compile:
         return None
     return "graphs" if device.type == "cuda" else "compile"
+
+
+def compiles_in_background(config: EngineConfig, device: torch.device) -> bool:
+    """`compile="auto"` on CPU at TP 1 (a background step could not run a TP group's
+    collectives beside the engine's), unless `SWASERVE_CPU_AUTO_COMPILE=0`: the engine serves
+    eagerly while a thread compiles the decode step's buckets."""
+    return (
+        config.compile == "auto"
+        and device.type == "cpu"
+        and config.tp_size == 1
+        and environment.cpu_auto_compile()
+    )
 
 
 MAX_VERIFY_ROWS = 512
@@ -161,6 +177,7 @@ class ModelRunner:
         self.model.fuse_projections()
         self.weight_bytes = resident_bytes(self.model)  # parameters + buffers, this rank's
         self.compile_mode = compile_mode(config, device)
+        self.compile_background = compiles_in_background(config, device)
         self.config = config
         if self.compile_mode == "compile":  # and the compiled CPU step's prepacked copies
             self.weight_bytes += self.model.prepack_weights()
@@ -190,7 +207,7 @@ class ModelRunner:
             scratch_layer_ids=frozenset(range(first, first + mtp)),
         )
         self.slot_table = DeviceSlotTable(
-            rows, max_len, with_swa=not plan.single_pool, device=device
+            rows, max_len, with_swa=not plan.single_pool, device=device, padding_row=True
         )
         backend_cls = select_backend(device, self.attention_backend, dtype=dtype)
         self.backend = backend_cls(
@@ -217,7 +234,8 @@ class ModelRunner:
             graph_factory=graph_factory,
             graph_breaks=self.tp.world_size > 1,
             attention_chunk_size=self.model_config.attention_chunk_size,
-            max_batch=decode_rows(self.config, self.slot_table.full.shape[0]),
+            max_batch=decode_rows(self.config, self.slot_table.num_rows),
+            background=self.compile_background and mode == "compile",
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +253,9 @@ class ModelRunner:
             None if writes.swa is None else dev(writes.swa),
         )
         if self.decode_step is not None and self.decode_step.accepts(inp):
-            return self.decode_step.run(inp)
+            logits = self.decode_step.run(inp)
+            if logits is not None:
+                return logits
         positions = dev(inp.positions)
         out_full = dev(inp.out_full_loc)
         out_swa = None if inp.out_swa_loc is None else dev(inp.out_swa_loc)

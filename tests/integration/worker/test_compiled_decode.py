@@ -14,6 +14,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,11 +22,15 @@ import pytest
 import torch
 
 from swaserve.proto import StructuredOutputs
+from swaserve.proto.environment import CPU_AUTO_COMPILE_ENV
 from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.runner.model_executor import ModelExecutor
 
 W = 8
 MAX_NEW = 30
 GREEDY = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+STARTUP_TIMEOUT_S = 600.0  # a bound on a cold compile on a loaded machine, not a wait
 
 pytestmark = pytest.mark.slow
 
@@ -163,6 +168,59 @@ def test_compiled_decode_keeps_the_hidden_states_mtp_drafts_read(
         assert step.stats.steps - warmed >= MAX_NEW // 4
         assert step.stats.direct > 0
     finally:
+        engine.shutdown()
+
+
+class Gated(list):  # type: ignore[type-arg]
+    """The background compile's padding steps, handed out once `gate` is set."""
+
+    gate = threading.Event()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.gate.wait()
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
+def test_auto_serves_eagerly_while_it_compiles_then_runs_the_compiled_step(
+    arch: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compile="auto"` on CPU: the engine serves before any graph exists (the compile is held
+    at a gate: every decode runs eagerly), then serves while the thread compiles beside it,
+    then runs the compiled step; the tokens are the eager engine's throughout (MiMo with MTP
+    drafts: the compiled steps hand the drafts their hidden states), the pools whole."""
+    monkeypatch.delenv(CPU_AUTO_COMPILE_ENV)
+    padding_steps = ModelExecutor._padding_steps
+    monkeypatch.setattr(
+        ModelExecutor, "_padding_steps", staticmethod(lambda *a: Gated(padding_steps(*a)))
+    )
+    Gated.gate.clear()
+    model = tiny_model_factory(arch, num_layers=4, sliding_window_size=W, hidden_size=32, seed=3)
+    prompts = workload(3)
+    spec = {"speculative_method": "mtp"} if arch == "mimo-v2-flash" else {}
+    eager = Engine(EngineConfig(model=str(model), max_total_tokens=640, compile=False, **spec))
+    want = run(eager, prompts)
+    eager.shutdown()
+    engine = Engine(EngineConfig(model=str(model), max_total_tokens=640, **spec))
+    try:
+        step = engine.runner.decode_step
+        assert step is not None and step.background and not step.compiled.is_set()
+        assert run(engine, prompts) == want  # nothing compiled yet
+        assert step.stats.steps == 0 and step.stats.eager >= MAX_NEW and not step.ready
+        engine.check()
+        Gated.gate.set()  # the thread compiles the buckets while the engine decodes
+        engine.flush_cache()
+        assert run(engine, prompts) == want
+        engine.check()
+        assert step.compiled.wait(STARTUP_TIMEOUT_S) and step.compile_error is None
+        assert step.ready == set(step.buckets)
+        before = step.stats.direct
+        engine.flush_cache()
+        assert run(engine, prompts) == want
+        assert step.stats.direct - before >= MAX_NEW  # decodes ran the compiled graphs
+        engine.check()
+    finally:
+        Gated.gate.set()
         engine.shutdown()
 
 

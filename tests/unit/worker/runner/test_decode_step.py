@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from swaserve.proto.environment import CPU_AUTO_COMPILE_ENV
 from swaserve.worker import Engine, EngineConfig, SamplingParams
 from swaserve.worker.models.layers import (
     GATHER_BUDGET_ELEMENTS,
@@ -28,7 +29,7 @@ from swaserve.worker.runner.decode_step import (
     key_width,
 )
 from swaserve.worker.runner.model_input import padding_decode_input
-from swaserve.worker.runner.model_runner import compile_mode
+from swaserve.worker.runner.model_runner import compile_mode, compiles_in_background
 
 W = 8
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
@@ -159,13 +160,18 @@ def test_a_compiled_graph_is_called_directly_only_when_it_is_all_its_function_do
     assert not call.returned(out)
 
 
-def test_compile_modes() -> None:
+def test_compile_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     config = EngineConfig(model="m", device="cpu")
-    assert compile_mode(config, cpu) is None  # auto: eager on CPU
-    assert compile_mode(config, cuda) == "graphs"
+    assert compile_mode(config, cpu) is None  # auto with SWASERVE_CPU_AUTO_COMPILE=0: eager
+    monkeypatch.delenv(CPU_AUTO_COMPILE_ENV)
+    assert compile_mode(config, cpu) == "compile" and compiles_in_background(config, cpu)
+    tp2 = EngineConfig(model="m", device="cpu", tp_size=2)
+    assert compile_mode(tp2, cpu) is None and not compiles_in_background(tp2, cpu)
+    assert compile_mode(config, cuda) == "graphs" and not compiles_in_background(config, cuda)
     on = EngineConfig(model="m", compile=True)
     assert compile_mode(on, cpu) == "compile" and compile_mode(on, cuda) == "graphs"
+    assert not compiles_in_background(on, cpu)  # compile=True: compiled before serving
     assert compile_mode(EngineConfig(model="m", compile=False), cuda) is None
 
 
@@ -230,7 +236,7 @@ def test_a_padding_only_step_changes_no_slot_table_entry(
     engine.generate([[1, 2, 3, 4, 5, 6]], GREEDY)
     table = engine.runner.slot_table
     before = (table.full.clone(), table.swa.clone())
-    inp = padding_decode_input(3, two_pools=True, sliding_window_size=W)
+    inp = padding_decode_input(3, two_pools=True, sliding_window_size=W, row=step.padding_row)
     assert step.accepts(inp)
     assert engine.runner.forward(inp).shape == (3, engine.runner.model_config.vocab_size)
     assert torch.equal(table.full, before[0]) and torch.equal(table.swa, before[1])
@@ -242,10 +248,13 @@ def test_steps_the_graph_does_not_take(
     model = tiny_model_factory("gpt-oss", num_layers=4, sliding_window_size=W, hidden_size=32)
     engine = make_engine(model, 1)
     step = replay_step(engine)
-    decode = padding_decode_input(2, two_pools=True, sliding_window_size=W)
+    row = step.padding_row
+    decode = padding_decode_input(2, two_pools=True, sliding_window_size=W, row=row)
     assert step.accepts(decode)
-    assert not step.accepts(padding_decode_input(2, two_pools=False, sliding_window_size=W))
-    assert not step.accepts(padding_decode_input(9, two_pools=True, sliding_window_size=W))
+    assert not step.accepts(
+        padding_decode_input(2, two_pools=False, sliding_window_size=W, row=row)
+    )
+    assert not step.accepts(padding_decode_input(9, two_pools=True, sliding_window_size=W, row=row))
     prefill = decode.__class__(
         **{
             **{f: getattr(decode, f) for f in decode.__dataclass_fields__},
