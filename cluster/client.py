@@ -42,15 +42,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default="")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="the call's deadline")
     parser.add_argument("--tls-ca-file", help="PEM CA bundle: connect over TLS")
+    parser.add_argument(
+        "--tls-cert-file", help="PEM client certificate (mutual TLS; with --tls-ca-file)"
+    )
+    parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
     parser.add_argument("--auth-token-file", help=f"bearer token file (or ${AUTH_TOKEN_ENV})")
     parser.add_argument("--json", action="store_true", help="one JSON object per stream item")
     parser.add_argument("--info", action="store_true", help="print GetModelInfo and exit")
     parser.add_argument("--load", action="store_true", help="print GetLoad and exit")
 
 
-def open_channel(server: str, tls_ca_file: str | None = None) -> grpc.Channel:
+def open_channel(
+    server: str,
+    tls_ca_file: str | None = None,
+    tls_cert_file: str | None = None,
+    tls_key_file: str | None = None,
+) -> grpc.Channel:
+    """Plain text, or TLS trusting `tls_ca_file`, presenting a client certificate (mutual
+    TLS) when `tls_cert_file` / `tls_key_file` are given."""
+    if (tls_cert_file is None) != (tls_key_file is None):
+        raise ValueError("a client certificate needs both --tls-cert-file and --tls-key-file")
+    if tls_cert_file and not tls_ca_file:
+        raise ValueError("a client certificate (mutual TLS) needs --tls-ca-file")
     if tls_ca_file:
-        credentials = grpc.ssl_channel_credentials(Path(tls_ca_file).read_bytes())
+        credentials = grpc.ssl_channel_credentials(
+            Path(tls_ca_file).read_bytes(),
+            Path(tls_key_file).read_bytes() if tls_key_file else None,
+            Path(tls_cert_file).read_bytes() if tls_cert_file else None,
+        )
         return grpc.secure_channel(server, credentials)
     return grpc.insecure_channel(server)
 
@@ -94,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     metadata = _metadata(args)
-    with open_channel(args.server, args.tls_ca_file) as channel:
+    with open_channel(
+        args.server, args.tls_ca_file, args.tls_cert_file, args.tls_key_file
+    ) as channel:
         stub = pb_grpc.InferenceStub(channel)
         try:
             if args.info or args.load:

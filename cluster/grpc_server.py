@@ -48,6 +48,7 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
 )
+from swaserve.cluster.tls_files import TLSFiles, TLSMaterial
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import TokenLogprob
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
@@ -74,6 +75,11 @@ class GrpcServerConfig(BaseModel):
     port: int = Field(DEFAULT_GRPC_PORT, ge=0, le=65535, description="0: any free port")
     tls_cert_file: str | None = Field(None, description="PEM certificate chain: serve TLS")
     tls_key_file: str | None = Field(None, description="PEM private key of the certificate")
+    tls_ca_file: str | None = Field(
+        None,
+        description="PEM CA bundle: mutual TLS, every client presents a certificate it signed "
+        "(the HTTP port too)",
+    )
     auth_token: str | None = Field(None, description="bearer token every RPC but health needs")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, gt=0, le=1 << 30)
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: wait this long for streams")
@@ -82,7 +88,9 @@ class GrpcServerConfig(BaseModel):
     def _tls_pair(self) -> GrpcServerConfig:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-        for path in (self.tls_cert_file, self.tls_key_file):
+        if self.tls_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        for path in (self.tls_cert_file, self.tls_key_file, self.tls_ca_file):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"TLS file {path!r} does not exist")
         if self.auth_token is not None and not self.auth_token.strip():
@@ -481,6 +489,7 @@ class GrpcServer:
         self.config = config
         self.metrics = metrics
         self.health = health.aio.HealthServicer()
+        self.tls: TLSFiles | None = None  # with TLS: its files, re-read when rotated
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -503,10 +512,7 @@ class GrpcServer:
         )
         address = f"{config.host}:{config.port}"
         if config.tls_cert_file and config.tls_key_file:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())]
-            )
-            port = server.add_secure_port(address, credentials)
+            port = server.add_secure_port(address, self._credentials(config))
         else:
             port = server.add_insecure_port(address)
         if port == 0:
@@ -516,6 +522,27 @@ class GrpcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server, self.port = server, port
         return port
+
+    def _credentials(self, config: GrpcServerConfig) -> grpc.ServerCredentials:
+        """TLS (mutual with a client CA) whose files are read again at a new connection's
+        handshake when they changed (`TLSFiles`): a rotated certificate needs no restart."""
+        assert config.tls_cert_file and config.tls_key_file
+        self.tls = files = TLSFiles(config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+
+        def configuration(m: TLSMaterial) -> Any:
+            return grpc.ssl_server_certificate_configuration(
+                [(m.private_key, m.cert_chain)], root_certificates=m.client_ca
+            )
+
+        def fetch() -> Any:
+            material = files.changed()
+            return None if material is None else configuration(material)
+
+        return grpc.dynamic_ssl_server_credentials(
+            configuration(files.material),
+            fetch,
+            require_client_authentication=config.tls_ca_file is not None,
+        )
 
     async def drain(self) -> bool:
         """Health NOT_SERVING, refuse new requests, wait (bounded) for the open streams."""

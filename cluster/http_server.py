@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
@@ -15,6 +17,9 @@ from swaserve.cluster.defaults import DEFAULT_HTTP_PORT
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
 from swaserve.cluster.routed import RoutedCluster
+from swaserve.cluster.tls_files import TLS_POLL_S, TLSFiles
+
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -35,7 +40,32 @@ class HttpServer:
         port: int = DEFAULT_HTTP_PORT,
         metrics: ServingMetrics | None = None,
         api_key: str | None = None,
+        *,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_poll_s: float = TLS_POLL_S,
     ) -> None:
+        """`tls_cert_file` / `tls_key_file`: serve HTTPS only; `tls_ca_file`: and require a
+        client certificate signed by it (mutual TLS). The files are `GrpcServerConfig`'s, and
+        are looked at every `tls_poll_s`: a rotated certificate is served to new connections
+        (`reload_tls`)."""
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if tls_ca_file is not None and tls_cert_file is None:
+            raise ValueError("tls_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        self.tls_cert_file, self.tls_key_file, self.tls_ca_file = (
+            tls_cert_file,
+            tls_key_file,
+            tls_ca_file,
+        )
+        self.tls = (
+            None
+            if tls_cert_file is None
+            else TLSFiles(tls_cert_file, tls_key_file or "", tls_ca_file)
+        )
+        self.tls_poll_s = tls_poll_s
+        self._tls_task: asyncio.Task[None] | None = None
         self.cluster = cluster
         self.host = host
         self.requested_port = port
@@ -57,6 +87,10 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=1,
+            ssl_certfile=self.tls_cert_file,
+            ssl_keyfile=self.tls_key_file,
+            ssl_ca_certs=self.tls_ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if self.tls_ca_file else ssl.CERT_NONE,
         )
         server = _Server(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -69,11 +103,44 @@ class HttpServer:
                 raise OSError(f"the HTTP server on {self.host}:{self.requested_port} did not start")
             await asyncio.sleep(0.01)
         self.port = sock.getsockname()[1]
+        if self.tls is not None:
+            self._tls_task = asyncio.create_task(self._watch_tls())
         return self.port
+
+    def reload_tls(self) -> bool:
+        """Serve the certificate (and client CA) now on disk to new connections, when the
+        files changed; whether they did. A client CA is added to the trusted ones: one removed
+        stays trusted until a restart (the listening socket keeps its SSL context)."""
+        context = None if self._server is None else self._server.config.ssl
+        if self.tls is None or context is None:
+            return False
+        material = self.tls.changed()
+        if material is None:
+            return False
+        try:
+            context.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+            if self.tls.ca_file is not None:
+                context.load_verify_locations(self.tls.ca_file)
+        except (OSError, ssl.SSLError) as exc:  # rotated again meanwhile: the next poll
+            logger.warning("the rotated TLS files did not load (%s)", exc)
+            return False
+        return True
+
+    async def _watch_tls(self) -> None:
+        while True:
+            await asyncio.sleep(self.tls_poll_s)
+            self.reload_tls()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert_file else "http"
 
     async def stop(self) -> None:
         """Stop accepting; open responses get a second to end, then their tasks are cancelled
         (which aborts their requests). Drain, or stop the cluster, first to end them cleanly."""
+        if self._tls_task is not None:
+            self._tls_task.cancel()
+            self._tls_task = None
         server, task = self._server, self._task
         self._server = self._task = None
         if server is None or task is None:

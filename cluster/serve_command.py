@@ -107,8 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "binds loopback only; another address lets other machines join it, and Ray then "
         "listens on every interface)",
     )
-    parser.add_argument("--tls-cert-file", help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument(
+        "--tls-cert-file",
+        help="PEM certificate chain: serve gRPC and the HTTP API over TLS only",
+    )
     parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--tls-ca-file",
+        help="PEM CA bundle: mutual TLS on both ports (clients present a certificate it signed)",
+    )
     parser.add_argument(
         "--auth-token-file",
         help=f"file holding the bearer token every RPC but health needs (or ${AUTH_TOKEN_ENV})",
@@ -176,6 +183,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
         port=args.grpc_port,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
+        tls_ca_file=args.tls_ca_file,
         auth_token=token,
         drain_timeout_s=args.drain_timeout_s,
     )
@@ -237,7 +245,16 @@ async def serve(
     server = GrpcServer(cluster, grpc_config, metrics)
     http = None
     if http_port is not None:
-        http = HttpServer(cluster, grpc_config.host, http_port, metrics, api_key)
+        http = HttpServer(
+            cluster,
+            grpc_config.host,
+            http_port,
+            metrics,
+            api_key,
+            tls_cert_file=grpc_config.tls_cert_file,
+            tls_key_file=grpc_config.tls_key_file,
+            tls_ca_file=grpc_config.tls_ca_file,
+        )
     try:
         port = await server.start()
         host = server.config.host
@@ -251,7 +268,7 @@ async def serve(
         print(f"try:  swaserve client --server {shown}:{port} 'Hello, swaserve!'", flush=True)
         if http is not None:
             http_port = await http.start()
-            url = f"http://{shown}:{http_port}"
+            url = f"{http.scheme}://{shown}:{http_port}"
             print(f"swaserve: OpenAI-compatible HTTP API on {url}/v1", flush=True)
             auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""
             body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'

@@ -228,6 +228,9 @@ grpc:
 httpGet:
   path: /health
   port: http
+  {{- if $root.Values.tls.enabled }}
+  scheme: HTTPS
+  {{- end }}
 {{- end }}
 periodSeconds: {{ $p.periodSeconds }}
 failureThreshold: {{ $p.failureThreshold }}

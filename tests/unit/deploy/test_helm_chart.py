@@ -247,9 +247,9 @@ def test_plain_tls_probes_http_health_and_mounts_the_secret() -> None:
         mount["mountPath"] == "/etc/swaserve/tls"
         and volume["secret"]["secretName"] == "swaserve-tls"
     )
-    # kubelet's grpc probe speaks no TLS: /health over HTTP instead
+    # kubelet's grpc probe speaks no TLS: /health over HTTPS (the HTTP API is TLS only too)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
     assert env == {
         "SWASERVE_AUTH_TOKEN": {"name": "swaserve-token", "key": "token"},
