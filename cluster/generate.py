@@ -30,14 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, EngineConfig, GENERATE_ENGINE_FLAGS)
 
 
-def run(args: argparse.Namespace) -> int:
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    """The flags given, over `EngineConfig`'s defaults but one: `compile` is off unless asked
+    (`--compile auto|true`). A one-off run never wins a compile back, and the default's
+    background compile (CPU) would hold the exit until the bucket it compiles is done."""
     overrides = config_overrides(args, GENERATE_ENGINE_FLAGS)
+    overrides.setdefault("compile", False)
+    return EngineConfig(model=model, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
     prompts = args.prompt or ["Hello, swaserve!", "Sliding windows keep KV small."]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(
             make_tiny_model(Path(tmp), arch="gpt-oss", num_layers=4, sliding_window_size=16)
         )
-        engine = Engine(EngineConfig(model=model, **overrides))
+        engine = Engine(engine_config(args, model))
         try:
             params = SamplingParams(
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed

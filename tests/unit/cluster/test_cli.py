@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from swaserve.cluster.cli import main
+from swaserve.cluster.generate import add_arguments, engine_config
 
 
 def test_generate_prints_one_json_line_per_prompt(
@@ -37,6 +39,16 @@ def test_generate_prints_one_json_line_per_prompt(
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [line["prompt"] for line in lines] == ["ab", "cd"]
     assert all(len(line["token_ids"]) <= 5 for line in lines)
+
+
+def test_generate_compiles_only_when_asked() -> None:
+    """A one-off run: `compile` is off unless a flag says otherwise (the default's background
+    compile would hold the exit)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_config(parser.parse_args([]), "m").compile is False
+    for flag, want in (("auto", "auto"), ("true", True)):
+        assert engine_config(parser.parse_args(["--compile", flag]), "m").compile == want
 
 
 def test_generate_rejects_a_bad_flag_value(capsys: pytest.CaptureFixture[str]) -> None:
