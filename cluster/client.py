@@ -3,6 +3,7 @@ its model and load).
 
     swaserve client --server 127.0.0.1:50051 'Hello, swaserve!'
     swaserve client --server 127.0.0.1:50051 --load
+    swaserve client --server 127.0.0.1:50051 --health   # exit 0 when SERVING (a probe)
     swaserve client --json-schema pet.json --logprobs 2 --json 'A pet as JSON:'
 """
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swaserve.proto import environment
 from swaserve.proto.environment import AUTH_TOKEN_ENV
@@ -46,10 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tls-cert-file", help="PEM client certificate (mutual TLS; with --tls-ca-file)"
     )
     parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--tls-server-name",
+        help="the name the server's certificate must carry (default: the --server host)",
+    )
     parser.add_argument("--auth-token-file", help=f"bearer token file (or ${AUTH_TOKEN_ENV})")
     parser.add_argument("--json", action="store_true", help="one JSON object per stream item")
     parser.add_argument("--info", action="store_true", help="print GetModelInfo and exit")
     parser.add_argument("--load", action="store_true", help="print GetLoad and exit")
+    parser.add_argument(
+        "--health",
+        action="store_true",
+        help="check grpc.health.v1 and exit: 0 when SERVING (a Kubernetes exec probe over TLS)",
+    )
 
 
 def open_channel(
@@ -57,9 +68,11 @@ def open_channel(
     tls_ca_file: str | None = None,
     tls_cert_file: str | None = None,
     tls_key_file: str | None = None,
+    tls_server_name: str | None = None,
 ) -> grpc.Channel:
     """Plain text, or TLS trusting `tls_ca_file`, presenting a client certificate (mutual
-    TLS) when `tls_cert_file` / `tls_key_file` are given."""
+    TLS) when `tls_cert_file` / `tls_key_file` are given, and checking the server's
+    certificate against `tls_server_name` instead of `server`'s host when given."""
     if (tls_cert_file is None) != (tls_key_file is None):
         raise ValueError("a client certificate needs both --tls-cert-file and --tls-key-file")
     if tls_cert_file and not tls_ca_file:
@@ -70,7 +83,10 @@ def open_channel(
             Path(tls_key_file).read_bytes() if tls_key_file else None,
             Path(tls_cert_file).read_bytes() if tls_cert_file else None,
         )
-        return grpc.secure_channel(server, credentials)
+        options = (
+            [] if not tls_server_name else [("grpc.ssl_target_name_override", tls_server_name)]
+        )
+        return grpc.secure_channel(server, credentials, options=options)
     return grpc.insecure_channel(server)
 
 
@@ -114,10 +130,17 @@ def run(args: argparse.Namespace) -> int:
 
     metadata = _metadata(args)
     with open_channel(
-        args.server, args.tls_ca_file, args.tls_cert_file, args.tls_key_file
+        args.server, args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name
     ) as channel:
         stub = pb_grpc.InferenceStub(channel)
         try:
+            if args.health:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=args.timeout_s
+                )
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                print(status)
+                return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
             if args.info or args.load:
                 reply = (
                     stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=10)

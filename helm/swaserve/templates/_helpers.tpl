@@ -214,16 +214,39 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "swaserve.probeKind" -}}
+{{- if and .Values.tls.enabled .Values.tls.mutual -}}
+exec
+{{- else -}}
 {{- ternary "http" .Values.probes.kind .Values.tls.enabled -}}
+{{- end -}}
 {{- end -}}
 
 {{/* One probe: {{ include "swaserve.probe" (list $ .Values.probes.readiness) }} */}}
 {{- define "swaserve.probe" -}}
 {{- $root := index . 0 -}}
 {{- $p := index . 1 -}}
-{{- if eq (include "swaserve.probeKind" $root) "grpc" }}
+{{- $kind := include "swaserve.probeKind" $root -}}
+{{- if eq $kind "grpc" }}
 grpc:
   port: {{ $root.Values.ports.grpc }}
+{{- else if eq $kind "exec" }}
+exec:
+  command:
+    - swaserve
+    - client
+    - --server
+    - 127.0.0.1:{{ $root.Values.ports.grpc }}
+    - --health
+    - --timeout-s
+    - {{ max 1 (sub $p.timeoutSeconds 1) | quote }}
+    - --tls-ca-file
+    - /etc/swaserve/tls/ca.crt
+    - --tls-cert-file
+    - /etc/swaserve/tls/tls.crt
+    - --tls-key-file
+    - /etc/swaserve/tls/tls.key
+    - --tls-server-name
+    - {{ $root.Values.tls.serverName | default (printf "%s.%s.svc" (include "swaserve.fullname" $root) $root.Release.Namespace) }}
 {{- else }}
 httpGet:
   path: /health

@@ -23,6 +23,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_grpc_cluster import grpcurl
 
+from swaserve.cluster.cli import main
 from swaserve.cluster.client import open_channel
 from swaserve.cluster.grpc_server import GrpcServerConfig
 from swaserve.cluster.http_server import HttpServer
@@ -182,6 +183,12 @@ def test_mutual_tls_on_grpc_refuses_a_client_without_a_certificate_of_the_ca(
         assert len(generate_once(channel)) == 3  # `swaserve client --tls-cert-file ...`
     with pytest.raises(ValueError, match="both"):
         open_channel(address, str(ca_file), str(client_cert))
+    probe = ["client", "--server", address, "--health", "--tls-ca-file", str(ca_file)]
+    probe += ["--tls-server-name", "localhost", "--timeout-s", "10"]  # as the chart's probes
+    assert (
+        main([*probe, "--tls-cert-file", str(client_cert), "--tls-key-file", str(client_key)]) == 0
+    )
+    assert main(probe) == 1  # no client certificate
     trusting = [grpcurl(), "-cacert", str(ca_file)]
     with_cert = [*trusting, "-cert", str(client_cert), "-key", str(client_key)]
     listed = subprocess.run(

@@ -41,6 +41,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "demo-plain": {"mode": "plain", "demo": {"enabled": True}},
     "plain-tp4": {"mode": "plain", "tensorParallelSize": 4, "replicas": 2},
     "plain-tls": PLAIN_TLS,
+    "plain-mtls": {**PLAIN_TLS, "tls": {**PLAIN_TLS["tls"], "mutual": True}},
     "servicemonitor": {
         "serviceMonitor": {"enabled": True},
         "grafana": {"dashboard": {"enabled": True}},
@@ -255,6 +256,38 @@ def test_plain_tls_probes_http_health_and_mounts_the_secret() -> None:
         "SWASERVE_AUTH_TOKEN": {"name": "swaserve-token", "key": "token"},
         "SWASERVE_API_KEY": {"name": "swaserve-key", "key": "api-key"},
     }
+
+
+def test_plain_mutual_tls_asks_client_certificates_and_probes_with_the_pods_own() -> None:
+    """kubelet's probes present no client certificate: with mutual TLS they exec `swaserve
+    client --health` with the pod's certificate, checking the server's against the Service's
+    DNS name (or tls.serverName)."""
+    from swaserve.cluster.cli import build_parser
+
+    for server_name, want in (("", "sw-swaserve.serving.svc"), ("api.example", "api.example")):
+        tls = {**PLAIN_TLS["tls"], "mutual": True, "serverName": server_name}
+        docs = render({**PLAIN_TLS, "tls": tls})
+        argv = plain_serve_argv(docs)
+        assert argv[argv.index("--tls-ca-file") + 1] == "/etc/swaserve/tls/ca.crt"
+        head = next(
+            d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "sw-swaserve-head"
+        )
+        (container,) = head["spec"]["template"]["spec"]["containers"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            command = container[probe]["exec"]["command"]
+            server = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
+            assert command[:5] == ["swaserve", "client", "--server", server, "--health"]
+            flags = dict(zip(command[5::2], command[6::2], strict=True))
+            assert flags == {
+                "--timeout-s": str(container[probe]["timeoutSeconds"] - 1),
+                "--tls-ca-file": "/etc/swaserve/tls/ca.crt",
+                "--tls-cert-file": "/etc/swaserve/tls/tls.crt",
+                "--tls-key-file": "/etc/swaserve/tls/tls.key",
+                "--tls-server-name": want,
+            }
+            args = build_parser().parse_args(command[1:])  # the probe is the CLI's command
+            assert args.health and args.tls_server_name == want
+    assert "--tls-ca-file" not in plain_serve_argv(render(PLAIN_TLS))
 
 
 @pytest.mark.parametrize(
