@@ -48,7 +48,7 @@ from swaserve.cluster.routed import (
     RoutedCluster,
     Unavailable,
 )
-from swaserve.cluster.tls_files import TLSFiles, TLSMaterial
+from swaserve.cluster.tls_files import TLSFiles, TLSMaterial, check_tls_files
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import TokenLogprob
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
@@ -86,10 +86,7 @@ class GrpcServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GrpcServerConfig:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-        if self.tls_ca_file is not None and self.tls_cert_file is None:
-            raise ValueError("tls_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        check_tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
         for path in (self.tls_cert_file, self.tls_key_file, self.tls_ca_file):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"TLS file {path!r} does not exist")

@@ -17,7 +17,7 @@ from swaserve.cluster.defaults import DEFAULT_HTTP_PORT
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
 from swaserve.cluster.routed import RoutedCluster
-from swaserve.cluster.tls_files import TLS_POLL_S, TLSFiles
+from swaserve.cluster.tls_files import TLS_POLL_S, TLSFiles, check_tls_files
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,10 @@ class HttpServer:
         client certificate signed by it (mutual TLS). The files are `GrpcServerConfig`'s, and
         are looked at every `tls_poll_s`: a rotated certificate is served to new connections
         (`reload_tls`)."""
-        if (tls_cert_file is None) != (tls_key_file is None):
-            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-        if tls_ca_file is not None and tls_cert_file is None:
-            raise ValueError("tls_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-        self.tls_cert_file, self.tls_key_file, self.tls_ca_file = (
-            tls_cert_file,
-            tls_key_file,
-            tls_ca_file,
-        )
-        self.tls = (
-            None
-            if tls_cert_file is None
-            else TLSFiles(tls_cert_file, tls_key_file or "", tls_ca_file)
-        )
+        check_tls_files(tls_cert_file, tls_key_file, tls_ca_file)
+        self.tls = None
+        if tls_cert_file is not None and tls_key_file is not None:
+            self.tls = TLSFiles(tls_cert_file, tls_key_file, tls_ca_file)
         self.tls_poll_s = tls_poll_s
         self._tls_task: asyncio.Task[None] | None = None
         self.cluster = cluster
@@ -79,6 +69,7 @@ class HttpServer:
         """Bind and serve; returns the bound port. Raises `OSError` when the address is taken."""
         family = socket.getaddrinfo(self.host, self.requested_port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((self.host, self.requested_port), family=family)
+        tls = self.tls
         config = uvicorn.Config(
             self.app,
             host=self.host,
@@ -87,10 +78,10 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=1,
-            ssl_certfile=self.tls_cert_file,
-            ssl_keyfile=self.tls_key_file,
-            ssl_ca_certs=self.tls_ca_file,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if self.tls_ca_file else ssl.CERT_NONE,
+            ssl_certfile=None if tls is None else tls.cert_file,
+            ssl_keyfile=None if tls is None else tls.key_file,
+            ssl_ca_certs=None if tls is None else tls.ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.ca_file else ssl.CERT_NONE,
         )
         server = _Server(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -133,7 +124,7 @@ class HttpServer:
 
     @property
     def scheme(self) -> str:
-        return "https" if self.tls_cert_file else "http"
+        return "http" if self.tls is None else "https"
 
     async def stop(self) -> None:
         """Stop accepting; open responses get a second to end, then their tasks are cancelled

@@ -75,6 +75,15 @@ class TLSFiles:
             return material
 
 
+def check_tls_files(cert_file: str | None, key_file: str | None, ca_file: str | None) -> None:
+    """Raise ValueError unless the flags make sense together: a certificate and its key, or
+    neither; a client CA (mutual TLS) only with them."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+    if ca_file is not None and cert_file is None:
+        raise ValueError("tls_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+
+
 def check_pair(cert_file: str, key_file: str) -> None:
     """Raise `ssl.SSLError` (or `OSError`) unless the key belongs to the certificate."""
     ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)

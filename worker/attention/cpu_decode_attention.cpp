@@ -55,74 +55,66 @@ void add_scaled(float p, const float* x, float* y, int64_t n) {
 
 // Every query head's score against one key (its row: every KV head), the query heads of a
 // KV head reading its key vectors once: NK vectors of Dk (Dk <= 128 floats).
-template <int NK>
-void score_key(
-    const float* queries, const float* keys, int64_t H, int64_t G, float scale, float mask,
-    int64_t L, int64_t l, float* scores, float* top) {
-  for (int64_t g = 0; g < H / G; ++g) {
-    Vec k[NK];
-    for (int j = 0; j < NK; ++j) k[j] = Vec::loadu(keys + (g * NK + j) * Vec::size());
-    for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-      const float* q = queries + h * NK * Vec::size();
-      Vec acc = Vec::loadu(q) * k[0];
-      for (int j = 1; j < NK; ++j) acc = at::vec::fmadd(Vec::loadu(q + j * Vec::size()), k[j], acc);
-      const float s = lane_sum(acc) * scale + mask;
-      scores[h * L + l] = s;
-      top[h] = std::max(top[h], s);
+struct ScoreKey {
+  using Fn = void (*)(const float*, const float*, int64_t, int64_t, float, float, int64_t, int64_t, float*, float*);
+
+  template <int NK>
+  static void run(
+      const float* queries, const float* keys, int64_t H, int64_t G, float scale, float mask,
+      int64_t L, int64_t l, float* scores, float* top) {
+    for (int64_t g = 0; g < H / G; ++g) {
+      Vec k[NK];
+      for (int j = 0; j < NK; ++j) k[j] = Vec::loadu(keys + (g * NK + j) * Vec::size());
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        const float* q = queries + h * NK * Vec::size();
+        Vec acc = Vec::loadu(q) * k[0];
+        for (int j = 1; j < NK; ++j) acc = at::vec::fmadd(Vec::loadu(q + j * Vec::size()), k[j], acc);
+        const float s = lane_sum(acc) * scale + mask;
+        scores[h * L + l] = s;
+        top[h] = std::max(top[h], s);
+      }
     }
   }
-}
+};
 
-using ScoreKey = void (*)(const float*, const float*, int64_t, int64_t, float, float, int64_t, int64_t, float*, float*);
+// out[h] = Σ_l p[h][l] · V[l] for one query head, over NV vectors of Dv: the accumulators stay
+// in registers (NV <= 8, Dv <= 128 floats).
+struct WeighValues {
+  using Fn = void (*)(const float*, int64_t, const int64_t*, const float*, int64_t, int64_t, float*);
 
-ScoreKey score_key_for(int64_t Dk) {
-  if (Dk % Vec::size() != 0) return nullptr;
-  switch (Dk / Vec::size()) {
-    case 1: return &score_key<1>;
-    case 2: return &score_key<2>;
-    case 3: return &score_key<3>;
-    case 4: return &score_key<4>;
-    case 5: return &score_key<5>;
-    case 6: return &score_key<6>;
-    case 7: return &score_key<7>;
-    case 8: return &score_key<8>;
-    default: return nullptr;
-  }
-}
-
-// out[h] = Σ_l p[h][l] · V[l] for the G heads of one KV head, over NV vectors of Dv: the
-// accumulators stay in registers (NV <= 8, Dv <= 128 floats).
-template <int NV>
-void weigh_values(
-    const float* scores, int64_t L, const int64_t* row, const float* vp, int64_t stride,
-    int64_t offset, float* out) {
-  Vec acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = Vec(0.f);
-  for (int64_t l = 0; l < L; ++l) {
-    const float p = scores[l];
-    if (p == 0.f) continue;
-    const Vec pv(p);
-    const float* values = vp + row[l] * stride + offset;
-    for (int j = 0; j < NV; ++j) {
-      acc[j] = at::vec::fmadd(pv, Vec::loadu(values + j * Vec::size()), acc[j]);
+  template <int NV>
+  static void run(
+      const float* scores, int64_t L, const int64_t* row, const float* vp, int64_t stride,
+      int64_t offset, float* out) {
+    Vec acc[NV];
+    for (int j = 0; j < NV; ++j) acc[j] = Vec(0.f);
+    for (int64_t l = 0; l < L; ++l) {
+      const float p = scores[l];
+      if (p == 0.f) continue;
+      const Vec pv(p);
+      const float* values = vp + row[l] * stride + offset;
+      for (int j = 0; j < NV; ++j) {
+        acc[j] = at::vec::fmadd(pv, Vec::loadu(values + j * Vec::size()), acc[j]);
+      }
     }
+    for (int j = 0; j < NV; ++j) acc[j].store(out + j * Vec::size());
   }
-  for (int j = 0; j < NV; ++j) acc[j].store(out + j * Vec::size());
-}
+};
 
-using WeighValues = void (*)(const float*, int64_t, const int64_t*, const float*, int64_t, int64_t, float*);
-
-WeighValues weigh_values_for(int64_t Dv) {
-  if (Dv % Vec::size() != 0) return nullptr;
-  switch (Dv / Vec::size()) {
-    case 1: return &weigh_values<1>;
-    case 2: return &weigh_values<2>;
-    case 3: return &weigh_values<3>;
-    case 4: return &weigh_values<4>;
-    case 5: return &weigh_values<5>;
-    case 6: return &weigh_values<6>;
-    case 7: return &weigh_values<7>;
-    case 8: return &weigh_values<8>;
+// `Kernel::run<N>` for a head of `dim` floats, N = dim / the vector width, 1 to 8; nullptr for
+// another `dim` (the caller loops over memory then).
+template <typename Kernel>
+typename Kernel::Fn unrolled_for(int64_t dim) {
+  if (dim % Vec::size() != 0) return nullptr;
+  switch (dim / Vec::size()) {
+    case 1: return &Kernel::template run<1>;
+    case 2: return &Kernel::template run<2>;
+    case 3: return &Kernel::template run<3>;
+    case 4: return &Kernel::template run<4>;
+    case 5: return &Kernel::template run<5>;
+    case 6: return &Kernel::template run<6>;
+    case 7: return &Kernel::template run<7>;
+    case 8: return &Kernel::template run<8>;
     default: return nullptr;
   }
 }
@@ -168,8 +160,8 @@ at::Tensor decode_attention(
   for (int64_t i = 0; i < B * L; ++i) {
     TORCH_CHECK(sp[i] >= 0 && sp[i] < R, "a slot is outside the pool: ", sp[i]);
   }
-  const WeighValues weigh = weigh_values_for(Dv);
-  const ScoreKey score = score_key_for(Dk);
+  const WeighValues::Fn weigh = unrolled_for<WeighValues>(Dv);
+  const ScoreKey::Fn score = unrolled_for<ScoreKey>(Dk);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(H * L), top(H), total(H);
     for (int64_t b = begin; b < end; ++b) {

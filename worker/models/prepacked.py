@@ -81,9 +81,7 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
     def forget(_: object, key: int = key) -> None:
         held = _HELD.get(key)
         if held is not None and held.source() is None:
-            del _HELD[key]
-            if _NATIVE[0]:
-                torch.ops.swaserve.forget_prepacked(key)
+            _release(key)
 
     _HELD[key] = _Held(weakref.ref(source, forget), source.shape, packed, weight.shape[0])
     if _NATIVE[0]:
@@ -93,7 +91,11 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
 
 def drop(source: torch.Tensor) -> None:
     """Forget the copy held for `source` (a static step over it then raises)."""
-    key = source.data_ptr()
+    _release(source.data_ptr())
+
+
+def _release(key: int) -> None:
+    """Drop the copy held at `key` here and in the C++ op's mirror."""
     if _HELD.pop(key, None) is not None and _NATIVE[0]:
         torch.ops.swaserve.forget_prepacked(key)
 

@@ -299,22 +299,23 @@ class DecodeStep:
         positions) first; the new tokens' own slot-table entries are written in the graph.
         None (compiling in the background) when the step's bucket is not ready yet or the
         compiling thread holds the step now: the caller runs it eagerly."""
+        shape = self.shape(inp)
         if not self.background:
-            return self._run(inp)
-        if bucket_of(inp.batch_size, self.buckets) not in self.ready or not self._lock.acquire(
-            blocking=False
-        ):
+            return self._run(inp, shape)
+        if shape[0] not in self.ready or not self._lock.acquire(blocking=False):
             self.stats.eager += 1
             return None
         try:
-            return self._run(inp)
+            return self._run(inp, shape)
         finally:
             self._lock.release()
 
-    def _run(self, inp: ModelInput, *, publish: bool = True) -> torch.Tensor:
-        """`run` in this thread; `publish`: hand the model this step's hidden states (the
-        background compile's padding steps do not)."""
-        bp, width = self.shape(inp)
+    def _run(
+        self, inp: ModelInput, shape: tuple[int, int], *, publish: bool = True
+    ) -> torch.Tensor:
+        """`run` in this thread, in `shape` (`shape(inp)`); `publish`: hand the model this
+        step's hidden states (the background compile's padding steps do not)."""
+        bp, width = shape
         b = inp.batch_size
         host = torch.zeros(INPUT_FIELDS, bp, dtype=torch.int64)  # [5, Bp] int64
         host[2, b:] = self.padding_row  # padding: position 0 of the padding row, slot 0
@@ -335,12 +336,11 @@ class DecodeStep:
             self._seen.add((bp, width))
             self.stats.captures += 1
             self.stats.compile_s += time.perf_counter() - start
-        self.ready.add(bp)
+            self.ready.add(bp)
         if self.hidden is not None and publish:
-            hidden = self.hidden[
-                :b
-            ]  # the next compiled step (maybe the compiling thread's) rewrites it
-            self.model.last_hidden = hidden.clone() if self.background else hidden  # type: ignore[attr-defined]
+            # the next compiled step (maybe the compiling thread's) rewrites these rows
+            hidden = self.hidden[:b].clone() if self.background else self.hidden[:b]
+            self.model.last_hidden = hidden  # type: ignore[attr-defined]
         rows = inp.logits_indices
         if (rows.numel() == b and b == bp) or logits.shape[0] == 0:  # [0, V]: a TP rank > 0
             return logits
@@ -446,7 +446,7 @@ class DecodeStep:
                         if self._stop.is_set():
                             return
                         with self._lock:
-                            self._run(inp, publish=False)
+                            self._run(inp, self.shape(inp), publish=False)
                 logger.info(
                     "decode step compiled in the background: %d buckets in %.1f s",
                     len(self.ready),

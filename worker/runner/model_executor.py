@@ -191,13 +191,13 @@ class ModelExecutor:
         if step is None or step.background:
             return
         start = time.perf_counter()
-        shapes = step.warm_up_shapes()
-        for inp in self._padding_steps(step, two_pools, window):
+        inputs = self._padding_steps(step, two_pools, window)
+        for inp in inputs:
             self.forward(inp)
         logger.info(
             "decode step %s: %d shapes ready in %.1f s",
             step.mode,
-            len(shapes),
+            len(inputs),
             time.perf_counter() - start,
         )
 
