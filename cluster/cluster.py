@@ -24,6 +24,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError
 
+from swaserve.cluster.ingress_limits import IngressLimits
 from swaserve.cluster.model_info import model_info_of
 from swaserve.cluster.routed import (
     ClusterBusy,
@@ -75,6 +76,9 @@ class ClusterConfig(BaseModel):
     max_attempts: int = Field(
         3, ge=1, description="workers a request may try (a lost worker's requests migrate)"
     )
+    limits: IngressLimits = Field(
+        default_factory=IngressLimits, description="caps and per-client budgets of the ingresses"
+    )
     recreate_lost_workers: bool = Field(True, description="recreate a lost worker group")
     recreate_backoff_s: float = Field(
         1.0, gt=0, description="first wait before recreating a lost group again (doubles, ≤ 30 s)"
@@ -87,7 +91,7 @@ class Cluster(RoutedCluster):
     router_errors = (RayActorError,)
 
     def __init__(self, config: ClusterConfig) -> None:
-        super().__init__(config.retry_after_s, config.max_attempts)
+        super().__init__(config.retry_after_s, config.max_attempts, config.limits)
         self.config = config
         self.engine = config.engine
         self.use_gpu = False

@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT
+from swaserve.cluster.ingress_limits import client_key
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.request_checks import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -45,6 +46,7 @@ from swaserve.cluster.routed import (
     GenerationFailed,
     InvalidRequest,
     ModelInfo,
+    RateLimited,
     RoutedCluster,
     Unavailable,
 )
@@ -197,12 +199,29 @@ class InferenceService:
         return info
 
     async def generate(
-        self, request: pb.GenerateRequest, timeout_s: float | None = None
+        self,
+        request: pb.GenerateRequest,
+        timeout_s: float | None = None,
+        client: str = "peer:unknown",
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The stream of one request. `timeout_s`: what is left of the client's deadline (None:
-        none); it bounds the router's queue wait and the request's migrations."""
+        none); it bounds the router's queue wait and the request's migrations. `client`: whose
+        budget it counts against (`ingress_limits.client_key`; held until the stream ends)."""
         started = time.monotonic()
         await self.cluster.ready()
+        try:
+            lease = self.cluster.admit(client)
+        except RateLimited as exc:
+            raise _busy(exc) from None
+        try:
+            async for item in self._generate(request, timeout_s, started):
+                yield item
+        finally:
+            lease.release()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, timeout_s: float | None, started: float
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         try:
             parsed = await asyncio.to_thread(self._parse, request)  # tokenizing may be long
             request_id, token_ids, params, stop, session = parsed
@@ -281,8 +300,7 @@ class InferenceService:
         except InvalidRequest as exc:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except ClusterBusy as exc:
-            trailing = (("retry-after-s", f"{exc.retry_after_s:g}"),)
-            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing) from None
+            raise _busy(exc) from None
         except Unavailable as exc:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except GenerationFailed as exc:
@@ -327,6 +345,9 @@ class InferenceService:
         else:
             token_ids = list(request.token_ids)
         params = sampling_params_from_proto(request.sampling_params, self.info.vocab_size)
+        cap = self.cluster.limits.max_tokens
+        if not request.sampling_params.HasField("max_new_tokens") and cap is not None:
+            params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, cap)})
         stop = check_stop_strings(list(request.sampling_params.stop))
         if stop and self.cluster.tokenizer is None:
             raise BadRequest("sampling_params.stop needs a tokenizer: use stop_token_ids")
@@ -372,16 +393,35 @@ class InferenceService:
         return out
 
 
-class InferenceServicer(pb_grpc.InferenceServicer):
-    """`InferenceService` on a grpc.aio server."""
+def _busy(exc: ClusterBusy) -> RpcFailure:
+    trailing = (("retry-after-s", f"{exc.retry_after_s:g}"),)
+    return RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing)
 
-    def __init__(self, service: InferenceService) -> None:
-        self.service = service
+
+def grpc_client(context: Any, authenticated: bool) -> str:
+    """Whose budget a call counts against (`ingress_limits.client_key`): the bearer token it
+    carries when the server requires one (already checked), else its peer's address."""
+    credential = None
+    if authenticated and context is not None:
+        credential = str(dict(context.invocation_metadata() or ()).get("authorization", ""))
+    return client_key(credential, context.peer() if context is not None else None)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """`InferenceService` on a grpc.aio server. `authenticated`: the server requires a token
+    (its interceptor checks it), so a call counts against its token's budget."""
+
+    def __init__(self, service: InferenceService, authenticated: bool = False) -> None:
+        self.service, self.authenticated = service, authenticated
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        items = self.service.generate(request, timeout_s=context.time_remaining())
+        items = self.service.generate(
+            request,
+            timeout_s=context.time_remaining(),
+            client=grpc_client(context, self.authenticated),
+        )
         try:
             async with contextlib.aclosing(items):
                 async for item in items:
@@ -501,7 +541,10 @@ class GrpcServer:
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(InferenceService(self.cluster, self.metrics)), server
+            InferenceServicer(
+                InferenceService(self.cluster, self.metrics), config.auth_token is not None
+            ),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -1,8 +1,8 @@
-"""One home for the knobs: `EngineConfig` and `RouterConfig` are the source of every knob, and
-the command-line flags (`swaserve serve`, `swaserve generate`), the Serve app's arguments
-(`ServeAppArgs.check_extra`) and the Helm chart's `engine` / `router` values (their schema:
-`helm_values_schema`) are derived from their fields, with the fields' own descriptions; pydantic
-validates them all. `python -m swaserve.cluster.knobs` rewrites the chart's schema sections."""
+"""One home for the knobs: `EngineConfig`, `RouterConfig` and `IngressLimits` are the source of
+every knob, and the command-line flags (`swaserve serve`, `swaserve generate`), the Serve app's
+arguments (`ServeAppArgs.check_extra`) and the Helm chart's `engine` / `router` / `limits`
+values (their schema: `helm_values_schema`) are derived from their fields, with the fields' own
+descriptions; pydantic validates them all. `python -m swaserve.cluster.knobs` rewrites the chart's schema sections."""
 
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from swaserve.cluster.ingress_limits import IngressLimits
 from swaserve.router.config import RouterConfig
 from swaserve.worker.config import EngineConfig
 
 ENGINE_FLAGS = tuple(name for name in EngineConfig.model_fields if name != "model")
 """Every engine knob but `model`, which each command gives its own flag (with its default)."""
 ROUTER_FLAGS = tuple(RouterConfig.model_fields)
+LIMIT_FLAGS = tuple(IngressLimits.model_fields)
+"""`--limit-<name>`, Serve's `limit_<name>`, Helm's `limits.<name>`."""
 HELM_ENGINE_VALUES = tuple(name for name in ENGINE_FLAGS if name not in ("tp_size", "device"))
 """The chart's `engine` values: `tp_size` is `tensorParallelSize`, `device` follows the mode."""
 HELM_SCHEMA = Path(__file__).resolve().parents[1] / "helm" / "swaserve" / "values.schema.json"
@@ -126,10 +129,11 @@ def helm_values_schema(model: type[BaseModel], names: Iterable[str]) -> dict[str
 
 
 def write_helm_schema(path: Path = HELM_SCHEMA) -> None:
-    """Rewrite the `engine` and `router` sections of the chart's values schema."""
+    """Rewrite the `engine`, `router` and `limits` sections of the chart's values schema."""
     schema = json.loads(path.read_text())
     schema["properties"]["engine"] = helm_values_schema(EngineConfig, HELM_ENGINE_VALUES)
     schema["properties"]["router"] = helm_values_schema(RouterConfig, ROUTER_FLAGS)
+    schema["properties"]["limits"] = helm_values_schema(IngressLimits, LIMIT_FLAGS)
     path.write_text(json.dumps(schema, indent=2) + "\n")
 
 

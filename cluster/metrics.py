@@ -10,7 +10,8 @@ Three sources, one registry per ingress process:
   waiting requests, full and SWA pool usage, prefix-cache queries and hits (tokens), tombstoned
   tokens, speculative decoding's drafts, draft tokens and accepted tokens (vLLM's
   `spec_decode_*` names), and routing decisions by policy and outcome;
-- the ingress's cluster's fault counters: requests migrated mid-stream, worker groups recreated.
+- the ingress's cluster's fault counters: requests migrated mid-stream, worker groups recreated,
+  requests refused by their client's rate or open-request limit (`IngressLimits`).
 
 `await metrics.render(cluster)` refreshes the second part and returns the text exposition.
 """
@@ -148,6 +149,14 @@ class ClusterSnapshotCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], self.faults.get(key, 0))
             yield family
+        limited = CounterMetricFamily(
+            PREFIX + "requests_rate_limited",
+            "requests refused because their client was over its rate or open-request limit",
+            labels=["model_name", "reason"],
+        )
+        for reason in ("rate", "concurrency"):
+            limited.add_metric([self.model_name, reason], self.faults.get(f"limited_{reason}", 0))
+        yield limited
 
 
 def _used_share(available: int, total: int) -> float:
@@ -194,6 +203,9 @@ class ServingMetrics:
     async def render(self, cluster: Any) -> bytes:
         """Refresh the per-worker part from the cluster, then the text exposition."""
         faults = {"migrations": cluster.migrations, "recreated": getattr(cluster, "recreated", 0)}
+        clients = getattr(cluster, "clients", None)  # a RoutedCluster's ClientLimiter
+        if clients is not None:
+            faults |= {f"limited_{k}": v for k, v in clients.refused.items()}
         self.snapshot.update(await cluster.load(), await cluster.router_stats(), faults)
         return generate_latest(self.registry)
 

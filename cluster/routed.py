@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from swaserve.cluster.ingress_limits import ClientLimiter, IngressLimits, Lease, Refusal
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.engine_request import EngineRequest
@@ -71,7 +72,13 @@ class ClusterError(Exception):
 
 
 class InvalidRequest(ClusterError):
-    """The request can never be served as it is (INVALID_ARGUMENT / HTTP 400)."""
+    """The request can never be served as it is (INVALID_ARGUMENT / HTTP 400). `field`: the
+    request field at fault when known (`prompt`, the max-tokens field, `stop`,
+    `structured_outputs`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ClusterBusy(ClusterError):
@@ -81,6 +88,11 @@ class ClusterBusy(ClusterError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RateLimited(ClusterBusy):
+    """The client is over its own budget (`IngressLimits`: rate or open requests), whatever
+    the fleet's room (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint)."""
 
 
 class Unavailable(ClusterError):
@@ -128,8 +140,12 @@ class RoutedCluster:
     model_info: ModelInfo | None
     router_errors: tuple[type[BaseException], ...] = ()  # a call that met the router's death
 
-    def __init__(self, retry_after_s: float, max_attempts: int = 3) -> None:
+    def __init__(
+        self, retry_after_s: float, max_attempts: int = 3, limits: IngressLimits | None = None
+    ) -> None:
         self.retry_after_s = retry_after_s
+        self.limits = limits or IngressLimits()
+        self.clients = ClientLimiter(self.limits)  # every ingress of this process shares it
         self.max_attempts = max_attempts  # workers a request may try before it fails
         self.migrations = 0  # requests moved to another worker after streaming tokens
         self.router: Any = None
@@ -180,9 +196,25 @@ class RoutedCluster:
     def new_request_id(self) -> str:
         return f"req-{time.time_ns():x}-{next(self._ids)}"
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, token_ids: list[int], params: SamplingParams, *, max_new_name: str = "max_new_tokens"
+    ) -> None:
+        """Raise `InvalidRequest` for what no worker can serve or this server's caps refuse
+        (`IngressLimits`; the message names `max_new_name` for max_new_tokens)."""
         assert self.model_info is not None
+        refused = self.limits.refusal(len(token_ids), params, max_new_name=max_new_name)
+        if refused is not None:
+            raise InvalidRequest(refused[1], refused[0])
         check_request(self.model_info, token_ids, params)
+
+    def admit(self, client: str) -> Lease:
+        """The client's place for one request (`IngressLimits`' rate and open requests);
+        release it when the request ends. Raises `RateLimited` when the client is over its
+        budget."""
+        lease = self.clients.acquire(client)
+        if isinstance(lease, Refusal):
+            raise RateLimited(lease.message, lease.retry_after_s)
+        return lease
 
     async def generate(
         self,

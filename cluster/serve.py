@@ -44,7 +44,9 @@ from swaserve.cluster.grpc_server import (
     BearerToken,
     InferenceService,
     RpcFailure,
+    grpc_client,
 )
+from swaserve.cluster.ingress_limits import IngressLimits
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.model_info import ModelInfo, WorkerInfo, model_info_of
 from swaserve.cluster.openai_api import OpenAIServer, build_openai_app
@@ -87,8 +89,8 @@ class PinnedRequestRouter(RequestRouter):
 
 class ServeAppArgs(BaseModel):
     """`build_app`'s arguments (from `serve run ... key=value` or a config file's `args`):
-    the Serve knobs, then every `EngineConfig` field by its name and every `RouterConfig`
-    field as `router_<name>`."""
+    the Serve knobs, then every `EngineConfig` field by its name, every `RouterConfig`
+    field as `router_<name>` and every `IngressLimits` field as `limit_<name>`."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -141,10 +143,19 @@ class ServeAppArgs(BaseModel):
         fields = {k[len("router_") :]: v for k, v in extra.items() if k.startswith("router_")}
         return RouterConfig(**fields)
 
+    def limits(self) -> IngressLimits:
+        extra = dict(self.model_extra or {})
+        fields = {k[len("limit_") :]: v for k, v in extra.items() if k.startswith("limit_")}
+        return IngressLimits(**fields)
+
     def check_extra(self) -> None:
         for key in self.model_extra or {}:
-            known = key in EngineConfig.model_fields or (
-                key.startswith("router_") and key[len("router_") :] in RouterConfig.model_fields
+            known = (
+                key in EngineConfig.model_fields
+                or (
+                    key.startswith("router_") and key[len("router_") :] in RouterConfig.model_fields
+                )
+                or (key.startswith("limit_") and key[len("limit_") :] in IngressLimits.model_fields)
             )
             if not known:
                 raise ValueError(f"unknown argument {key!r} for swaserve's Serve app")
@@ -166,7 +177,7 @@ class ServeCluster(RoutedCluster):
     router_errors = (ray.exceptions.RayActorError,)
 
     def __init__(self, router: Any, workers: Any, args: ServeAppArgs) -> None:
-        super().__init__(args.retry_after_s, args.max_attempts)
+        super().__init__(args.retry_after_s, args.max_attempts, args.limits())
         self.router = router
         self.workers = workers
         self.args = args
@@ -293,7 +304,8 @@ class SwaIngress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._authorize(grpc_context)
-            async for item in self.service.generate(request):
+            client = grpc_client(grpc_context, self.grpc_auth is not None)
+            async for item in self.service.generate(request, client=client):
                 yield item
         except RpcFailure as failure:
             _fail(grpc_context, failure)
@@ -350,6 +362,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         parsed.check_extra()
         engine = parsed.engine_config()
         router_config = parsed.router_config()
+        parsed.limits()
     except (ValidationError, ValueError) as exc:
         raise ValueError(f"swaserve Serve app: bad arguments: {exc}") from exc
     use_gpu = parsed.use_gpu

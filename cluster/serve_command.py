@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from swaserve.cluster.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
-from swaserve.cluster.knobs import ENGINE_FLAGS, ROUTER_FLAGS, add_config_flags, config_overrides
+from swaserve.cluster.ingress_limits import IngressLimits
+from swaserve.cluster.knobs import (
+    ENGINE_FLAGS,
+    LIMIT_FLAGS,
+    ROUTER_FLAGS,
+    add_config_flags,
+    config_overrides,
+)
 from swaserve.cluster.local_ray import (
     LOOPBACK,
     LocalRay,
@@ -154,6 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_config_flags(parser, EngineConfig, ENGINE_FLAGS)
     add_config_flags(parser, RouterConfig, ROUTER_FLAGS, prefix="router_")
+    add_config_flags(parser, IngressLimits, LIMIT_FLAGS, prefix="limit_")
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerConfig]:
@@ -174,6 +182,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
         max_attempts=args.max_attempts,
         recreate_lost_workers=args.recreate_lost_workers,
         recreate_backoff_s=args.recreate_backoff_s,
+        limits=IngressLimits(**config_overrides(args, LIMIT_FLAGS, prefix="limit_")),
     )
     token = environment.auth_token(args.auth_token_file)
     if args.auth_token_file and not token:  # refused, never served without the token

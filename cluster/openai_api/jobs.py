@@ -12,6 +12,7 @@ prompt does not stall the other streams.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -219,6 +220,16 @@ class JobBuilder:
             )
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        limits = self.cluster.limits
+        refused = limits.n_refusal(req.n)
+        if refused is not None:
+            raise APIError(400, refused, param="n")
+        tools = getattr(req, "tools", None) or []
+        refused = limits.tools_refusal(
+            [json.dumps(t.function.parameters or {}, ensure_ascii=False) for t in tools]
+        )
+        if refused is not None:
+            raise APIError(400, refused, param="tools")
 
     def _job(
         self,
@@ -243,9 +254,14 @@ class JobBuilder:
             structured = structured_outputs(req)
         params = self._sampling_params(req, max_new, max_tokens_field, structured or None, stop_ids)
         try:
-            self.cluster.check_request(ids, params)
+            self.cluster.check_request(ids, params, max_new_name=max_tokens_field)
         except InvalidRequest as exc:
-            raise APIError(400, str(exc), param=prompt_field) from None
+            param = {
+                None: prompt_field,
+                "prompt": prompt_field,
+                "structured_outputs": structured[0] if isinstance(structured, tuple) else None,
+            }.get(exc.field, exc.field)
+            raise APIError(400, str(exc), param=param) from None
         return Job(
             kind=kind,
             response_id=f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}",
@@ -270,6 +286,9 @@ class JobBuilder:
         limits = self.info.limits
         if asked is None:
             room = limits.max_new_tokens_room(len(ids))
+            cap = self.cluster.limits.max_tokens
+            if cap is not None:
+                room = min(room, cap)
             asked = max(1, room if default is None else min(default, room))
         refused = limits.check(len(ids), asked, max_new_name=field)
         if refused is not None:

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from swaserve.cluster.ingress_limits import MAX_CHOICES
 from swaserve.cluster.request_checks import BadRequest
 from swaserve.cluster.routed import ClusterBusy, GenerationFailed, InvalidRequest, Unavailable
 from swaserve.proto.sampling_params import MAX_TOP_LOGPROBS
@@ -28,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-MAX_CHOICES = 16
 ID_PREFIXES = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -23,7 +23,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swaserve.cluster.metrics import CONTENT_TYPE
 from swaserve.cluster.openai_api.protocol import (
@@ -40,10 +42,12 @@ from swaserve.cluster.openai_api.responses import UNSUPPORTED as RESPONSES_UNSUP
 from swaserve.cluster.openai_api.responses import ResponsesRequest
 from swaserve.cluster.openai_api.server import OpenAIServer
 from swaserve.cluster.request_checks import DEFAULT_MAX_MESSAGE_BYTES
-from swaserve.cluster.routed import ClusterError
+from swaserve.cluster.routed import ClusterError, RateLimited
 
 MAX_BODY_BYTES = DEFAULT_MAX_MESSAGE_BYTES  # as the gRPC server's message limit
 MAX_DRAIN_BYTES = 4 * MAX_BODY_BYTES  # of a body past the limit, read and dropped at most
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+"""The POST routes that start requests: each counts against its client's budget."""
 
 
 def _server(request: Request) -> OpenAIServer:
@@ -218,6 +222,42 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return api_error(exc).response()
 
 
+class ClientLimits:
+    """ASGI middleware: a POST to `GENERATE_PATHS` takes a place in its client's budget
+    (`RoutedCluster.admit`: rate and open requests) before its body is read, and holds it until
+    the response is sent, streamed or not (or the client left); over the budget, a 429 with
+    `Retry-After`. A request with a wrong key passes untouched to its 401."""
+
+    def __init__(self, app: ASGIApp, owner: FastAPI) -> None:
+        self.app, self.owner = app, owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        if scope["type"] != "http" or scope["method"] != "POST" or path not in GENERATE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        server: OpenAIServer = self.owner.state.openai
+        peer = scope.get("client")
+        client = server.client_of(
+            Headers(scope=scope).get("authorization", ""), peer[0] if peer else None
+        )
+        if client is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            lease = server.cluster.admit(client)
+        except RateLimited as exc:
+            await api_error(exc).response()(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lease.release()
+
+
 def build_openai_app() -> FastAPI:
     """The app; set `app.state.openai = OpenAIServer(...)` before it serves."""
     app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -234,4 +274,5 @@ def build_openai_app() -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     for kind in (APIError, ClusterError, RequestValidationError, HTTPException, Exception):
         app.add_exception_handler(kind, _on_error)
+    app.add_middleware(ClientLimits, owner=app)
     return app

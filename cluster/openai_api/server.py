@@ -6,6 +6,7 @@ import hmac
 import time
 from typing import Any
 
+from swaserve.cluster.ingress_limits import client_key
 from swaserve.cluster.metrics import ServingMetrics
 from swaserve.cluster.model_info import ModelInfo
 from swaserve.cluster.openai_api.jobs import JobBuilder
@@ -52,6 +53,14 @@ class OpenAIServer:
         if self._expected_auth is None:
             return True
         return hmac.compare_digest(header.encode(), self._expected_auth)
+
+    def client_of(self, header: str, peer: str | None) -> str | None:
+        """Whose budget a request counts against (`ingress_limits.client_key`): its key when
+        the server requires one, else its address; None when it fails the key (a 401 follows,
+        and nothing is counted)."""
+        if self._expected_auth is None:
+            return client_key(None, peer)
+        return client_key(header, peer) if self.authorized(header) else None
 
     def model_card(self) -> dict[str, Any]:
         return {

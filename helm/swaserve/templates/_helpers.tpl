@@ -67,16 +67,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args (printf "router_%s" $k) (ternary (include "swaserve.scalar" $v | int64) $v (and (kindIs "float64" $v) (eq $v (floor $v)))) -}}
 {{- end -}}
 {{- end -}}
+{{- range $k, $v := .Values.limits -}}
+{{- if not (kindIs "invalid" $v) -}}
+{{- $_ := set $args (printf "limit_%s" $k) (ternary (include "swaserve.scalar" $v | int64) $v (and (kindIs "float64" $v) (eq $v (floor $v)))) -}}
+{{- end -}}
+{{- end -}}
 {{- toYaml $args -}}
 {{- end -}}
 
-{{/* `swaserve serve` flags of the engine and router knobs (mode plain). */}}
+{{/* `swaserve serve` flags of the engine, router and limit knobs (mode plain). */}}
 {{- define "swaserve.knobFlags" -}}
 {{- range $k, $v := .Values.engine -}}
 {{- if not (kindIs "invalid" $v) }} --{{ $k | replace "_" "-" }} {{ include "swaserve.scalar" $v | quote }}{{ end -}}
 {{- end -}}
 {{- range $k, $v := .Values.router -}}
 {{- if not (kindIs "invalid" $v) }} --router-{{ $k | replace "_" "-" }} {{ include "swaserve.scalar" $v | quote }}{{ end -}}
+{{- end -}}
+{{- range $k, $v := .Values.limits -}}
+{{- if not (kindIs "invalid" $v) }} --limit-{{ $k | replace "_" "-" }} {{ include "swaserve.scalar" $v | quote }}{{ end -}}
 {{- end -}}
 {{- end -}}
 

@@ -453,8 +453,10 @@ def test_a_body_over_the_limit_gets_a_413_through_serves_proxy(serve_app: ServeA
 
 
 def test_grpc_through_serves_proxy_needs_the_api_key_when_one_is_set(serve_app: ServeApp) -> None:
+    """... and the app's limits hold on both of its ingresses, the key's one budget shared."""
     key = "grpc-s3cret"
     args = {"model": str(serve_app.model), "replicas": 1, "device": "cpu", "api_key": key}
+    args |= {"limit_requests_per_second": 0.001, "limit_burst": 3, "limit_max_tokens": 8}
     serve.run(build_app({**args, "max_total_tokens": 1024}), name="keyed", route_prefix="/keyed")
     try:
         prompt = [31, 32, 33]
@@ -485,6 +487,21 @@ def test_grpc_through_serves_proxy_needs_the_api_key_when_one_is_set(serve_app: 
         assert len(load.workers) == 1
         with pytest.raises(openai.AuthenticationError):
             serve_app.client("/keyed").models.list()
+        keyed = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{serve_app.http_port}/keyed/v1", api_key=key, max_retries=0
+        )
+        model = serve_app.model.name
+        with pytest.raises(openai.BadRequestError) as capped:  # the key's third request
+            keyed.completions.create(model=model, prompt=prompt, max_tokens=9)
+        assert capped.value.body["param"] == "max_tokens"  # type: ignore[index]
+        with pytest.raises(openai.RateLimitError) as limited:
+            keyed.completions.create(model=model, prompt=prompt, max_tokens=2)
+        assert int(limited.value.response.headers["retry-after"]) >= 1
+        with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, metadata=good, timeout=60))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         serve.delete("keyed")
 

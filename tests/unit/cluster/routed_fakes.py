@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from swaserve.cluster.ingress_limits import IngressLimits
 from swaserve.cluster.routed import ModelInfo, RoutedCluster
 from swaserve.cluster.router_actor import RouteAnswer, WorkerStatus
 from swaserve.proto.engine_request import EngineRequest
@@ -114,6 +115,9 @@ class FakeRouter:
     def workers(self) -> list[WorkerStatus]:
         return [WorkerStatus(w, None, 0.0, 0) for w in self.worker_ids if w not in self.removed]
 
+    def stats(self) -> dict[str, Any]:
+        return {}  # no routing decisions to report
+
 
 def model_info(model_dir: Path, *, max_model_len: int = 4096) -> ModelInfo:
     return ModelInfo(
@@ -142,9 +146,13 @@ class FakeCluster(RoutedCluster):
     """A `RoutedCluster` whose workers stream `counting_tokens` in-process."""
 
     def __init__(
-        self, model_dir: Path, tokenizer: TextTokenizer | None, worker_ids: list[str]
+        self,
+        model_dir: Path,
+        tokenizer: TextTokenizer | None,
+        worker_ids: list[str],
+        limits: IngressLimits | None = None,
     ) -> None:
-        super().__init__(retry_after_s=1.0)
+        super().__init__(retry_after_s=1.0, limits=limits)
         self.fake_router = FakeRouter(worker_ids)
         self.router = Handle(self.fake_router)
         self.model_info = model_info(model_dir)

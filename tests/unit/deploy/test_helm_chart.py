@@ -64,6 +64,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "num_speculative_tokens": 4,
         },
         "router": {"policy": "least_load", "prefix_load_weight": 0.5, "queue_timeout_s": 2.5},
+        "limits": {"requests_per_second": 2.5, "burst": 10, "max_tokens": 4096, "max_n": 4},
     },
 }
 
@@ -378,8 +379,10 @@ def test_values_defaults_match_the_servers() -> None:
 def test_engine_and_router_values_are_derived_from_the_config_models() -> None:
     """The chart's schema sections are what `knobs.helm_values_schema` makes of the configs
     (`python -m swaserve.cluster.knobs` rewrites them), and values.yaml lists every knob."""
+    from swaserve.cluster.ingress_limits import IngressLimits
     from swaserve.cluster.knobs import (
         HELM_ENGINE_VALUES,
+        LIMIT_FLAGS,
         ROUTER_FLAGS,
         helm_values_schema,
     )
@@ -397,6 +400,8 @@ def test_engine_and_router_values_are_derived_from_the_config_models() -> None:
         "device",
     }
     assert set(values["router"]) == set(RouterConfig.model_fields)
+    assert schema["limits"] == helm_values_schema(IngressLimits, LIMIT_FLAGS)
+    assert set(values["limits"]) == set(IngressLimits.model_fields)
 
 
 def schema_choices(prop: dict[str, object]) -> set[object]:
@@ -427,7 +432,8 @@ def test_the_chart_schema_offers_the_choices_the_code_has() -> None:
 @pytest.mark.parametrize("name", ["defaults", "plain-tp4", "plain-tls", "knobs", "demo-plain"])
 def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
     from swaserve.cluster.cli import build_parser
-    from swaserve.cluster.knobs import ENGINE_FLAGS, ROUTER_FLAGS, config_overrides
+    from swaserve.cluster.ingress_limits import IngressLimits
+    from swaserve.cluster.knobs import ENGINE_FLAGS, LIMIT_FLAGS, ROUTER_FLAGS, config_overrides
     from swaserve.router import RouterConfig
     from swaserve.worker import EngineConfig
 
@@ -437,7 +443,9 @@ def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
     assert args.ray_address == "auto" and args.host == "0.0.0.0"
     engine = EngineConfig(model=args.model or "/models", **config_overrides(args, ENGINE_FLAGS))
     router = RouterConfig(**config_overrides(args, ROUTER_FLAGS, prefix="router_"))
+    limits = IngressLimits(**config_overrides(args, LIMIT_FLAGS, prefix="limit_"))
     assert engine.tp_size == values.get("tensorParallelSize", 1)
+    assert limits == IngressLimits(**values.get("limits", {}))
     if name == "knobs":
         assert (engine.page_size, engine.max_total_tokens, engine.enable_prefix_cache) == (
             16,
@@ -455,6 +463,7 @@ def test_plain_serve_command_parses_with_the_cli(name: str) -> None:
 @pytest.mark.slow  # imports Ray Serve (about 15 s cold)
 @pytest.mark.parametrize("name", ["defaults", "tp8", "demo", "uri", "knobs"])
 def test_serve_config_is_what_build_app_takes(name: str, tmp_path, monkeypatch) -> None:
+    from swaserve.cluster.ingress_limits import IngressLimits
     from swaserve.cluster.serve import ServeAppArgs
 
     monkeypatch.setenv("SWASERVE_CACHE_DIR", str(tmp_path))  # the demo model, if made
@@ -469,3 +478,7 @@ def test_serve_config_is_what_build_app_takes(name: str, tmp_path, monkeypatch) 
     assert router.policy == VALUE_SETS[name].get("router", {}).get("policy", "ttft")
     spec = VALUE_SETS[name].get("engine", {}).get("speculative_method")
     assert engine.speculative_method == spec  # Helm values → Serve app args → the engine
+    assert parsed.limits().model_dump() == {
+        **IngressLimits().model_dump(),
+        **VALUE_SETS[name].get("limits", {}),
+    }
