@@ -34,6 +34,12 @@ MAX_GRAMMAR_CHARS = 128 * 1024
 """The longest grammar text (a JSON schema as JSON, a regex, a Lark grammar, the choices):
 a larger one is refused before anything compiles it."""
 
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily (vLLM's epsilon): logits over a smaller one
+overflow float32, and the distribution is the argmax's to float precision anyway."""
+MIN_REPETITION_PENALTY = 0.01
+"""A repetition penalty divides positive logits: a smaller one overflows them to infinity."""
+
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
@@ -98,7 +104,9 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_new_tokens: int = Field(default=128, ge=1, description="tokens to generate at most")
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy")
+    temperature: float = Field(
+        default=1.0, ge=0.0, le=100.0, description="0 (below 1e-5) means greedy"
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, description="-1 (or 0) disables")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -117,7 +125,7 @@ class SamplingParams(BaseModel):
     )
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0)
     logit_bias: dict[int, float] | None = Field(
         default=None, description="token id → bias added to its logit, clamped to ±100"
     )
@@ -174,7 +182,9 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Take the argmax: temperature below `GREEDY_TEMPERATURE` (dividing by a smaller one
+        overflows float32 logits) or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def penalized(self) -> bool:

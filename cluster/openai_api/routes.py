@@ -1,5 +1,6 @@
 """The routes of the OpenAI-compatible app: `POST /v1/completions`, `POST /v1/chat/completions`,
-`GET /v1/models`, `GET /health`, `GET /metrics`.
+`POST /v1/responses` (with GET / DELETE of a stored one), `GET /v1/models`, `GET /health`,
+`GET /metrics`, and `GET /openapi.json`, their document (`openapi.py`).
 
 A body is at most `MAX_BODY_BYTES`, counted as it streams (a chunked body has no
 Content-Length): past the limit nothing more is kept, the rest is read and dropped (up to
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swaserve.cluster.metrics import CONTENT_TYPE
+from swaserve.cluster.openai_api.openapi import openapi_document
 from swaserve.cluster.openai_api.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
@@ -260,7 +262,8 @@ class ClientLimits:
 
 def build_openai_app() -> FastAPI:
     """The app; set `app.state.openai = OpenAIServer(...)` before it serves."""
-    app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     api = APIRouter(dependencies=[Depends(_authorize)])
     api.add_api_route("/v1/completions", completions, methods=["POST"])
     api.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from swaserve.proto.sampling_params import SamplingParams
+from swaserve.proto.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from swaserve.proto.stream import TokenLogprob
 from swaserve.worker.runner.host_tensors import float_tensor, int_tensor, to_device
 
@@ -161,7 +161,10 @@ def token_logprobs(
 ) -> list[TokenLogprob]:
     """Each row's drawn token's log-probability and its top `params.logprobs` tokens."""
     temps = to_device(
-        float_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]), logits.device
+        float_tensor(
+            [p.temperature if p.temperature >= GREEDY_TEMPERATURE else 1.0 for p in params]
+        ),
+        logits.device,
     )
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)  # [b, V] float32
     chosen = logp.gather(1, to_device(int_tensor(list(tokens)), logits.device)[:, None])  # [b, 1]

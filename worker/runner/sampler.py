@@ -1,7 +1,7 @@
 """The batched sampler (the parameters it reads are `swaserve.proto.SamplingParams`).
 
-Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax. Other rows: temperature, then
-only the filters a row set (top-k by `torch.topk`; top-p by a sort, the only full-vocabulary
+Greedy rows (`SamplingParams.greedy`: temperature below 1e-5, or `top_k == 1`) take the
+argmax. Other rows: temperature, then only the filters a row set (top-k by `torch.topk`; top-p by a sort, the only full-vocabulary
 sort; min-p against the row's top probability), then one batched draw for all of them by the
 exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. per token picks token i with
 probability probs[i]. A request with a `seed` draws its noise from its own generator, reseeded

@@ -110,6 +110,51 @@ def test_a_grammar_that_cannot_end_within_max_tokens_finishes_with_length(engine
     assert re.fullmatch(r"[a-z]{5}", out.text)
 
 
+def test_a_complete_constrained_output_ends_below_min_tokens(engine: Engine) -> None:
+    """`min_tokens` forbids the stop ids, but a grammar whose output is complete ends the
+    request there, as a stop; a row without a grammar keeps `min_tokens`."""
+    done = SamplingParams(
+        max_new_tokens=30,
+        temperature=0.0,
+        min_tokens=24,
+        structured_outputs=StructuredOutputs(json_schema={"type": "string", "maxLength": 3}),
+    )
+    open_ended = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, min_tokens=12)
+    sampled = done.model_copy(update={"temperature": 1.0, "seed": 5})
+    short, drawn, free = engine.generate(["go"] * 3, [done, sampled, open_ended])
+    assert drawn.finish_reason == "stop" and len(json.loads(drawn.text)) <= 3
+    assert short.finish_reason == "stop", short
+    assert len(json.loads(short.text)) <= 3 and len(short.token_ids) < 24
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    engine.check()
+
+
+def test_a_vanishing_temperature_or_repetition_penalty_never_overflows(engine: Engine) -> None:
+    """Found by the API fuzz (`bench/api_fuzz.py`): a temperature of 1e-32 divided float32
+    logits into infinities and drew token 0, which the request's grammar refused (an internal
+    error); a repetition penalty of 1e-32 did the same. Below 1e-5 a temperature is greedy;
+    the penalty is at least 0.01."""
+    schema = StructuredOutputs(json_schema={"type": "string", "maxLength": 3})
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, structured_outputs=schema)
+    tiny = greedy.model_copy(update={"temperature": 1e-32, "seed": 5})
+    assert tiny.greedy and SamplingParams(temperature=1e-5).greedy is False
+    (reference,) = engine.generate(["go"], [greedy])
+    (out,) = engine.generate(["go"], [tiny])
+    assert out.token_ids == reference.token_ids
+    strong = SamplingParams(
+        max_new_tokens=6,
+        temperature=2e-5,
+        seed=5,
+        repetition_penalty=0.01,
+        structured_outputs=schema,
+    )
+    (out,) = engine.generate(["go go go"], [strong])  # no internal error: tokens it allows
+    assert out.finish_reason in ("stop", "length") and out.text.startswith('"')
+    with pytest.raises(ValidationError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-32)
+    engine.check()
+
+
 def test_stop_strings_and_grammar_end_together(engine: Engine) -> None:
     params = SamplingParams(
         max_new_tokens=40,
