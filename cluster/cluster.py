@@ -76,6 +76,11 @@ class ClusterConfig(BaseModel):
     max_attempts: int = Field(
         3, ge=1, description="workers a request may try (a lost worker's requests migrate)"
     )
+    router_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources the router actor needs (e.g. to keep it on a node "
+        "pool); it asks for no CPU",
+    )
     limits: IngressLimits = Field(
         default_factory=IngressLimits, description="caps and per-client budgets of the ingresses"
     )
@@ -127,7 +132,9 @@ class Cluster(RoutedCluster):
         self.engine, self.use_gpu = engine, use_gpu
         # Supervised: Ray restarts a dead router; its calls in flight fail and are retried.
         self.router = (
-            ray.remote(RouterActor).options(num_cpus=0, max_restarts=-1).remote(config.router)
+            ray.remote(RouterActor)
+            .options(num_cpus=0, max_restarts=-1, resources=dict(config.router_resources))
+            .remote(config.router)
         )
         groups = [self._new_group(f"worker-{i}", i) for i in range(config.replicas)]
         infos = await asyncio.gather(*(g.start(config.startup_timeout_s) for g in groups))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -159,6 +160,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="first wait before recreating a lost group again (doubles, at most 30 s)",
     )
+    parser.add_argument(
+        "--router-resources",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='custom Ray resources the router actor needs, e.g. \'{"cpu_pool": 0.01}\' to keep '
+        "it on the nodes that have them (default: none; it asks for no CPU)",
+    )
     add_config_flags(parser, EngineConfig, ENGINE_FLAGS)
     add_config_flags(parser, RouterConfig, ROUTER_FLAGS, prefix="router_")
     add_config_flags(parser, IngressLimits, LIMIT_FLAGS, prefix="limit_")
@@ -183,6 +192,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ClusterConfig, GrpcServerCo
         recreate_lost_workers=args.recreate_lost_workers,
         recreate_backoff_s=args.recreate_backoff_s,
         limits=IngressLimits(**config_overrides(args, LIMIT_FLAGS, prefix="limit_")),
+        router_resources=args.router_resources or {},
     )
     token = environment.auth_token(args.auth_token_file)
     if args.auth_token_file and not token:  # refused, never served without the token

@@ -73,6 +73,11 @@ def test_serve_fault_flags_reach_the_cluster_config(
     config, _ = build_configs(parser.parse_args([*argv, "--recreate-backoff-s", "2.5"]))
     assert (config.max_attempts, config.recreate_lost_workers) == (5, False)
     assert config.recreate_backoff_s == 2.5
+    assert defaults.router_resources == {}
+    pinned, _ = build_configs(parser.parse_args([*argv, "--router-resources", '{"pool": 0.01}']))
+    assert pinned.router_resources == {"pool": 0.01}
+    with pytest.raises(SystemExit):  # not JSON
+        parser.parse_args([*argv, "--router-resources", "pool"])
     with pytest.raises(ValueError):  # pydantic: at least one attempt
         build_configs(parser.parse_args(["--model", str(model), "--max-attempts", "0"]))
 
