@@ -165,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         metavar="JSON",
-        help='custom Ray resources the router actor needs, e.g. \'{"cpu_pool": 0.01}\' to keep '
+        help="custom Ray resources the router actor needs, e.g. '{\"cpu_pool\": 0.01}' to keep "
         "it on the nodes that have them (default: none; it asks for no CPU)",
     )
     add_config_flags(parser, EngineConfig, ENGINE_FLAGS)

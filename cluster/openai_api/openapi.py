@@ -70,7 +70,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     components["Error"] = ERROR
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
-            ok = {"description": "the answer"}
+            ok: dict[str, Any] = {"description": "the answer"}
             if method == "post" and path in BODIES:
                 schema = keys[(BODIES[path], "validation")]
                 operation["requestBody"] = {
