@@ -28,6 +28,7 @@ def ray_session() -> Iterator[str]:
     os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
     ray.init(
+        address="local",  # a Ray of its own, never another one running on the machine
         num_cpus=RAY_NUM_CPUS,
         _node_ip_address="127.0.0.1",
         include_dashboard=False,

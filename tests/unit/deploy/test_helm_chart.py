@@ -293,11 +293,31 @@ def test_plain_mutual_tls_asks_client_certificates_and_probes_with_the_pods_own(
 
 @pytest.mark.parametrize(
     "values",
-    [{"tls": {"enabled": True, "secretName": "t"}}, {"auth": {"apiKeySecret": {"name": "k"}}}],
+    [{"tls": {"enabled": True, "secretName": "t"}}, {"auth": {"tokenSecret": {"name": "t"}}}],
 )
 def test_rayservice_refuses_what_serve_cannot_do(values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmRenderError, match="mode=plain"):
         render(values)
+
+
+def test_rayservice_takes_the_api_key_from_a_secret_in_every_pods_environment() -> None:
+    """The Serve app reads $SWASERVE_API_KEY (`ServeAppArgs.resolved_api_key`) wherever its
+    ingress replica runs: every pod gets it from the Secret, the RayService never holds it."""
+    docs = render({"auth": {"apiKeySecret": {"name": "swaserve-key"}}})
+    (service,) = by_kind(docs, "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]] + [
+        group["template"] for group in cluster["workerGroupSpecs"]
+    ]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["SWASERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "swaserve-key",
+            "key": "api-key",
+        }
+    assert "api_key" not in serve_args(docs)
+    assert "swaserve-key" not in service["spec"]["serveConfigV2"]
 
 
 @pytest.mark.parametrize("name", ["servicemonitor", "plain-servicemonitor"])
