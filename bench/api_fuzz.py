@@ -404,7 +404,7 @@ class Served:
         while time.monotonic() < deadline:
             loads = self.loop.run(self.cluster.load())
             state = {
-                "open_requests": len(self.cluster._open),
+                "open_requests": self.cluster.num_open,
                 "workers": len(loads),
                 "kv_held": [
                     (

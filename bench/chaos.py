@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -46,15 +47,24 @@ from swaserve.worker import EngineConfig
 RECOVERY_GOAL_S = 60.0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_stream_args(
+    argv: list[str] | None,
+    description: str | None,
+    *,
+    streams: int,
+    max_new_tokens: int,
+    hidden: int,
+    layers: int,
+) -> argparse.Namespace:
+    """The fault benches' flags (this one's and `node_chaos.py`'s), with their defaults."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--streams", type=int, default=16, help="concurrent streams per run")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--streams", type=int, default=streams, help="concurrent streams per run")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--prompt-tokens", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")
     parser.add_argument("--seed", type=int, default=0, help="prompts, kill moments, victims")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -62,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.streams < 2 or args.max_new_tokens < 8 or args.prompt_tokens < 1:
         parser.error("need --streams >= 2, --max-new-tokens >= 8, --prompt-tokens >= 1")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_stream_args(argv, __doc__, streams=16, max_new_tokens=160, hidden=128, layers=4)
 
 
 class Streams:
@@ -180,52 +194,89 @@ def compare(reference: list[list[int] | None], fault: dict[str, Any]) -> dict[st
     return {"lost": lost, "differ": differ, "recovery_s": fault["recovery_s"]}
 
 
-async def main_async(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(250) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
-    config = ClusterConfig(
-        engine=EngineConfig(model=model_dir, device="cpu", max_total_tokens=16384),
-        replicas=2,
-        report_interval_s=0.05,
-        served_model_name="chaos",
-    )
+def fault_result(
+    base: dict[str, Any], fault: dict[str, Any], migrations: int, share: float
+) -> dict[str, Any]:
+    """What a fault run lost against the undisturbed `base`, with its migrations."""
+    return {
+        **compare(base["tokens"], fault),
+        "migrations": migrations,
+        "kill_at_share": round(share, 2),
+        "errors": fault["errors"][:3],
+    }
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    config: ClusterConfig, prompts: list[list[int]], max_new_tokens: int
+) -> AsyncIterator[tuple[Cluster, Streams, dict[str, Any]]]:
+    """The cluster with both servers and the streams' clients, and the undisturbed run (the
+    reference tokens); everything stopped after."""
     cluster = await Cluster.start(config)
     grpc_server = GrpcServer(cluster, GrpcServerConfig(port=0))
     http_server = HttpServer(cluster, port=0)
     try:
         grpc_port = await grpc_server.start()
         http_port = await http_server.start()
-        streams = Streams(grpc_port, http_port, prompts, args.max_new_tokens)
+        streams = Streams(grpc_port, http_port, prompts, max_new_tokens)
         try:
-            base = await run(streams, args.streams, None, 0.0)
+            base = await run(streams, len(prompts), None, 0.0)
             if base["errors"]:
                 raise RuntimeError(f"the undisturbed run failed: {base['errors'][:2]}")
-            out: dict[str, Any] = {"undisturbed_wall_s": round(base["wall_s"], 2)}
-
-            async def kill_worker() -> Callable[[], bool]:
-                victim = rng.choice(sorted(cluster.live_workers))
-                os.kill(await cluster.groups[victim].engine.pid.remote(), signal.SIGKILL)
-                return lambda: victim in cluster.lost
-
-            async def kill_router() -> Callable[[], bool]:
-                os.kill(await cluster.router.pid.remote(), signal.SIGKILL)
-                return lambda: True  # GetLoad fails until Ray has restarted it
-
-            for name, kill in (("worker", kill_worker), ("router", kill_router)):
-                migrations = cluster.migrations
-                share = rng.uniform(0.1, 0.6)
-                fault = await run(streams, args.streams, kill, share)
-                out[name] = compare(base["tokens"], fault)
-                out[name]["migrations"] = cluster.migrations - migrations
-                out[name]["kill_at_share"] = round(share, 2)
-                out[name]["errors"] = fault["errors"][:3]
-            out["recreated_groups"] = cluster.recreated
+            yield cluster, streams, base
         finally:
             await streams.close()
     finally:
         await http_server.stop()
         await grpc_server.stop(grace_s=1)
         await cluster.shutdown(timeout_s=10)
+
+
+def print_fault(name: str, r: dict[str, Any], verb: str, extra: str = "") -> bool:
+    """One fault's line (and its errors); whether it met its goals."""
+    recovery = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f} s"
+    ok = r["lost"] == 0 and r["differ"] == 0 and (r["recovery_s"] or 0) <= RECOVERY_GOAL_S
+    print(
+        f"  {name} {verb} at {r['kill_at_share']:.0%} of the tokens: lost {r['lost']}, differ "
+        f"{r['differ']}, migrated {r['migrations']}{extra}, 2 workers again after {recovery} "
+        f"(goal 0, 0, ≤ {RECOVERY_GOAL_S:.0f} s): {'met' if ok else 'MISSED'}"
+    )
+    for error in r["errors"]:
+        print(f"    error: {error}")
+    return ok
+
+
+def prompts_of(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(250) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
+
+
+async def main_async(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    config = ClusterConfig(
+        engine=EngineConfig(model=model_dir, device="cpu", max_total_tokens=16384),
+        replicas=2,
+        report_interval_s=0.05,
+        served_model_name="chaos",
+    )
+    async with serving(config, prompts_of(args, rng), args.max_new_tokens) as served:
+        cluster, streams, base = served
+        out: dict[str, Any] = {"undisturbed_wall_s": round(base["wall_s"], 2)}
+
+        async def kill_worker() -> Callable[[], bool]:
+            victim = rng.choice(sorted(cluster.live_workers))
+            os.kill(await cluster.groups[victim].engine.pid.remote(), signal.SIGKILL)
+            return lambda: victim in cluster.lost
+
+        async def kill_router() -> Callable[[], bool]:
+            os.kill(await cluster.router.pid.remote(), signal.SIGKILL)
+            return lambda: True  # GetLoad fails until Ray has restarted it
+
+        for name, kill in (("worker", kill_worker), ("router", kill_router)):
+            migrations = cluster.migrations
+            share = rng.uniform(0.1, 0.6)
+            fault = await run(streams, args.streams, kill, share)
+            out[name] = fault_result(base, fault, cluster.migrations - migrations, share)
+        out["recreated_groups"] = cluster.recreated
     return out
 
 
@@ -240,16 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         f"2 replicas; undisturbed run {out['undisturbed_wall_s']} s; load {load:.1f}"
     )
     for name in ("worker", "router"):
-        r = out[name]
-        recovery = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f} s"
-        ok = r["lost"] == 0 and r["differ"] == 0 and (r["recovery_s"] or 0) <= RECOVERY_GOAL_S
-        print(
-            f"  {name} killed at {r['kill_at_share']:.0%} of the tokens: lost {r['lost']}, differ "
-            f"{r['differ']}, migrated {r['migrations']}, 2 workers again after {recovery} "
-            f"(goal 0, 0, ≤ {RECOVERY_GOAL_S:.0f} s): {'met' if ok else 'MISSED'}"
-        )
-        for error in r["errors"]:
-            print(f"    error: {error}")
+        print_fault(name, out[name], "killed")
     if args.json:
         print(json.dumps({**out, "load": load}))
 

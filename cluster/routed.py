@@ -420,6 +420,10 @@ class RoutedCluster:
     def num_open(self) -> int:
         return len(self._open)
 
+    def open_on(self, worker_id: str) -> int:
+        """Requests open on `worker_id` (streaming from it)."""
+        return sum(w == worker_id for w in self._open.values())
+
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests, then wait up to `timeout_s` for the open ones; True if all
         ended."""

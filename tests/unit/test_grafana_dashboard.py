@@ -133,7 +133,7 @@ def test_the_checkers_catch_what_they_are_for() -> None:
 
 def test_exported_families_are_the_ones_the_dashboard_was_built_for() -> None:
     families = {family for family, _ in exported().values()}
-    assert len(families) == 20
+    assert len(families) == 21
     assert exported()["swaserve:router_decisions_total"] == (
         "swaserve:router_decisions",
         frozenset({"model_name", "policy", "outcome"}),
