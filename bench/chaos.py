@@ -250,14 +250,20 @@ def prompts_of(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(250) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
 
 
-async def main_async(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    config = ClusterConfig(
+def cluster_config(model_dir: str, **more: Any) -> ClusterConfig:
+    """The fault benches' cluster: 2 replicas of the model on CPU, fast reports."""
+    return ClusterConfig(
         engine=EngineConfig(model=model_dir, device="cpu", max_total_tokens=16384),
         replicas=2,
         report_interval_s=0.05,
         served_model_name="chaos",
+        **more,
     )
+
+
+async def main_async(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    config = cluster_config(model_dir)
     async with serving(config, prompts_of(args, rng), args.max_new_tokens) as served:
         cluster, streams, base = served
         out: dict[str, Any] = {"undisturbed_wall_s": round(base["wall_s"], 2)}

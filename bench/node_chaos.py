@@ -44,6 +44,7 @@ from typing import Any
 import ray
 from chaos import (
     Streams,
+    cluster_config,
     fault_result,
     parse_stream_args,
     print_fault,
@@ -56,9 +57,8 @@ from ray._private import ray_constants
 from ray.cluster_utils import Cluster as RayTestCluster
 from ray.util.placement_group import placement_group_table
 
-from swaserve.cluster.cluster import Cluster, ClusterConfig
+from swaserve.cluster.cluster import Cluster
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
-from swaserve.worker import EngineConfig
 
 ROUTER_RESOURCE = "swaserve_router_node"
 LOOPBACK = "127.0.0.1"
@@ -196,13 +196,7 @@ async def probes_cached(streams: Streams, prompts: list[list[int]]) -> int:
 
 async def main_async(args: argparse.Namespace, model_dir: str, nodes: Nodes) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    config = ClusterConfig(
-        engine=EngineConfig(model=model_dir, device="cpu", max_total_tokens=16384),
-        replicas=2,
-        report_interval_s=0.05,
-        served_model_name="chaos",
-        router_resources={ROUTER_RESOURCE: 0.01},
-    )
+    config = cluster_config(model_dir, router_resources={ROUTER_RESOURCE: 0.01})
     prompts = prompts_of(args, rng)
     pgs: set[str] = set()
     out: dict[str, Any] = {}
