@@ -345,9 +345,11 @@ class InferenceService:
         else:
             token_ids = list(request.token_ids)
         params = sampling_params_from_proto(request.sampling_params, self.info.vocab_size)
-        cap = self.cluster.limits.max_tokens
-        if not request.sampling_params.HasField("max_new_tokens") and cap is not None:
-            params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, cap)})
+        default = self.cluster.limits.default_max_tokens(params.max_new_tokens)
+        if default != params.max_new_tokens and not request.sampling_params.HasField(
+            "max_new_tokens"
+        ):
+            params = params.model_copy(update={"max_new_tokens": default})
         stop = check_stop_strings(list(request.sampling_params.stop))
         if stop and self.cluster.tokenizer is None:
             raise BadRequest("sampling_params.stop needs a tokenizer: use stop_token_ids")

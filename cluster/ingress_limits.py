@@ -109,6 +109,10 @@ class IngressLimits(BaseModel):
                 )
         return None
 
+    def default_max_tokens(self, default: int) -> int:
+        """What a request that leaves max_tokens unset gets: `default`, at most the cap."""
+        return default if self.max_tokens is None else min(default, self.max_tokens)
+
     def n_refusal(self, n: int) -> str | None:
         if n > self.max_n:
             return f"n is {n}; this server allows at most {self.max_n} choices"

@@ -285,10 +285,7 @@ class JobBuilder:
         naming the prompt or `field`, whichever the limit blames."""
         limits = self.info.limits
         if asked is None:
-            room = limits.max_new_tokens_room(len(ids))
-            cap = self.cluster.limits.max_tokens
-            if cap is not None:
-                room = min(room, cap)
+            room = self.cluster.limits.default_max_tokens(limits.max_new_tokens_room(len(ids)))
             asked = max(1, room if default is None else min(default, room))
         refused = limits.check(len(ids), asked, max_new_name=field)
         if refused is not None:
