@@ -171,7 +171,12 @@ at::Tensor decode_attention(
       float* outs = op + b * H * Dv;
       std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
       std::fill(total.begin(), total.end(), 0.f);
-      for (int64_t l = 0; l < L; ++l) {
+      // The keys up to the last one the mask shows: the padding after it adds exact zeros, so
+      // skipping it changes nothing but the sums' grouping, which then depends on the row
+      // alone, not on the batch's width (a row's result is the same in any batch).
+      int64_t n = L;
+      while (n > 1 && mask[n - 1] == -std::numeric_limits<float>::infinity()) --n;
+      for (int64_t l = 0; l < n; ++l) {
         const float* keys = kp + row[l] * Hkv * Dk;  // the key's row: every KV head
         if (score != nullptr) {
           score(queries, keys, H, G, scale, mask[l], L, l, scores.data(), top.data());
@@ -188,24 +193,24 @@ at::Tensor decode_attention(
         const Vec shift(top[h]);
         Vec acc(0.f);
         int64_t l = 0;
-        for (; l + Vec::size() <= L; l += Vec::size()) {
+        for (; l + Vec::size() <= n; l += Vec::size()) {
           const Vec p = (Vec::loadu(ps + l) - shift).exp();
           p.store(ps + l);
           acc = acc + p;
         }
         total[h] = lane_sum(acc);
-        for (; l < L; ++l) {
+        for (; l < n; ++l) {
           ps[l] = std::exp(ps[l] - top[h]);
           total[h] += ps[l];
         }
       }
       if (weigh != nullptr) {
         for (int64_t h = 0; h < H; ++h) {
-          weigh(scores.data() + h * L, L, row, vp, Hkv * Dv, (h / G) * Dv, outs + h * Dv);
+          weigh(scores.data() + h * L, n, row, vp, Hkv * Dv, (h / G) * Dv, outs + h * Dv);
         }
       } else {
         std::fill(outs, outs + H * Dv, 0.f);
-        for (int64_t l = 0; l < L; ++l) {
+        for (int64_t l = 0; l < n; ++l) {
           const float* values = vp + row[l] * Hkv * Dv;
           for (int64_t h = 0; h < H; ++h) {
             const float p = scores[h * L + l];

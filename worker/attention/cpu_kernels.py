@@ -1,21 +1,29 @@
 """Our C++ CPU kernels, built on first use with the machine's compiler (the one inductor uses for
 the compiled decode step) and kept under `$SWASERVE_CACHE_DIR/kernels` for later starts.
 
-`swaserve::decode_attention` (`cpu_decode_attention.cpp`): the compiled decode step's attention
-over the pool rows. Traced, inductor's loops for the same arithmetic
+`swaserve::decode_attention` (`cpu_decode_attention.cpp`): the attention of one-token rows over
+the pool rows, eager (`torch_backend.decode_attention`: decodes and speculative verify rows)
+and in the compiled decode step. Traced, inductor's loops for the same arithmetic
 (`sdpa.decode_attention_loops`) recompute each key's slot in every head and lane chunk and run
-the softmax passes on one thread; the kernel reads each key's slot once, scores every head of
-the row at once and splits the work over requests. On the decode bench's 2-core CPU the GPT-OSS
-step is 1.10-1.17× faster with it at batch 8-24 (interleaved in one process).
+the softmax passes on one thread; eager, the gathered SDPA copies every row's keys. The kernel
+reads each key's slot once, scores every head of the row at once, splits the work over rows,
+and computes a row over its own keys only (up to the last its mask shows), so a row's result
+does not depend on the batch around it.
 
-`load()` builds (or loads) it once per process, when a compiled step is made, never while dynamo
-traces; `decode_attention_op()` is the loaded op, or None when the build failed (no compiler:
-the step then keeps inductor's loops, with a warning). The build runs through
-`torch.utils.cpp_extension` with the `ninja` package's binary."""
+`load()` builds (or loads) it once per process: every CPU attention backend calls it when it is
+made (and the compiled step before it traces), never while dynamo traces;
+`decode_attention_op()` is the loaded op, or None when the build failed (no compiler: eager
+decodes then gather, a compiled step keeps inductor's loops, with a warning). The build runs
+through `torch.utils.cpp_extension` with the `ninja` package's binary; the ISA flags are
+probed once per machine and kept beside the build (`cached_build_flags`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,41 @@ SOURCES = tuple(
 )
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "op": the loaded op or None (the build failed); absent: not tried
+
+
+def cached_build_flags(build_dir: Path) -> list[str]:
+    """`build_flags()`, kept in `build_dir` for this CPU: inductor's ISA probe compiles and runs
+    test programs (about 2 s), which every process that serves on the CPU would pay at start."""
+    record = build_dir / "flags.json"
+    cpu = _cpu_fingerprint()
+    try:
+        saved = json.loads(record.read_text())
+        if saved.get("cpu") == cpu and isinstance(saved.get("flags"), list):
+            return [str(flag) for flag in saved["flags"]]
+    except (OSError, ValueError):
+        pass
+    flags = build_flags()
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"cpu": cpu, "flags": flags}))
+        tmp.replace(record)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return flags
+
+
+def _cpu_fingerprint() -> str:
+    """This machine's CPU model and feature flags (what the ISA probe depends on)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [
+        line.split(":", 1)[1].strip()
+        for line in info.splitlines()
+        if line.startswith(("model name", "flags", "Features"))
+    ]
+    return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()
 
 
 def build_flags() -> list[str]:
@@ -75,7 +118,7 @@ def _build() -> Any:
         cpp_extension.load(
             name="swaserve_cpu_kernels",
             sources=[str(source) for source in SOURCES],
-            extra_cflags=build_flags(),
+            extra_cflags=cached_build_flags(build_dir),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,

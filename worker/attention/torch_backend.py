@@ -50,6 +50,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool = kv_pool
         self.sliding_window_size = sliding_window_size
         self.attention_chunk_size = attention_chunk_size
+        pool = kv_pool.full_pool if isinstance(kv_pool, SWAKVPool) else kv_pool
+        if pool.device.type == "cpu":
+            cpu_kernels.load()  # the decodes' attention (`decode_attention`); once a process
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = build_attention_metadata(
@@ -156,9 +159,20 @@ def decode_attention(
     *,
     split: bool = True,
 ) -> torch.Tensor:  # [Bd, H, Dv]
-    """One-token requests over their padded reads: one attention call (more only when the
-    batch's scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not
-    split, so that its batch and width stay symbolic)."""
+    """One-token requests over their padded reads. On CPU in float32, once `cpu_kernels` is
+    loaded (every CPU model runner loads it), our C++ kernel over the pool rows: no gathered
+    copy of the keys, and each row's result is the same whatever else the batch holds, so a
+    verified draft row equals the plain decode of its position bit for bit (the compiled step
+    runs the same kernel). Otherwise one gathered attention call (more only when the batch's
+    scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not split, so
+    that its batch and width stay symbolic)."""
+    kernel = cpu_kernels.decode_attention_op()
+    if (
+        kernel is not None
+        and q.device.type == "cpu"
+        and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32
+    ):
+        return kernel(q, k_buf, v_buf, slots, bias, layer.scaling, sinks)
 
     def attend(qs: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keys = gather_rows(k_buf, rows).to(q.dtype)  # [b, Lmax, Hkv, Dk]

@@ -83,3 +83,24 @@ def test_a_failed_build_leaves_the_loops(monkeypatch: pytest.MonkeyPatch, caplog
     assert "did not build (no C++ compiler): using loops" in caplog.text
     assert cpu_kernels.decode_attention_op() is None
     assert cpu_kernels.load() is None  # tried once per process
+
+
+def test_the_build_flags_are_kept_per_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    probes: list[str] = []
+    cpu = {"id": "cpu-a"}
+    monkeypatch.setattr(cpu_kernels, "build_flags", lambda: probes.append(cpu["id"]) or ["-DX"])
+    monkeypatch.setattr(cpu_kernels, "_cpu_fingerprint", lambda: cpu["id"])
+    assert cpu_kernels.cached_build_flags(tmp_path) == ["-DX"]
+    assert cpu_kernels.cached_build_flags(tmp_path) == ["-DX"]
+    assert probes == ["cpu-a"]  # the second start read the record
+    cpu["id"] = "cpu-b"  # a cache directory shared with another machine: probe again
+    assert cpu_kernels.cached_build_flags(tmp_path) == ["-DX"]
+    assert probes == ["cpu-a", "cpu-b"]
+    (tmp_path / "flags.json").write_text("{not json")
+    assert cpu_kernels.cached_build_flags(tmp_path) == ["-DX"]
+    assert probes == ["cpu-a", "cpu-b", "cpu-b"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "flags.json"]  # no temporary file left
+
+
+def test_the_cpu_fingerprint_is_stable() -> None:
+    assert cpu_kernels._cpu_fingerprint() == cpu_kernels._cpu_fingerprint()

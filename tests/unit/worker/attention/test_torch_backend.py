@@ -4,7 +4,7 @@ import pytest
 import torch
 from attention_scenario import Scenario, Shape, make_layers, make_memory
 
-from swaserve.worker.attention import MissingSWAKV, TorchAttentionBackend
+from swaserve.worker.attention import MissingSWAKV, TorchAttentionBackend, cpu_kernels
 from swaserve.worker.attention import torch_backend as torch_backend_module
 from swaserve.worker.attention.sdpa import attention, decode_attention_loops
 
@@ -74,17 +74,64 @@ def build(
     return sc
 
 
+def without_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes take the gathered attention (as where the C++ kernel did not build)."""
+    monkeypatch.setattr(cpu_kernels, "_state", {"op": None})
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gathered"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("single_pool", [False, True], ids=["two_pools", "one_pool"])
 @pytest.mark.parametrize("window", [0, 1, 3, 64])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_mixed_batches_match_the_dense_reference(
-    page_size: int, single_pool: bool, window: int, shape: str
+    page_size: int,
+    single_pool: bool,
+    window: int,
+    shape: str,
+    kernel: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sc = build(
         SHAPES[shape], window, page_size=page_size, single_pool=single_pool, sinks=shape != "gqa"
     )
+    if kernel:
+        assert cpu_kernels.decode_attention_op() is not None  # the backend loaded it
+    else:
+        without_kernel(monkeypatch)
     run_and_compare(sc, STEPS, free_window=None if single_pool else window, poison=True)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_decode_rows_attention_is_the_same_whatever_the_batch_holds(sinks: bool) -> None:
+    """The CPU decodes' kernel computes each row alone: a row equals itself in any batch, any
+    padding (what keeps a verified draft's row equal to the plain decode of its position)."""
+    layers = make_layers(SHAPES["mimo"], 3, "F")
+    memory = make_memory(layers, 3, page_size=4, single_pool=True)
+    TorchAttentionBackend(memory.kv_pool, 3)
+    assert cpu_kernels.decode_attention_op() is not None
+    gen = torch.Generator().manual_seed(5)
+    layer, rows = layers[0], 64
+    k_buf = torch.randn(rows, 1, 12, generator=gen)
+    v_buf = torch.randn(rows, 1, 8, generator=gen)
+    q = torch.randn(9, 8, 12, generator=gen)
+    slots = torch.randint(0, rows, (9, 40), generator=gen)
+    seen = torch.randint(1, 41, (9,), generator=gen)
+    bias = torch.zeros(9, 40).masked_fill_(torch.arange(40) >= seen[:, None], -torch.inf)
+    sink = torch.randn(8, generator=gen) if sinks else None
+    batch = torch_backend_module.decode_attention(q, k_buf, v_buf, slots, bias, layer, sink)
+    for i in range(9):
+        width = int(seen[i])  # alone, padded only to its own read
+        alone = torch_backend_module.decode_attention(
+            q[i : i + 1],
+            k_buf,
+            v_buf,
+            slots[i : i + 1, :width],
+            bias[i : i + 1, :width],
+            layer,
+            sink,
+        )
+        assert torch.equal(alone[0], batch[i])
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -105,6 +152,7 @@ def test_full_attention_only_model() -> None:
 
 def test_query_tiles_and_decode_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     # A tiny budget forces several query tiles per prefill and several decode groups.
+    without_kernel(monkeypatch)
     monkeypatch.setattr(torch_backend_module, "SCORE_BUDGET_ELEMENTS", 64)
     assert torch_backend_module.query_tile(8, 9, 9, None) == 1
     assert torch_backend_module.query_tile(2, 9, 12, None) == 2  # 2 * 2 * 12 <= 64
