@@ -166,7 +166,7 @@ class HybridCausalLM(nn.Module):
 
     def prepack_weights(self) -> int:
         """For the compiled CPU decode step: each linear layer and MoE block holds its weights
-        a second time, prepacked for oneDNN where this torch can (`prepacked.py`); the step
+        a second time, in panels for our GEMM kernel (`prepacked.py`, float32); the step
         then runs its GEMMs over those copies. Returns the bytes the copies add."""
         return sum(
             module.prepack_weights()

@@ -1,22 +1,23 @@
-"""Linear weights held a second time, prepacked for oneDNN, for the compiled CPU decode step.
+"""Linear weights held a second time, in panels, for the compiled CPU decode step.
 
-A CPU GEMM with few rows (a decode batch) spends most of its time reordering the weight into
-the blocked layout its micro-kernel reads. MKL, behind `F.linear` and `bmm`, does that on every
-call; oneDNN does it once (`torch.ops.mkldnn._reorder_linear_weight`) and then runs
-`_linear_pointwise` over the blocked copy. On the decode bench's 2-core CPU, [8, 256] ×
-[256, 2048] takes 46 µs against 201 µs through `F.linear`; [24, 1024] × [1024, 256] 42 against
-115 µs. The compiled decode step's MoE runs as two such GEMMs over all of a layer's experts at
-once (`BatchedExperts.forward_prepacked`), and its dense projections too.
+A CPU GEMM with few rows (a decode batch) reads every weight once, so what it costs is how the
+weight streams through the vector units. MKL, behind `F.linear` and `bmm`, reorders the weight
+into its blocked layout on every call. The copy held here is that layout made once: W [N, K] as
+panels [ceil(N / 16), K, 16] (panel p's row k holds W[16p .. 16p + 15, k], zeros past N), which
+our C++ kernel (`attention/cpu_prepacked_linear.cpp`) reads in register tiles of up to 8 rows ×
+32 outputs, summing each output's K products in order: a row's result does not depend on the
+others in the batch. On the decode bench's 2-core CPU it takes [8, 256] × [256, 768] in 19 µs
+(oneDNN's prepacked GEMM, which it replaced: 33 µs; `F.linear`: about 4× that). The compiled
+decode step's MoE runs as two such GEMMs over all of a layer's experts at once
+(`BatchedExperts.forward_prepacked`), and its dense projections too.
 
-The blocked copy is an opaque oneDNN tensor: torch.compile cannot take it as a graph input,
-and inductor makes such copies itself only for weights frozen into the graph, which its on-disk
-caches then skip (no cached start). So the step calls the op `swaserve::prepacked_linear(x,
-source, bias, out_features)` instead: `source` is the parameter the copy was made from (a graph
-input like every weight, read for nothing but its address) and the op's kernel runs oneDNN over
-the copy held for it (`pack`). Once our C++ kernels are built (`attention/cpu_kernels.py`, when a
-compiled step is made) the step calls their `swaserve::prepacked_linear_native` instead, which
-finds the copy and calls oneDNN without Python (`use_native`: the copies are mirrored there);
-through the Python kernel a call cost about 12 µs more (25 per step of the decode bench).
+The graph calls the op `swaserve::prepacked_linear(x, source, bias, out_features)`: `source` is
+the parameter the copy was made from (a graph input like every weight, read for nothing but its
+address) and the op's kernel runs over the copy held for it (`pack`). Once our C++ kernels are
+built (`attention/cpu_kernels.py`: every CPU attention backend loads them) the step calls their
+`swaserve::prepacked_linear_native` instead, which finds the copy and runs the panel kernel
+without Python (`use_native`: the copies are mirrored there). Without them (no compiler), the
+Python kernel multiplies by the panels with `torch.matmul`.
 
 Only the static step uses the copies (`Prepackable.prepacked` and `in_static_step`): prefill
 and mixed steps keep MKL over the parameters, so the copies add their bytes to the weights
@@ -34,16 +35,15 @@ from torch import nn
 
 from swaserve.worker.models.static_step import in_static_step
 
-PACK_BATCH_ROWS = 16
-"""The row count oneDNN picks the blocked layout for (any count runs; 8 to 64 pick the same
-layout on the bench's CPU, 1 a slower one for larger batches)."""
+PANEL = 16
+"""Output features a panel holds (`cpu_prepacked_linear.cpp`'s kPanel)."""
 
 
 @dataclass(slots=True)
 class _Held:
     source: weakref.ref[torch.Tensor]
     shape: torch.Size  # the source's
-    packed: torch.Tensor  # opaque oneDNN tensor of the [out_features, in_features] weight
+    packed: torch.Tensor  # [ceil(out_features / PANEL), in_features, PANEL] the weight's panels
     out_features: int
 
 
@@ -52,14 +52,17 @@ _NATIVE = [False]  # the C++ op is loaded and mirrors `_HELD` (`use_native`)
 
 
 def available(weight: torch.Tensor) -> bool:
-    """Whether this torch can hold `weight` prepacked: float32 on CPU, oneDNN built in."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """Whether `weight` can be held in panels: float32 on CPU."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] → [ceil(N / PANEL), K, PANEL]: panel p's row k holds weight[PANEL·p + j, k]."""
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = weight.new_zeros(count * PANEL, k)
+    padded[:n] = weight
+    return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
 
 
 def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
@@ -69,13 +72,12 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
     not change afterwards (the copy would not follow)."""
     if not available(weight):
         raise ValueError(
-            f"a prepacked weight must be float32 on CPU with oneDNN, got {weight.dtype} on "
-            f"{weight.device} (oneDNN available: {torch.backends.mkldnn.is_available()})"
+            f"a prepacked weight must be float32 on CPU, got {weight.dtype} on {weight.device}"
         )
     if weight.dim() != 2:
         raise ValueError(f"a prepacked weight is [out_features, in_features], got {weight.shape}")
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_ROWS)
+        packed = to_panels(weight)
     key = source.data_ptr()
 
     def forget(_: object, key: int = key) -> None:
@@ -86,7 +88,7 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
     _HELD[key] = _Held(weakref.ref(source, forget), source.shape, packed, weight.shape[0])
     if _NATIVE[0]:
         torch.ops.swaserve.hold_prepacked(source, packed, weight.shape[0])
-    return weight.numel() * weight.element_size()
+    return packed.nbytes
 
 
 def drop(source: torch.Tensor) -> None:
@@ -106,6 +108,8 @@ def use_native() -> None:
     if _NATIVE[0]:
         return
     torch.library.register_fake("swaserve::prepacked_linear_native")(_prepacked_linear_fake)
+    torch.library.register_fake("swaserve::prepacked_expert_linear")(_expert_linear_fake)
+    torch.library.register_fake("swaserve::prepacked_expert_linear_in")(_expert_linear_in_fake)
     for held in list(_HELD.values()):
         source = held.source()
         if source is not None:
@@ -148,7 +152,12 @@ def _prepacked_linear_cpu(
         )
     if x.numel() == 0:
         return _prepacked_linear_fake(x, source, bias, out_features)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), held.packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.matmul(rows, held.packed)  # [P, M, PANEL]
+    y = y.transpose(0, 1).reshape(rows.shape[0], -1)[:, :out_features]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], out_features)
 
 
 _LIB.impl("prepacked_linear", _prepacked_linear_cpu, "CPU")
@@ -196,3 +205,62 @@ class Prepackable(nn.Module):
         if self.prepacked and in_static_step() and x.shape[0] > 1:
             return prepacked_linear(x, self.weight, bias, self.weight.shape[0])
         return F.linear(x, self.weight, bias)
+
+
+def experts_run_sparse(expert_features: int) -> bool:
+    """Whether `expert_linear` / `expert_linear_in` serve experts of `expert_features` gate/up
+    outputs: the C++ kernels are loaded and an expert's outputs fill whole panels."""
+    return _NATIVE[0] and expert_features % PANEL == 0
+
+
+def expert_linear(
+    x: torch.Tensor,  # [T, K]
+    source: torch.Tensor,
+    bias: torch.Tensor | None,  # [E·F]
+    out_features: int,  # E·F
+    experts: torch.Tensor,  # [T, k] int64
+    expert_features: int,  # F
+) -> torch.Tensor:  # [T, k, F]
+    """Each token through its k experts' rows of the stacked weight held for `source`:
+    out[t, j] = x[t] W_e^T + bias_e, e = experts[t, j], W_e its rows [e·F, (e + 1)·F). Only the
+    chosen experts' weights are read and multiplied (`experts_run_sparse` must hold)."""
+    return torch.ops.swaserve.prepacked_expert_linear(
+        x, source, bias, out_features, experts, expert_features
+    )
+
+
+def expert_linear_in(
+    h: torch.Tensor,  # [T, k, I]
+    source: torch.Tensor,
+    out_features: int,  # D
+    experts: torch.Tensor,  # [T, k] int64
+    weights: torch.Tensor,  # [T, k]
+    expert_inputs: int,  # I
+) -> torch.Tensor:  # [T, D]
+    """y[t] = Σ_j weights[t, j] · h[t, j] W_e^T, e = experts[t, j], W_e the inputs
+    [e·I, (e + 1)·I) of the stacked weight held for `source` ([D, E·I])."""
+    return torch.ops.swaserve.prepacked_expert_linear_in(
+        h, source, out_features, experts, weights, expert_inputs
+    )
+
+
+def _expert_linear_fake(
+    x: torch.Tensor,
+    source: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    experts: torch.Tensor,
+    expert_features: int,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], experts.shape[1], expert_features))
+
+
+def _expert_linear_in_fake(
+    h: torch.Tensor,
+    source: torch.Tensor,
+    out_features: int,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    expert_inputs: int,
+) -> torch.Tensor:
+    return h.new_empty((h.shape[0], out_features))

@@ -27,8 +27,8 @@ logits it returns; nothing is read back. TP ranks pad the broadcast `ModelInput`
 (`bucket` depends only on it), so every rank runs the same bucket.
 
 Models see `static_shapes()` True while the step runs: the MoE then takes a path with no host
-read (`BatchedExperts.forward`). Compiled on CPU, the step's GEMMs run over oneDNN-prepacked
-copies of the weights (`models/prepacked.py`, made when the runner loads the model) and its
+read (`BatchedExperts.forward`). Compiled on CPU, the step's GEMMs run over copies of the
+weights in panels for our C++ GEMM kernel (`models/prepacked.py`, made when the runner loads the model) and its
 attention over our C++ kernel (`attention/cpu_kernels.py`, built here before any trace).
 
 On CPU a compiled graph is called directly once it exists, as a CUDA graph is replayed: the

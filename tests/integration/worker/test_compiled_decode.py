@@ -91,16 +91,33 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
 
+# More experts than twice those a token chooses: the compiled step runs each token through its
+# own experts only (`BatchedExperts.forward_prepacked_sparse`).
+MANY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2}
+
+
 @pytest.mark.parametrize(
-    "arch",
-    ["gpt-oss", "mimo-v2-flash", "gemma3", "gemma4", "cohere2", "olmo3", "exaone4", "llama4"],
+    ("arch", "experts"),
+    [
+        ("gpt-oss", {}),
+        ("gpt-oss", MANY_EXPERTS),
+        ("mimo-v2-flash", {}),
+        ("mimo-v2-flash", MANY_EXPERTS),
+        ("gemma3", {}),
+        ("gemma4", {}),
+        ("cohere2", {}),
+        ("olmo3", {}),
+        ("exaone4", {}),
+        ("llama4", {}),
+    ],
+    ids=lambda v: "8-experts" if v == MANY_EXPERTS else (v or None),
 )
 def test_compiled_decode_equals_transformers_and_eager(
-    arch: str, tiny_model_factory: Callable[..., Path]
+    arch: str, experts: dict[str, int], tiny_model_factory: Callable[..., Path]
 ) -> None:
     layers = 6 if arch == "gemma4" else 4  # Gemma 4's last two share KV
     model = tiny_model_factory(
-        arch, num_layers=layers, sliding_window_size=W, hidden_size=32, seed=7
+        arch, num_layers=layers, sliding_window_size=W, hidden_size=32, seed=7, **experts
     )
     prompts = workload(1)
     want = reference(model, prompts)

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from swaserve.worker.attention import cpu_kernels
+from swaserve.worker.models import prepacked
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.gpt_oss import GptOssExperts
-from swaserve.worker.models.layers import gathers_expert_weights, sort_by_expert
+from swaserve.worker.models.layers import BatchedExperts, gathers_expert_weights, sort_by_expert
 from swaserve.worker.models.mimo_v2_flash import MiMoV2FlashExperts
 from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.models.tiny import make_tiny_model
@@ -167,12 +169,29 @@ def test_sort_by_expert_pads_each_group_to_the_largest() -> None:
     assert groups.pair.tolist() == [1, 4, 0, 2, 5, 3]
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("path", ["sparse", "dense"])
 @pytest.mark.parametrize("arch", sorted(REFERENCES))
 @pytest.mark.parametrize("num_tokens", [1, 2, 37])
-def test_prepacked_experts_equal_the_per_expert_loop(arch: str, num_tokens: int, tmp_path) -> None:
-    """The static step's path over the prepacked stacked weights (two GEMMs over every expert;
-    one token still gathers its experts' weights), and the eager paths unchanged beside it."""
+def test_prepacked_experts_equal_the_per_expert_loop(
+    arch: str, num_tokens: int, path: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The static step's paths over the prepacked stacked weights: each token through its own
+    experts (`sparse`: our C++ kernels, 8 experts > 2 × top-3) or every expert over every token
+    (`dense`: without them); one token still gathers its experts' weights; and the eager paths
+    unchanged beside them."""
+    taken: list[str] = []
+    if path == "sparse":
+        if cpu_kernels.load() is None:
+            pytest.skip("the C++ kernels did not build here")
+        sparse = BatchedExperts.forward_prepacked_sparse
+
+        def spy(self, *args):
+            taken.append("sparse")
+            return sparse(self, *args)
+
+        monkeypatch.setattr(BatchedExperts, "forward_prepacked_sparse", spy)
+    else:
+        monkeypatch.setattr(prepacked, "experts_run_sparse", lambda features: False)
     experts = make_experts(arch, tmp_path)
     i = experts.down_proj.shape[1 if arch == "gpt-oss" else 2]
     stacked = 3 * NUM_EXPERTS * HIDDEN * i
@@ -189,6 +208,7 @@ def test_prepacked_experts_equal_the_per_expert_loop(arch: str, num_tokens: int,
         eager = experts(x, index, weights)
     assert (ours - theirs).abs().max().item() < TOLERANCE
     assert (eager - theirs).abs().max().item() < TOLERANCE
+    assert taken == (["sparse"] if path == "sparse" and num_tokens > 1 else [])
 
 
 def rank_experts(
@@ -218,7 +238,6 @@ def rank_experts(
     return experts
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("arch", sorted(REFERENCES))
 def test_prepacked_tp_ranks_sum_to_the_whole(arch: str, tmp_path) -> None:
     """Each TP rank's prepacked experts give its partial output (the down bias on rank 0 only);

@@ -1,6 +1,6 @@
-"""Prepacked linear weights (oneDNN) for the compiled CPU decode step: the op (its Python kernel
-and the C++ one of our kernels) against `F.linear`, its errors, the copies' lifetime in both,
-and where the layers use them."""
+"""Linear weights held in panels for the compiled CPU decode step: the op (its Python kernel and
+the C++ one of our kernels) against `F.linear`, a row's result independent of the batch, its
+errors, the copies' lifetime in both, and where the layers use them."""
 
 from __future__ import annotations
 
@@ -18,10 +18,6 @@ from swaserve.worker.models.prepacked import held_for, pack, prepacked_linear
 from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.models.tp_layers import ColumnParallelLinear, RowParallelLinear
 from swaserve.worker.runner.parallel import TPGroup
-
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
-)
 
 GEN = torch.Generator().manual_seed(3)
 
@@ -55,7 +51,38 @@ def test_prepacked_linear_equals_f_linear(rows: int, with_bias: bool, linear: Li
     want = F.linear(strided, weight, bias)
     assert (linear(strided, weight, bias, 48) - want).abs().max() < 1e-5
     assert linear(x[:0], weight, bias, 48).shape == (0, 48)
-    assert torch.equal(prepacked_linear(x, weight, bias, 48), linear(x, weight, bias, 48))
+    active = (
+        torch.ops.swaserve.prepacked_linear_native
+        if prepacked._NATIVE[0]
+        else torch.ops.swaserve.prepacked_linear
+    )  # what the wrapper calls
+    assert torch.equal(prepacked_linear(x, weight, bias, 48), active(x, weight, bias, 48))
+
+
+@pytest.mark.parametrize("features", [1, 16, 17, 40, 100])
+def test_any_row_count_and_feature_count(features: int, linear: Linear) -> None:
+    """Every tile shape (1-8 rows, one or two panels, a partial last panel), and with the C++
+    kernel each row's result the same bit for bit whatever else the batch holds."""
+    weight, bias = randn(features, 24), randn(features)
+    pack(weight, weight)
+    x = randn(21, 24)
+    got = linear(x, weight, bias, features)
+    assert (got - F.linear(x, weight, bias)).abs().max() < 1e-5
+    for rows in (1, 2, 7, 8, 9, 16):
+        assert (linear(x[:rows], weight, bias, features) - got[:rows]).abs().max() < 1e-5
+    if linear is torch.ops.swaserve.prepacked_linear:
+        return  # the Python kernel's matmul: no such promise
+    for rows in (1, 2, 7, 8, 9, 16):
+        assert torch.equal(linear(x[:rows], weight, bias, features), got[:rows])
+    assert torch.equal(linear(x[5:6], weight, bias, features)[0], got[5])
+
+
+def test_the_panels_hold_the_weight_by_sixteen_outputs() -> None:
+    weight = randn(20, 3)
+    panels = prepacked.to_panels(weight)
+    assert panels.shape == (2, 3, 16)
+    assert torch.equal(panels[1, 2, :4], weight[16:, 2])
+    assert not panels[1, :, 4:].any()  # zeros past the last output
 
 
 def test_a_copy_of_rearranged_values_serves_its_source(linear: Linear) -> None:
@@ -125,7 +152,8 @@ def test_layers_use_the_copy_only_in_a_static_step_of_several_rows(index: int) -
     x = randn(4, 12)
     with torch.no_grad():
         want = layer(x)
-        assert layer.prepack_weights() == layer.weight.numel() * 4
+        rows, cols = layer.weight.shape
+        assert layer.prepack_weights() == -(-rows // prepacked.PANEL) * prepacked.PANEL * cols * 4
         assert layer.prepacked
         assert layer.prepack_weights() == 0  # held already: no second copy
         with static_shapes():
@@ -145,3 +173,47 @@ def test_layers_without_onednn_weights_stay_plain() -> None:
     layer = ColumnParallelLinear(4, 4, ((0, 4),), bias=False, dtype=torch.float64)
     assert layer.prepack_weights() == 0
     assert not layer.prepacked
+
+
+def test_the_expert_linears_run_each_token_through_its_own_experts() -> None:
+    """`expert_linear` / `expert_linear_in` (the compiled step's MoE): each (token, expert) pair
+    through that expert's rows / inputs of the stacked weights only, a token's result the same
+    bit for bit whatever the batch, and an expert out of range refused."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the C++ kernels did not build here")
+    experts_n, features, inputs, d = 4, 32, 16, 24
+    gate_up, bias = randn(experts_n * features, d), randn(experts_n * features)
+    down = randn(d, experts_n * inputs)
+    pack(gate_up, gate_up)
+    pack(down, down)
+    assert prepacked.experts_run_sparse(features)
+    assert not prepacked.experts_run_sparse(features + 8)
+    x = randn(11, d)
+    chosen = torch.stack([torch.randperm(experts_n, generator=GEN)[:2] for _ in range(11)])
+    weights = torch.rand(11, 2, generator=GEN)
+    got = prepacked.expert_linear(x, gate_up, bias, experts_n * features, chosen, features)
+    h = randn(11, 2, inputs)
+    y = prepacked.expert_linear_in(h, down, d, chosen, weights, inputs)
+    for t in range(11):
+        want_y = torch.zeros(d)
+        for j in range(2):
+            e = int(chosen[t, j])
+            rows = slice(e * features, (e + 1) * features)
+            want = x[t] @ gate_up[rows].T + bias[rows]
+            assert (got[t, j] - want).abs().max() < 1e-5
+            want_y += weights[t, j] * (h[t, j] @ down[:, e * inputs : (e + 1) * inputs].T)
+        assert (y[t] - want_y).abs().max() < 1e-5
+    for rows in (1, 3, 8):
+        part = prepacked.expert_linear(
+            x[:rows], gate_up, bias, experts_n * features, chosen[:rows], features
+        )
+        assert torch.equal(part, got[:rows])
+        part_y = prepacked.expert_linear_in(
+            h[:rows], down, d, chosen[:rows], weights[:rows], inputs
+        )
+        assert torch.equal(part_y, y[:rows])
+    chosen[3, 1] = 7
+    with pytest.raises(RuntimeError, match="expert 7 of 4"):
+        prepacked.expert_linear(x, gate_up, bias, experts_n * features, chosen, features)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        prepacked.expert_linear(x, gate_up, bias, experts_n * features, chosen[:, :1] * 0, 24)
