@@ -16,12 +16,14 @@ import jsonschema
 import openai
 import pytest
 from cluster_harness import (
+    MAX_TOTAL_TOKENS,
     WINDOW,
     ServedCluster,
     model_name_of,
     openai_client,
     running_cluster,
     wait_idle,
+    wait_idle_for_reuse,
 )
 
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
@@ -62,7 +64,9 @@ def mimo_model(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def mimo_cluster(ray_session: str, mimo_model: Path) -> Iterator[ServedCluster]:
-    yield from running_cluster(mimo_model, replicas=2)
+    # Room for the first test's nine tool-call turns (1,249 prompt tokens each, their outputs
+    # cached) on one worker without pressure, under which its follow-up may move.
+    yield from running_cluster(mimo_model, replicas=2, max_total_tokens=4 * MAX_TOTAL_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +137,9 @@ def test_a_forced_tool_call_validates_on_every_seed_whole_and_streamed(
         },
         {"role": "tool", "tool_call_id": pieces[0].id, "content": '{"temp": 21}'},
     ]
+    # The router holds every worker's report of the call's turn (its cache events) before the
+    # follow-up is routed, and no pool is under pressure, where a short history may move.
+    wait_idle_for_reuse(mimo_cluster)
     answer = client.chat.completions.create(
         model=model_name,
         messages=follow,  # type: ignore[arg-type]
