@@ -108,6 +108,18 @@ def decode_attention_op() -> Any:
     return _state.get("op")
 
 
+def decode_attention_for(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Any:
+    """The loaded op when it serves these tensors (CPU, float32 queries and pool), else None."""
+    kernel = _state.get("op")
+    if (
+        kernel is not None
+        and q.device.type == "cpu"
+        and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32
+    ):
+        return kernel
+    return None
+
+
 def _build() -> Any:
     from torch.utils import cpp_extension
 

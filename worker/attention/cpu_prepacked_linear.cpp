@@ -243,7 +243,8 @@ struct Groups {
     std::vector<std::pair<int64_t, int64_t>> items;  // (expert, panel pair)
     for (int64_t e = 0; e < E; ++e) {
       if (start[e + 1] == start[e]) continue;
-      for (int64_t t = 0; t < gemm(e).pairs(); ++t) items.emplace_back(e, t);
+      const int64_t pairs = gemm(e).pairs();
+      for (int64_t t = 0; t < pairs; ++t) items.emplace_back(e, t);
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {

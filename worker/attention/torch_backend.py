@@ -160,18 +160,14 @@ def decode_attention(
     split: bool = True,
 ) -> torch.Tensor:  # [Bd, H, Dv]
     """One-token requests over their padded reads. On CPU in float32, once `cpu_kernels` is
-    loaded (every CPU model runner loads it), our C++ kernel over the pool rows: no gathered
-    copy of the keys, and each row's result is the same whatever else the batch holds, so a
-    verified draft row equals the plain decode of its position bit for bit (the compiled step
-    runs the same kernel). Otherwise one gathered attention call (more only when the batch's
+    loaded (every CPU attention backend loads it), our C++ kernel over the pool rows: no
+    gathered copy of the keys, and each row's result is the same whatever else the batch holds,
+    so a verified draft row attends as the plain decode of its position does, bit for bit (the
+    compiled step runs the same kernel). Otherwise one gathered attention call (more only when the batch's
     scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not split, so
     that its batch and width stay symbolic)."""
-    kernel = cpu_kernels.decode_attention_op()
-    if (
-        kernel is not None
-        and q.device.type == "cpu"
-        and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32
-    ):
+    kernel = cpu_kernels.decode_attention_for(q, k_buf, v_buf)
+    if kernel is not None:
         return kernel(q, k_buf, v_buf, slots, bias, layer.scaling, sinks)
 
     def attend(qs: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -209,12 +205,8 @@ def static_decode(
     k_buf, v_buf = kv_pool.get_kv_buffer(layer.kv_source)  # [rows, Hkv, D]
     reads = meta.reads(layer)
     if torch.compiler.is_compiling():
-        kernel = cpu_kernels.decode_attention_op()
-        if (
-            kernel is not None
-            and q.device.type == "cpu"
-            and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32
-        ):
+        kernel = cpu_kernels.decode_attention_for(q, k_buf, v_buf)
+        if kernel is not None:
             return kernel(q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks)
         return decode_attention_loops(
             q, k_buf, v_buf, reads.slots, reads.bias, layer.scaling, sinks

@@ -596,6 +596,11 @@ class BatchedExperts(nn.Module):
             y = self.expert_outputs(xs, None)  # [E, T, D]
         return torch.einsum("etd,te->td", y, dense.to(y.dtype)).to(x.dtype)
 
+    def stacked_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parameters the stacked gate/up and down copies are held for (`prepack_weights`)."""
+        gate_up, down = (getattr(self, name) for name in self.expert_weight_names)
+        return gate_up, down
+
     def forward_prepacked_sparse(
         self,
         x: torch.Tensor,  # [T, D]
@@ -606,7 +611,7 @@ class BatchedExperts(nn.Module):
         kernels, `prepacked.expert_linear`): the pairs' gate/up rows [T, k, 2I], the
         activation, then each pair's down part weighted by its routing weight and summed.
         Half the arithmetic of `forward_prepacked` at top-2 of 4 experts, the same weights."""
-        gate_up_source, down_source = (getattr(self, name) for name in self.expert_weight_names)
+        gate_up_source, down_source = self.stacked_sources()
         gate_up_features, out_features = self.stacked_out_features
         per_expert = gate_up_features // self.num_experts
         gate_up = prepacked.expert_linear(
@@ -630,7 +635,7 @@ class BatchedExperts(nn.Module):
         [T, D] × [D, E·2I], the activation, each expert's part scaled by its routing weight,
         then [T, E·I] × [E·I, D], which also sums over the experts."""
         t = x.shape[0]
-        gate_up_source, down_source = (getattr(self, name) for name in self.expert_weight_names)
+        gate_up_source, down_source = self.stacked_sources()
         gate_up_features, out_features = self.stacked_out_features
         gate_up = prepacked_linear(
             x, gate_up_source, self.stacked_gate_up_bias, gate_up_features

@@ -8,8 +8,9 @@ our C++ kernel (`attention/cpu_prepacked_linear.cpp`) reads in register tiles of
 32 outputs, summing each output's K products in order: a row's result does not depend on the
 others in the batch. On the decode bench's 2-core CPU it takes [8, 256] × [256, 768] in 19 µs
 (oneDNN's prepacked GEMM, which it replaced: 33 µs; `F.linear`: about 4× that). The compiled
-decode step's MoE runs as two such GEMMs over all of a layer's experts at once
-(`BatchedExperts.forward_prepacked`), and its dense projections too.
+decode step's dense projections run over such copies, and its MoE over the stacked experts:
+each token through its own experts (`expert_linear`, `expert_linear_in`, with many experts) or
+every expert over every token (`BatchedExperts.forward_prepacked`).
 
 The graph calls the op `swaserve::prepacked_linear(x, source, bias, out_features)`: `source` is
 the parameter the copy was made from (a graph input like every weight, read for nothing but its
