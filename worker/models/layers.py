@@ -436,7 +436,8 @@ SPARSE_EXPERTS_RATIO = 2
 (`BatchedExperts.forward_prepacked_sparse`) when there are more than this many experts per
 expert a token chooses; with fewer, every expert over every token costs no more (decode
 bench's GPT-OSS step at batch 8, 4 experts top-2: 1.78 vs 1.91 ms dense / sparse; 32 experts
-top-4: 10.05 vs 7.01 ms)."""
+top-4: 10.05 vs 7.01 ms). One token always runs through its own experts (batch 1 of the
+decode bench, with the dense layers over their copies too: 0.96 against 1.77 ms)."""
 
 
 class BatchedExperts(nn.Module):
@@ -556,27 +557,29 @@ class BatchedExperts(nn.Module):
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, D]
         """A fixed-shape step's path: no host read, so that it compiles into one graph and a
-        CUDA graph can capture it. The pairs' own weights when there are no more pairs than
-        experts (CPU: one token) and their copies fit the budget (`forward_gathered`; compiled
-        on CPU, the gather fuses into the matmul loop and copies nothing: b = 1 of the decode
-        bench runs 1.2× faster than over every expert); else every expert over all T tokens in one bmm, each token's
+        CUDA graph can capture it. Over the prepacked copies (the compiled CPU step), each
+        token through its own experts (`forward_prepacked_sparse`) for one token, or with
+        more than `SPARSE_EXPERTS_RATIO` experts per chosen one. Else the pairs' own weights
+        when there are no more pairs than experts (CPU: one token) and their copies fit the
+        budget (`forward_gathered`; compiled on CPU, the gather fuses into the matmul loop and
+        copies nothing); else every expert over all T tokens in one bmm, each token's
         output weighted by its routing weight for that expert (0 where it did not choose it):
         E/k times the arithmetic of the chosen pairs, but each expert's weights are read once,
         as the grouped path reads them. Weights held quantized dequantize every expert then,
         in `GATHER_BUDGET_ELEMENTS` chunks."""
         t, k = top_k_index.shape
         pairs = t * k
+        if (
+            self.prepacked
+            and (t == 1 or self.num_experts > SPARSE_EXPERTS_RATIO * k)
+            and prepacked.experts_run_sparse(self.stacked_out_features[0] // self.num_experts)
+        ):
+            return self.forward_prepacked_sparse(x, top_k_index, top_k_weights)
         # On CPU only one token's pairs gather: a compiled step then has two graphs in all (one
         # token, and every larger batch with the batch symbolic).
         few = t == 1 if x.device.type == "cpu" else pairs <= self.num_experts
         if few and pairs * self.expert_elements <= GATHER_BUDGET_ELEMENTS:
             return self.forward_gathered(x, top_k_index, top_k_weights)
-        if (
-            self.prepacked
-            and self.num_experts > SPARSE_EXPERTS_RATIO * k
-            and prepacked.experts_run_sparse(self.stacked_out_features[0] // self.num_experts)
-        ):
-            return self.forward_prepacked_sparse(x, top_k_index, top_k_weights)
         dense = torch.zeros(
             t, self.num_experts, dtype=top_k_weights.dtype, device=x.device
         ).scatter_(1, top_k_index, top_k_weights)  # [T, E] routing weight of every pair

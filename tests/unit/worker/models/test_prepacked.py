@@ -147,7 +147,7 @@ def linears() -> list[torch.nn.Module]:
 
 
 @pytest.mark.parametrize("index", range(3))
-def test_layers_use_the_copy_only_in_a_static_step_of_several_rows(index: int) -> None:
+def test_layers_use_the_copy_only_in_a_static_step(index: int) -> None:
     layer = linears()[index]
     x = randn(4, 12)
     with torch.no_grad():
@@ -157,16 +157,21 @@ def test_layers_use_the_copy_only_in_a_static_step_of_several_rows(index: int) -
         assert layer.prepacked
         assert layer.prepack_weights() == 0  # held already: no second copy
         with static_shapes():
-            got = layer(x)
-        outs = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-        for a, b in zip(*outs, strict=True):
-            assert (a - b).abs().max() < 1e-5
+            got, one = layer(x), layer(x[:1])  # one row over the copy too
+        for got_rows, want_rows in ((got, want), (one, layer(x[:1]))):
+            outs = (
+                (got_rows, want_rows)
+                if isinstance(got_rows, tuple)
+                else ((got_rows,), (want_rows,))
+            )
+            for a, b in zip(*outs, strict=True):
+                assert (a - b).abs().max() < 1e-5
         prepacked.drop(layer.weight)  # now only the eager path works
         layer(x)
         with static_shapes():
-            layer(x[:1])  # one row: inductor's own loops, not the copy
-            with pytest.raises(RuntimeError, match="no prepacked weight is held"):  # either op
-                layer(x)
+            for rows in (x, x[:1]):
+                with pytest.raises(RuntimeError, match="no prepacked weight is held"):  # either op
+                    layer(rows)
 
 
 def test_layers_without_onednn_weights_stay_plain() -> None:
