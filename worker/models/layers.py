@@ -431,15 +431,6 @@ def gathers_expert_weights(
     return num_pairs <= num_experts
 
 
-SPARSE_EXPERTS_RATIO = 2
-"""The compiled CPU step runs each token through its own experts only
-(`BatchedExperts.forward_prepacked_sparse`) when there are more than this many experts per
-expert a token chooses; with fewer, every expert over every token costs no more (decode
-bench's GPT-OSS step at batch 8, 4 experts top-2: 1.78 vs 1.91 ms dense / sparse; 32 experts
-top-4: 10.05 vs 7.01 ms). One token always runs through its own experts (batch 1 of the
-decode bench, with the dense layers over their copies too: 0.96 against 1.77 ms)."""
-
-
 class BatchedExperts(nn.Module):
     """MoE experts that choose their path per batch: `forward_gathered` (few pairs, no host
     sync) or `forward_grouped` (many pairs, one host read); see `gathers_expert_weights`.
@@ -557,9 +548,12 @@ class BatchedExperts(nn.Module):
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, D]
         """A fixed-shape step's path: no host read, so that it compiles into one graph and a
-        CUDA graph can capture it. Over the prepacked copies (the compiled CPU step), each
-        token through its own experts (`forward_prepacked_sparse`) for one token, or with
-        more than `SPARSE_EXPERTS_RATIO` experts per chosen one. Else the pairs' own weights
+        CUDA graph can capture it. Over the prepacked copies with our C++ kernels (the
+        compiled CPU step), each token through its own experts (`forward_prepacked_sparse`):
+        a row's result is then the same in every batch bucket, and on the decode bench
+        (GPT-OSS, 4 experts top-2) the step takes 0.96 against 1.77 ms at batch 1 (gathered
+        experts), 3.97 against 4.75 ms at batch 32 (every expert), and the same at batch 8
+        (2.56 against 2.57 ms). Else the pairs' own weights
         when there are no more pairs than experts (CPU: one token) and their copies fit the
         budget (`forward_gathered`; compiled on CPU, the gather fuses into the matmul loop and
         copies nothing); else every expert over all T tokens in one bmm, each token's
@@ -569,10 +563,8 @@ class BatchedExperts(nn.Module):
         in `GATHER_BUDGET_ELEMENTS` chunks."""
         t, k = top_k_index.shape
         pairs = t * k
-        if (
-            self.prepacked
-            and (t == 1 or self.num_experts > SPARSE_EXPERTS_RATIO * k)
-            and prepacked.experts_run_sparse(self.stacked_out_features[0] // self.num_experts)
+        if self.prepacked and prepacked.experts_run_sparse(
+            self.stacked_out_features[0] // self.num_experts
         ):
             return self.forward_prepacked_sparse(x, top_k_index, top_k_weights)
         # On CPU only one token's pairs gather: a compiled step then has two graphs in all (one

@@ -9,8 +9,8 @@ our C++ kernel (`attention/cpu_prepacked_linear.cpp`) reads in register tiles of
 others in the batch. On the decode bench's 2-core CPU it takes [8, 256] × [256, 768] in 19 µs
 (oneDNN's prepacked GEMM, which it replaced: 33 µs; `F.linear`: about 4× that). The compiled
 decode step's dense projections run over such copies, and its MoE over the stacked experts:
-each token through its own experts (`expert_linear`, `expert_linear_in`: one token, or many
-experts) or every expert over every token (`BatchedExperts.forward_prepacked`).
+each token through its own experts (`expert_linear`, `expert_linear_in`, with the C++
+kernels) or every expert over every token (`BatchedExperts.forward_prepacked`, without).
 
 The graph calls the op `swaserve::prepacked_linear(x, source, bias, out_features)`: `source` is
 the parameter the copy was made from (a graph input like every weight, read for nothing but its

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from swaserve.worker.attention import cpu_kernels
-from swaserve.worker.models import layers, prepacked
+from swaserve.worker.models import prepacked
 from swaserve.worker.models.config import load_model_config
 from swaserve.worker.models.gpt_oss import GptOssExperts
 from swaserve.worker.models.layers import BatchedExperts, gathers_expert_weights, sort_by_expert
@@ -169,21 +169,18 @@ def test_sort_by_expert_pads_each_group_to_the_largest() -> None:
     assert groups.pair.tolist() == [1, 4, 0, 2, 5, 3]
 
 
-@pytest.mark.parametrize("path", ["sparse", "sparse-for-one-token", "dense"])
+@pytest.mark.parametrize("path", ["sparse", "dense"])
 @pytest.mark.parametrize("arch", sorted(REFERENCES))
 @pytest.mark.parametrize("num_tokens", [1, 2, 37])
 def test_prepacked_experts_equal_the_per_expert_loop(
     arch: str, num_tokens: int, path: str, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The static step's paths over the prepacked stacked weights: each token through its own
-    experts (`sparse`: our C++ kernels, 8 experts > 2 × top-3; `sparse-for-one-token`: too
-    few experts per chosen one for that, so only a lone token does) or every expert over every
-    token (`dense`: without the kernels, where one token gathers its experts' weights); and
-    the eager paths unchanged beside them."""
+    experts (`sparse`: our C++ kernels, any number of tokens) or every expert over every token
+    (`dense`: without the kernels, where one token gathers its experts' weights); and the eager
+    paths unchanged beside them."""
     taken: list[str] = []
-    if path == "sparse-for-one-token":
-        monkeypatch.setattr(layers, "SPARSE_EXPERTS_RATIO", NUM_EXPERTS)
-    if path != "dense":
+    if path == "sparse":
         if cpu_kernels.load() is None:
             pytest.skip("the C++ kernels did not build here")
         sparse = BatchedExperts.forward_prepacked_sparse
@@ -211,8 +208,7 @@ def test_prepacked_experts_equal_the_per_expert_loop(
         eager = experts(x, index, weights)
     assert (ours - theirs).abs().max().item() < TOLERANCE
     assert (eager - theirs).abs().max().item() < TOLERANCE
-    sparse_for = {"sparse": True, "sparse-for-one-token": num_tokens == 1, "dense": False}
-    assert taken == (["sparse"] if sparse_for[path] else [])
+    assert taken == (["sparse"] if path == "sparse" else [])
 
 
 def rank_experts(
