@@ -163,9 +163,9 @@ def decode_attention(
     loaded (every CPU attention backend loads it), our C++ kernel over the pool rows: no
     gathered copy of the keys, and each row's result is the same whatever else the batch holds,
     so a verified draft row attends as the plain decode of its position does, bit for bit (the
-    compiled step runs the same kernel). Otherwise one gathered attention call (more only when the batch's
-    scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not split, so
-    that its batch and width stay symbolic)."""
+    compiled step runs the same kernel). Otherwise one gathered attention call (more only when
+    the batch's scores would pass SCORE_BUDGET_ELEMENTS and `split`; a fixed-shape step does not
+    split, so that its batch and width stay symbolic)."""
     kernel = cpu_kernels.decode_attention_for(q, k_buf, v_buf)
     if kernel is not None:
         return kernel(q, k_buf, v_buf, slots, bias, layer.scaling, sinks)

@@ -551,22 +551,23 @@ class BatchedExperts(nn.Module):
         CUDA graph can capture it. Over the prepacked copies with our C++ kernels (the
         compiled CPU step), each token through its own experts (`forward_prepacked_sparse`):
         a row's result is then the same in every batch bucket, and on the decode bench
-        (GPT-OSS, 4 experts top-2) the step takes 0.96 against 1.77 ms at batch 1 (gathered
-        experts), 3.97 against 4.75 ms at batch 32 (every expert), and the same at batch 8
-        (2.56 against 2.57 ms). Else the pairs' own weights
-        when there are no more pairs than experts (CPU: one token) and their copies fit the
-        budget (`forward_gathered`; compiled on CPU, the gather fuses into the matmul loop and
-        copies nothing); else every expert over all T tokens in one bmm, each token's
+        (GPT-OSS, 4 experts top-2) the step takes 3.97 against 4.75 ms at batch 32 (every
+        expert), the same at batch 8 (2.56 against 2.57 ms), and at batch 1, with the linears
+        over their copies too, 0.96 against 1.77 ms (gathered experts, inductor's loops). Else
+        the pairs' own weights when there are no more pairs than experts (CPU: one token) and
+        their copies fit the budget (`forward_gathered`; compiled on CPU, the gather fuses into
+        the matmul loop and copies nothing); else every expert over all T tokens in one bmm,
+        each token's
         output weighted by its routing weight for that expert (0 where it did not choose it):
         E/k times the arithmetic of the chosen pairs, but each expert's weights are read once,
         as the grouped path reads them. Weights held quantized dequantize every expert then,
         in `GATHER_BUDGET_ELEMENTS` chunks."""
-        t, k = top_k_index.shape
-        pairs = t * k
         if self.prepacked and prepacked.experts_run_sparse(
             self.stacked_out_features[0] // self.num_experts
         ):
             return self.forward_prepacked_sparse(x, top_k_index, top_k_weights)
+        t, k = top_k_index.shape
+        pairs = t * k
         # On CPU only one token's pairs gather: a compiled step then has two graphs in all (one
         # token, and every larger batch with the batch symbolic).
         few = t == 1 if x.device.type == "cpu" else pairs <= self.num_experts
