@@ -10,7 +10,8 @@ Despite its name, `weight_scale_inv` multiplies: it is the inverse of the quanti
 
 Kept in memory (the engine's default), a weight stays float8_e4m3fn with its scales expanded
 along one dimension (below), and linears run through `fp8_linear`: a block-scaled
-`torch._scaled_mm` where the device has one, else the weight dequantized for the call.
+`F.scaled_mm` (or `torch._scaled_mm`) where the device has one, else the weight dequantized
+for the call.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def fp8_linear(
     block_size: tuple[int, int],
     expand_dim: int,
     bias: torch.Tensor | None = None,  # [R]
-    block_scale: torch.Tensor | None = None,  # [R / 128, C / 128] float32, see below
+    block_scale: torch.Tensor | None = None,  # [R / 128, ceil_4(C / 128)] float32, see below
 ) -> torch.Tensor:  # [T, R] in x.dtype
     """x · weightᵀ + bias: the one seam where resident FP8 linears run. Given `block_scale`
     (`scaled_mm_block_scale`: the device has FP8 tensor cores and the weight fits them), one
@@ -157,7 +158,7 @@ def scaled_mm_block_scale(
     scale: torch.Tensor,  # expanded scale, float32
     block_size: tuple[int, int],
     expand_dim: int,
-) -> torch.Tensor | None:  # [R / 128, C / 128] float32
+) -> torch.Tensor | None:  # [R / 128, ceil_4(C / 128)] float32
     """The block scales `scaled_mm_block_linear` takes for this weight, or None where it cannot
     run it: not a CUDA device with block-scaled `_scaled_mm` (`scaled_mm_block_supported`),
     blocks other than 128×128, a dimension not a multiple of 128, or rows of one block that do
@@ -174,17 +175,32 @@ def scaled_mm_block_scale(
     ):
         return None
     blocks = scale[::bn].contiguous()  # [R / bn, C / bk] float32
-    return blocks if torch.equal(blocks.repeat_interleave(bn, dim=0), scale) else None
+    if not torch.equal(blocks.repeat_interleave(bn, dim=0), scale):
+        return None
+    return pad_block_scale(blocks)
+
+
+def pad_block_scale(blocks: torch.Tensor) -> torch.Tensor:  # [R / 128, ceil_4(C / 128)]
+    """A weight's block scales [R / 128, C / 128] with their K blocks padded to a multiple of 4
+    (with ones): cuBLAS reads the weight's scales with a leading dimension of a multiple of 4
+    and, given fewer, multiplies by the wrong scales without an error (measured on an H100:
+    products off by 100× at C / 128 = 2 or 5). `scaled_mm_block_linear` passes the padded
+    scales whole; the padding is never read against a column of the weight."""
+    k_blocks = blocks.shape[1]
+    return F.pad(blocks, (0, -k_blocks % 4), value=1.0).contiguous()
 
 
 def scaled_mm_block_linear(
     x: torch.Tensor,  # [T, C] bfloat16 / float16
     weight: torch.Tensor,  # [R, C] float8_e4m3fn
-    block_scale: torch.Tensor,  # [R / 128, C / 128] float32
+    block_scale: torch.Tensor,  # [R / 128, ceil_4(C / 128)] float32 (`pad_block_scale`)
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, R] in x.dtype
     """x · weightᵀ in one block-scaled FP8 matmul (CUDA only): x quantized per token and 128
-    columns (scales [T, C / 128], outer-dimension-major as cuBLAS wants them)."""
+    columns (scales [T, C / 128], outer-dimension-major as cuBLAS wants them), the weight's
+    scales transposed to [ceil_4(C / 128), R / 128]. Through `F.scaled_mm` with explicit
+    1×128 / 128×128 recipes where torch has it (2.10 and later), else `torch._scaled_mm`,
+    which infers the recipes from the scales' shapes."""
     t, cols = x.shape
     bk = SCALED_MM_BLOCK[1]
     padded = -(-t // 16) * 16  # the kernel takes rows in multiples of 16
@@ -192,13 +208,27 @@ def scaled_mm_block_linear(
     amax = xb.abs().amax(dim=-1).clamp(min=1e-12)  # [T', C / bk] float32
     x_scale = amax / FP8_MAX  # [T', C / bk] float32
     xq = (xb / x_scale.unsqueeze(-1)).view(padded, cols).to(FP8_DTYPE)  # [T', C] float8
-    out = torch._scaled_mm(
-        xq,
-        weight.t(),
-        scale_a=x_scale.t().contiguous().t(),
-        scale_b=block_scale.t(),
-        out_dtype=x.dtype,
-    )  # [T', R]
+    scale_a = x_scale.t().contiguous().t()  # [T', C / bk], token-major
+    scaled_mm = getattr(F, "scaled_mm", None)
+    if scaled_mm is not None:
+        recipes = F.ScalingType
+        out = scaled_mm(
+            xq,
+            weight.t(),
+            scale_a,
+            recipes.BlockWise1x128,
+            block_scale.t(),
+            recipes.BlockWise128x128,
+            output_dtype=x.dtype,
+        )  # [T', R]
+    else:
+        out = torch._scaled_mm(
+            xq,
+            weight.t(),
+            scale_a=scale_a,
+            scale_b=block_scale.t(),
+            out_dtype=x.dtype,
+        )  # [T', R]
     out = out[:t]
     return out if bias is None else out + bias
 
@@ -207,31 +237,41 @@ def scaled_mm_block_linear(
 def scaled_mm_block_supported(device: torch.device) -> bool:
     """Whether `scaled_mm_block_linear` runs, and is right, on `device`: CUDA with compute
     capability >= 8.9 and a torch whose `_scaled_mm` takes 1×128 / 128×128 block scales, checked
-    once per device on a small problem against dequantization (off, with a log line, if not)."""
+    once per device against dequantization on small problems of 2, 4 and 5 K blocks (cuBLAS
+    pads the weight's scales to 4 blocks; an older torch that passes them unpadded computes
+    garbage without an error), off with a log line if any is wrong."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if torch.cuda.get_device_capability(device) < SCALED_MM_MIN_CAPABILITY:
         return False
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(16, 256, device=device, generator=gen).to(torch.bfloat16)  # [16, 256]
-    value = torch.randn(256, 256, device=device, generator=gen)  # [256, 256] float32
-    weight, scale_inv = quantize_fp8(value, SCALED_MM_BLOCK)
-    try:
-        got = scaled_mm_block_linear(x, weight, scale_inv).float()
-    except (RuntimeError, TypeError) as exc:
-        logger.info("FP8 block-scaled _scaled_mm unavailable on %s (%s); dequantizing", device, exc)
-        return False
-    want = x.float() @ dequantize_fp8(weight, scale_inv, SCALED_MM_BLOCK, torch.float32).t()
-    error = float((got - want).abs().max() / want.abs().max())
-    if error > SCALED_MM_PROBE_TOLERANCE:
-        logger.warning(
-            "FP8 block-scaled _scaled_mm on %s is off by %.3g of the largest value; dequantizing",
-            device,
-            error,
-        )
-        return False
+    for rows, cols in SCALED_MM_PROBE_SHAPES:
+        x = torch.randn(rows, cols, device=device, generator=gen).to(torch.bfloat16)  # [T, C]
+        value = torch.randn(256, cols, device=device, generator=gen)  # [256, C] float32
+        weight, scale_inv = quantize_fp8(value, SCALED_MM_BLOCK)
+        try:
+            got = scaled_mm_block_linear(x, weight, pad_block_scale(scale_inv)).float()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            logger.info(
+                "FP8 block-scaled _scaled_mm unavailable on %s (%s); dequantizing", device, exc
+            )
+            return False
+        want = x.float() @ dequantize_fp8(weight, scale_inv, SCALED_MM_BLOCK, torch.float32).t()
+        error = float((got - want).abs().max() / want.abs().max())
+        if error > SCALED_MM_PROBE_TOLERANCE:
+            logger.warning(
+                "FP8 block-scaled _scaled_mm on %s is off by %.3g of the largest value at "
+                "%d × %d; dequantizing",
+                device,
+                error,
+                rows,
+                cols,
+            )
+            return False
     return True
 
 
+SCALED_MM_PROBE_SHAPES = ((16, 256), (7, 512), (16, 640))
+"""(tokens, columns) of the probe's products: 2, 4 and 5 blocks of 128 columns."""
 # FP8 activations carry 3 mantissa bits: about 2^-4 relative error per value, far less summed.
 SCALED_MM_PROBE_TOLERANCE = 0.05

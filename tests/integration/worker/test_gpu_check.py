@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-CHECKS = ["attn", "logits", "sync", "mxfp4", "decode", "graphs", "grammar", "spec"]
+CHECKS = ["attn", "logits", "sync", "mxfp4", "fp8", "decode", "graphs", "grammar", "spec"]
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the script runs its checks: run it by hand"

@@ -23,6 +23,7 @@ from swaserve.worker.models.fp8 import (
     dequantize_fp8,
     dequantize_fp8_expanded,
     fp8_linear,
+    pad_block_scale,
     quantize_fp8,
     scaled_mm_block_linear,
     scaled_mm_block_scale,
@@ -274,22 +275,34 @@ def test_resident_bytes_are_known_before_the_load(
         assert resident_bytes(model) == sum(t.nbytes for t in model.state_dict().values())
 
 
+@pytest.mark.parametrize("k_blocks", [1, 2, 3, 4, 5, 8])
+def test_block_scales_are_padded_to_four_k_blocks_with_ones(k_blocks: int) -> None:
+    blocks = torch.rand(3, k_blocks) + 0.5  # [R / 128, C / 128]
+    padded = pad_block_scale(blocks)
+    assert padded.shape == (3, -(-k_blocks // 4) * 4) and padded.is_contiguous()
+    assert torch.equal(padded[:, :k_blocks], blocks)
+    assert bool((padded[:, k_blocks:] == 1).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_scaled_mm_block_linear_is_close_to_dequantization_on_cuda() -> None:
+@pytest.mark.parametrize("tokens, cols", [(7, 512), (16, 256), (3, 384), (33, 640), (16, 1024)])
+def test_scaled_mm_block_linear_is_close_to_dequantization_on_cuda(tokens: int, cols: int) -> None:
+    """2, 3 and 5 blocks of 128 columns too: cuBLAS reads the weight's scales in fours."""
     device = torch.device("cuda")
     if not scaled_mm_block_supported(device):
         pytest.skip("this GPU / torch has no block-scaled _scaled_mm (fp8_linear dequantizes)")
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(cols)
     weight, scale_inv = quantize_fp8(
-        torch.randn(384, 512, device=device, generator=gen), (128, 128)
+        torch.randn(384, cols, device=device, generator=gen), (128, 128)
     )
     expanded = scale_inv.repeat_interleave(128, dim=0)  # [R, C / 128]
     block_scale = scaled_mm_block_scale(weight, expanded, (128, 128), -2)
     assert block_scale is not None
-    x = torch.randn(7, 512, device=device, generator=gen).to(torch.bfloat16)
+    x = torch.randn(tokens, cols, device=device, generator=gen).to(torch.bfloat16)
     got = scaled_mm_block_linear(x, weight, block_scale).float()
     want = x.float() @ dequantize_fp8(weight, scale_inv, (128, 128), torch.float32).t()
+    assert got.shape == want.shape
     assert float((got - want).abs().max() / want.abs().max()) < 0.05
 
 
