@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.torch_version import TorchVersion
 
 from swaserve.proto import environment
 from swaserve.worker.attention.base import ForwardBatch
@@ -94,28 +95,50 @@ def default_kv_cache_bytes(
     return budget
 
 
+CPU_COMPILE_MIN_TORCH = "2.13"
+"""The oldest torch whose inductor the CPU decode step is compiled with: torch 2.11's writes
+past a buffer in the MoE step of an MXFP4 checkpoint (a masked reduction of 2 rows stored as
+16), which corrupts the heap; 2.13 is the version the tests run."""
+
+
+def cpu_compile_supported(version: str | None = None) -> bool:
+    """Whether this torch (or `version`) is one the CPU decode step compiles with."""
+    return TorchVersion(version or torch.__version__) >= CPU_COMPILE_MIN_TORCH
+
+
 def compile_mode(config: EngineConfig, device: torch.device) -> str | None:
     """How the pure-decode step runs: "graphs" (CUDA graphs), "compile" (torch.compile) or
     None (eager). `compile="auto"`: CUDA graphs on CUDA; on CPU torch.compile in the
-    background (`compiles_in_background`), else eager (see the README)."""
+    background (`compiles_in_background`), else eager (see the README). `compile=True` on CPU
+    with a torch older than `CPU_COMPILE_MIN_TORCH` raises ValueError."""
     if config.compile == "auto":
         if device.type == "cuda":
             return "graphs"
         return "compile" if compiles_in_background(config, device) else None
     if not config.compile:
         return None
-    return "graphs" if device.type == "cuda" else "compile"
+    if device.type == "cuda":
+        return "graphs"
+    if not cpu_compile_supported():
+        raise ValueError(
+            f"compile=True on CPU needs torch >= {CPU_COMPILE_MIN_TORCH} "
+            f"(this is {torch.__version__}, whose inductor miscompiles the decode step's MoE); "
+            "use compile='auto' (eager with this torch) or compile=False"
+        )
+    return "compile"
 
 
 def compiles_in_background(config: EngineConfig, device: torch.device) -> bool:
     """`compile="auto"` on CPU at TP 1 (a background step could not run a TP group's
-    collectives beside the engine's), unless `SWASERVE_CPU_AUTO_COMPILE=0`: the engine serves
-    eagerly while a thread compiles the decode step's buckets."""
+    collectives beside the engine's), unless `SWASERVE_CPU_AUTO_COMPILE=0` or the torch is
+    older than `CPU_COMPILE_MIN_TORCH`: the engine serves eagerly while a thread compiles the
+    decode step's buckets."""
     return (
         config.compile == "auto"
         and device.type == "cpu"
         and config.tp_size == 1
         and environment.cpu_auto_compile()
+        and cpu_compile_supported()
     )
 
 

@@ -21,6 +21,7 @@ from swaserve.worker.models.layers import (
     FusedLinear,
 )
 from swaserve.worker.models.static_step import static_shapes
+from swaserve.worker.runner import model_runner
 from swaserve.worker.runner.decode_step import (
     DecodeStep,
     InductorBackend,
@@ -29,7 +30,11 @@ from swaserve.worker.runner.decode_step import (
     key_width,
 )
 from swaserve.worker.runner.model_input import padding_decode_input
-from swaserve.worker.runner.model_runner import compile_mode, compiles_in_background
+from swaserve.worker.runner.model_runner import (
+    compile_mode,
+    compiles_in_background,
+    cpu_compile_supported,
+)
 
 W = 8
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
@@ -173,6 +178,25 @@ def test_compile_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compile_mode(on, cpu) == "compile" and compile_mode(on, cuda) == "graphs"
     assert not compiles_in_background(on, cpu)  # compile=True: compiled before serving
     assert compile_mode(EngineConfig(model="m", compile=False), cuda) is None
+
+
+def test_the_cpu_step_compiles_only_with_a_torch_whose_inductor_is_known_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's inductor wrote past a buffer in the MXFP4 MoE step: older torches serve
+    eagerly under "auto" and refuse compile=True on CPU; CUDA graphs are not inductor's."""
+    assert cpu_compile_supported()  # the torch the tests run
+    assert not cpu_compile_supported("2.11.0+cu130") and not cpu_compile_supported("2.4.1")
+    assert cpu_compile_supported("2.13.0+cpu") and cpu_compile_supported("2.14.0.dev20270101")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(CPU_AUTO_COMPILE_ENV)
+    monkeypatch.setattr(model_runner, "cpu_compile_supported", lambda: False)
+    auto = EngineConfig(model="m", device="cpu")
+    assert compile_mode(auto, cpu) is None and not compiles_in_background(auto, cpu)
+    on = EngineConfig(model="m", compile=True)
+    with pytest.raises(ValueError, match=r"compile=True on CPU needs torch >= 2\.13"):
+        compile_mode(on, cpu)
+    assert compile_mode(on, cuda) == "graphs" and compile_mode(auto, cuda) == "graphs"
 
 
 @pytest.mark.parametrize("arch", ["gpt-oss", "mimo-v2-flash"])
