@@ -670,7 +670,8 @@ def check_grammar(root: Path, device: str) -> list[Result]:
 
 def check_speculative(root: Path, device: str) -> list[Result]:
     """N-gram drafts (windowed and chunked models) and MTP drafts (MiMo-V2-Flash: the depths'
-    forwards after each step, the step's hidden states kept by the captured graph) on the
+    forwards after each step as captured draft graphs, the step's hidden states kept by the
+    captured decode graph) on the
     device: greedy tokens equal plain decoding's with CUDA graphs on (a step that decodes and
     verifies replays a graph of as many rows as tokens); and the decode speed with and without
     drafts on prompts that repeat themselves. The torch backend runs float32 (equal tokens or it fails); flash runs bf16

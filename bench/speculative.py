@@ -39,7 +39,7 @@ times each, the same fresh prompts for both in a repeat; the best run of each co
 
 Both engines run eagerly (the CPU default) unless --compile: then both run the compiled decode
 step, which takes the steps that verify drafts too when no prefill shares them (each draft is a
-decode row of its own).
+decode row of its own), and MTP's depth forwards run the compiled draft step.
 
     python bench/speculative.py [--json] [--quick] [--compile] [--batches 1,8,32] [--k 3] [--models repeating,random,mtp]
 """

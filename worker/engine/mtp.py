@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from swaserve.worker.runner.draft_step import DraftRows
 from swaserve.worker.runner.host_tensors import int_tensor, to_device
 from swaserve.worker.runner.model_input import ModelInput, SlotWrites
 from swaserve.worker.runner.sampler import argmax_rows
@@ -110,20 +112,57 @@ class MTPDrafter:
             return
         for r in rows:
             r.req.mtp_drafts = None
-        refresh, hidden_rows, anchors = self._refresh_input(rows, inp)
+        anchors = [i for i, r in enumerate(rows) if r.chains]
+        chained = [rows[i] for i in anchors]
+        found: list[torch.Tensor] | None = None
+        if inp.window_repair is None:  # the compiled depths read no SWA floor
+            forwards = self._forwards(rows, chained)
+            with self.executor.draft_hold(forwards) as held:
+                if held:
+                    found = self._draft_compiled(rows, anchors, inp)
+        if found is None:
+            found = self._draft_eager(rows, anchors, inp)
+        if not found:
+            return
+        table = torch.stack(found, dim=1).tolist()  # [A, steps]: the one read back
+        for r, proposed in zip(chained, table, strict=True):
+            r.req.mtp_drafts = proposed[: r.cap]
+            r.req.mtp_anchor = r.p0 + len(r.next_tokens) + 1  # its tokens once committed
+
+    def _chain_steps(self, chained: list[_Rows]) -> Iterator[tuple[int, int, list[int]]]:
+        """(s, depth, the chaining requests that take draft s + 1) of each forward after the
+        first: chain step s with its depth's refresh (s < L), or alone."""
+        steps = max((r.cap for r in chained), default=0)
+        for s in range(1, max(steps, self.num_layers)):
+            yield s, min(s, self.num_layers - 1), [i for i, r in enumerate(chained) if r.cap > s]
+
+    def _forwards(self, rows: list[_Rows], chained: list[_Rows]) -> list[tuple[int, int]]:
+        """(depth, rows) of each depth forward `after_step` runs."""
+        refresh = sum(len(r.next_tokens) for r in rows)
+        out = [(0, refresh)]
+        for s, depth, live in self._chain_steps(chained):
+            if s < self.num_layers:
+                out.append((depth, refresh + len(live)))
+            elif live:
+                out.append((depth, len(live)))
+        return out
+
+    def _draft_eager(
+        self, rows: list[_Rows], anchors: list[int], inp: ModelInput
+    ) -> list[torch.Tensor]:
+        """The depths' forwards as extend steps (`ModelRunner.draft_forward`): draft s + 1
+        of each chaining request, [A] on the device, per chain step."""
+        chained = [rows[i] for i in anchors]
+        refresh, hidden_rows, _ = self._refresh_input(rows, inp)
         forward = self.executor.draft_forward
         logits = forward(refresh, hidden_rows, 0, chain_entries=0, with_logits=bool(anchors))
-        chained = [rows[i] for i in anchors]
-        steps = max((r.cap for r in chained), default=0)
         found: list[torch.Tensor] = []  # draft s + 1 of each chaining request, [A] (device)
         if logits is not None:
             found.append(argmax_rows(logits))
             # the refresh's tokens where the chain's are, once (a concat then copies nothing)
             refresh_ids = to_device(refresh.input_ids, found[0].device)
         anchor_rows = hidden_rows[self._anchor_offsets(rows, anchors)]  # [A] target rows
-        for s in range(1, max(steps, self.num_layers)):
-            depth = min(s, self.num_layers - 1)
-            live = [i for i, r in enumerate(chained) if r.cap > s]
+        for s, depth, live in self._chain_steps(chained):
             if not live:  # no chain step: the depth's refresh alone
                 if s < self.num_layers:
                     forward(refresh, hidden_rows, depth, chain_entries=0, with_logits=False)
@@ -139,12 +178,36 @@ class MTPDrafter:
             step = torch.zeros_like(found[0])
             step[index] = argmax_rows(logits)
             found.append(step)
-        if not found:
-            return
-        table = torch.stack(found, dim=1).tolist()  # [A, steps]: the one read back
-        for r, proposed in zip(chained, table, strict=True):
-            r.req.mtp_drafts = proposed[: r.cap]
-            r.req.mtp_anchor = r.p0 + len(r.next_tokens) + 1  # its tokens once committed
+        return found
+
+    def _draft_compiled(
+        self, rows: list[_Rows], anchors: list[int], inp: ModelInput
+    ) -> list[torch.Tensor]:
+        """`_draft_eager` through the compiled draft step (`runner.draft_step`, inside its
+        hold): the same rows as one-token rows, the LM head on the drafting rows only."""
+        chained = [rows[i] for i in anchors]
+        refresh = self._refresh_rows(rows, inp)
+        run, logits_of = self.executor.draft_rows, self.executor.draft_logits
+        out = run(refresh, 0)  # [N0, D]
+        found: list[torch.Tensor] = []
+        offsets = torch.as_tensor(self._anchor_offsets(rows, anchors), dtype=torch.int64)
+        if anchors:
+            found.append(argmax_rows(logits_of(out[to_device(offsets, out.device)])))
+        anchor_rows = refresh.hidden_rows[offsets]  # [A] target rows
+        for s, depth, live in self._chain_steps(chained):
+            if not live:
+                if s < self.num_layers:
+                    run(refresh, depth)
+                continue
+            index = to_device(torch.as_tensor(live), found[-1].device)
+            chain = self._chain_rows(
+                [chained[i] for i in live], s, inp, found[-1][index], anchor_rows[live]
+            )
+            out = run(_concat_rows(refresh, chain) if s < self.num_layers else chain, depth)
+            step = torch.zeros_like(found[0])
+            step[index] = argmax_rows(logits_of(out[-len(live) :]))
+            found.append(step)
+        return found
 
     # ---- the rows ---------------------------------------------------------------------------
     def _rows(
@@ -225,6 +288,46 @@ class MTPDrafter:
         )
         return refresh, hidden_rows, anchors
 
+    def _refresh_rows(self, rows: list[_Rows], inp: ModelInput) -> DraftRows:
+        """The refresh (`_refresh_input`) as one-token rows."""
+        counts = np.asarray([len(r.next_tokens) for r in rows], dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        firsts = np.asarray([r.first for r in rows], dtype=np.int64)
+        hidden_rows = torch.from_numpy(np.repeat(firsts, counts) + offsets)  # [N0] int64
+        positions = torch.from_numpy(np.repeat([r.p0 for r in rows], counts) + offsets)
+        return DraftRows(
+            input_ids=int_tensor([t for r in rows for t in r.next_tokens]),
+            chain_ids=None,
+            positions=positions,
+            rope_positions=positions,
+            req_rows=torch.from_numpy(np.repeat([r.row for r in rows], counts)),
+            full_slots=inp.out_full_loc[hidden_rows],
+            swa_slots=None if inp.out_swa_loc is None else inp.out_swa_loc[hidden_rows],
+            hidden_rows=hidden_rows,
+        )
+
+    def _chain_rows(
+        self,
+        picked: list[_Rows],
+        s: int,
+        inp: ModelInput,
+        tokens: torch.Tensor,  # [n] draft s of each, on the device
+        hidden_rows: torch.Tensor,  # [n] their anchors' target rows
+    ) -> DraftRows:
+        """Chain step s (`_chain_input`) as one-token rows."""
+        chain = self._chain_input(picked, s, inp, tokens)
+        return DraftRows(
+            input_ids=torch.zeros(0, dtype=torch.int64),
+            chain_ids=tokens,
+            positions=chain.prefix_lens,  # table position m + 1
+            rope_positions=chain.positions,  # m + s
+            req_rows=chain.req_rows,
+            full_slots=chain.out_full_loc,
+            swa_slots=chain.out_swa_loc,
+            hidden_rows=hidden_rows,
+        )
+
     @staticmethod
     def _repair_by_first(inp: ModelInput) -> dict[int, tuple[int, int]]:
         """A repairing request's (start, end) by its first token row in the target forward."""
@@ -285,4 +388,21 @@ def _concat(refresh: ModelInput, refresh_ids: torch.Tensor, chain: ModelInput) -
         logits_indices=chain.logits_indices + n,
         sliding_window_size=refresh.sliding_window_size,
         window_repair=repair,
+    )
+
+
+def _concat_rows(refresh: DraftRows, chain: DraftRows) -> DraftRows:
+    """The refresh's rows, then the chain step's: one forward of a depth (`_concat`)."""
+    swa = None
+    if refresh.swa_slots is not None and chain.swa_slots is not None:
+        swa = torch.cat([refresh.swa_slots, chain.swa_slots])
+    return DraftRows(
+        input_ids=refresh.input_ids,
+        chain_ids=chain.chain_ids,
+        positions=torch.cat([refresh.positions, chain.positions]),
+        rope_positions=torch.cat([refresh.rope_positions, chain.rope_positions]),
+        req_rows=torch.cat([refresh.req_rows, chain.req_rows]),
+        full_slots=torch.cat([refresh.full_slots, chain.full_slots]),
+        swa_slots=swa,
+        hidden_rows=torch.cat([refresh.hidden_rows, chain.hidden_rows]),
     )

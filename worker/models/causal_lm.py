@@ -257,16 +257,27 @@ class HybridCausalLM(nn.Module):
         followed each hidden state; it writes the depth's KV at the batch's slots."""
         if batch.attn_metadata is None:
             self.backend.init_forward_metadata(batch)
+        out = self.draft_hidden(batch, hidden, depth)  # [T, D]
+        if not with_logits:
+            return None
+        rows = batch.logits_indices()
+        return self.logits(out if rows is None else out[rows])
+
+    def draft_hidden(
+        self,
+        batch: ForwardBatch | DecodeBatch,  # its attention metadata built
+        hidden: torch.Tensor,  # [T, D] the target's normed hidden state for each row
+        depth: int,
+    ) -> torch.Tensor:  # [T, D] normed: the LM head's input
+        """MTP depth `depth` over every row of the batch, without the LM head (what a
+        compiled draft step traces: `runner.draft_step`)."""
         embeds = self.model.embed_tokens(batch.input_ids)  # [T, D]
         if self.embed_scale:
             embeds = embeds * self._embed_multiplier
         rotary = self.rotary.get(SLIDING_ATTENTION)
         cos_sin = None if rotary is None else rotary.cos_sin(batch.positions, embeds.dtype)
-        out = self.mtp_layers[depth](embeds, hidden, cos_sin, batch)  # [T, D]
-        if not with_logits:
-            return None
-        rows = batch.logits_indices()
-        return self.logits(out if rows is None else out[rows])
+        out: torch.Tensor = self.mtp_layers[depth](embeds, hidden, cos_sin, batch)
+        return out
 
 
 class DenseHybridCausalLM(HybridCausalLM):

@@ -58,7 +58,7 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -209,6 +209,8 @@ class DecodeStep:
     larger buckets with the batch dynamic; the key width dynamic in both). `model(batch)` is
     the model's forward."""
 
+    buckets: tuple[int, ...]  # the padded batch sizes of its graphs
+
     def __init__(
         self,
         model: Callable[[DecodeBatch], torch.Tensor],
@@ -248,7 +250,7 @@ class DecodeStep:
         self.buckets = batch_buckets(max_batch or slot_table.num_rows)
         self.padding_row = slot_table.padding_row
         self.background = background
-        self.ready: set[int] = set()  # buckets whose graph has run once (compiled or captured)
+        self.ready: set[Hashable] = set()  # buckets whose graph has run (compiled or captured)
         self.compiled = threading.Event()  # background: the thread is done (see compile_error)
         self.compile_error: BaseException | None = None  # why the background compile stopped
         self._lock = threading.Lock()  # held by the thread that runs the step
@@ -261,13 +263,14 @@ class DecodeStep:
         # more than the largest bucket: every bucket's view has the same strides)
         self._cols = torch.arange(self.max_len, dtype=torch.int64, device=device)  # [L] int64
         self.stats = DecodeStepStats()
-        self._graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
+        # graphs by (variant, Bp, Lf): the variant is 0 here, a draft depth in `DraftStep`
+        self._graphs: dict[tuple[int, int, int], tuple[Graph, torch.Tensor]] = {}
         self._graph_factory = graph_factory
-        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._compiled: dict[int, Callable[..., torch.Tensor]] = {}  # by variant
         self._backend: InductorBackend | None = None
-        self._direct: dict[tuple[int, int], Callable[[], Any]] = {}  # (Bp, Lf) → its graph,
-        # bound to the arguments dynamo gave it
-        self._seen: set[tuple[int, int]] = set()
+        self._direct: dict[tuple[int, int, int], Callable[[], Any]] = {}  # (variant, Bp, Lf)
+        # → its graph, bound to the arguments dynamo gave it
+        self._seen: set[tuple[int, int, int]] = set()
         # A model with MTP layers: each step's normed hidden states, written inside the graph
         # (the drafts read them: `model.last_hidden` is set to this step's rows)
         self.hidden: torch.Tensor | None = None
@@ -317,26 +320,9 @@ class DecodeStep:
         step's hidden states (the background compile's padding steps do not)."""
         bp, width = shape
         b = inp.batch_size
-        host = torch.zeros(INPUT_FIELDS, bp, dtype=torch.int64)  # [5, Bp] int64
-        host[2, b:] = self.padding_row  # padding: position 0 of the padding row, slot 0
-        host[0, :b] = inp.input_ids
-        host[1, :b] = inp.positions
-        host[2, :b] = inp.req_rows
-        host[3, :b] = inp.out_full_loc
-        if inp.out_swa_loc is not None:
-            host[4, :b] = inp.out_swa_loc
-        self.inputs[:, :bp].copy_(to_device(host, self.device), non_blocking=True)
-        self.stats.steps += 1
-        self.stats.buckets[bp] = self.stats.buckets.get(bp, 0) + 1
-        first = (bp, width) not in self._seen
-        start = time.perf_counter()
-        with static_shapes():
-            logits = self._graph(bp, width) if self.mode == "graphs" else self._compile(bp, width)
-        if first:
-            self._seen.add((bp, width))
-            self.stats.captures += 1
-            self.stats.compile_s += time.perf_counter() - start
-            self.ready.add(bp)
+        fields = [inp.input_ids, inp.positions, inp.req_rows, inp.out_full_loc, inp.out_swa_loc]
+        self._load_inputs(fields, b, bp)
+        logits = self._call(0, bp, width)
         if self.hidden is not None and publish:
             # the next compiled step (maybe the compiling thread's) rewrites these rows
             hidden = self.hidden[:b].clone() if self.background else self.hidden[:b]
@@ -346,8 +332,11 @@ class DecodeStep:
             return logits
         return logits[to_device(rows, self.device)]
 
-    def _step(self, inputs: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # [Bp, V] float
-        """The step over the persistent inputs [5, Bp] and the key columns [Lf]."""
+    def _step(
+        self, inputs: torch.Tensor, cols: torch.Tensor, variant: int = 0
+    ) -> torch.Tensor:  # [Bp, V] float
+        """The step over the persistent inputs [5, Bp] and the key columns [Lf] (`variant`:
+        0, the one graph of each shape here)."""
         table = self.slot_table
         rows, positions = inputs[2], inputs[1]
         table.full[rows, positions] = inputs[3].to(table.dtype)  # padding: the padding row's
@@ -374,46 +363,76 @@ class DecodeStep:
         self.hidden[: hidden.shape[0]].copy_(hidden)
         return logits.float()
 
-    def _graph(self, bp: int, width: int) -> torch.Tensor:
-        key = (bp, width)
+    def _load_inputs(self, fields: list[torch.Tensor | None], rows: int, bp: int) -> None:
+        """Pack the step's host rows of `inputs` (field i from `fields[i]`, None: zeros; the
+        first field may be shorter) for `rows` rows padded to `bp`, and copy them in one
+        transfer; padding rows are position 0 of the padding row, slot 0."""
+        host = torch.zeros(self.inputs.shape[0], bp, dtype=torch.int64)  # [F, Bp] int64
+        host[2, rows:] = self.padding_row
+        for i, values in enumerate(fields):
+            if values is not None:
+                host[i, : values.numel()] = values
+        self.inputs[:, :bp].copy_(to_device(host, self.device), non_blocking=True)
+        self.stats.steps += 1
+        self.stats.buckets[bp] = self.stats.buckets.get(bp, 0) + 1
+
+    def _call(self, variant: int, bp: int, width: int) -> torch.Tensor:
+        """Run (capture or compile first) the graph of (`variant`, Bp, Lf) over `inputs`."""
+        key = (variant, bp, width)
+        first = key not in self._seen
+        start = time.perf_counter()
+        with static_shapes():
+            out = self._graph(*key) if self.mode == "graphs" else self._compile(*key)
+        if first:
+            self._seen.add(key)
+            self.stats.captures += 1
+            self.stats.compile_s += time.perf_counter() - start
+            self.ready.add(self.ready_key(variant, bp))
+        return out
+
+    def ready_key(self, variant: int, bp: int) -> Hashable:
+        """What `ready` holds once the graph of (`variant`, Bp) has run: Bp here."""
+        return bp
+
+    def _graph(self, variant: int, bp: int, width: int) -> torch.Tensor:
+        key = (variant, bp, width)
         entry = self._graphs.get(key)
         if entry is None:
             factory = self._graph_factory or cuda_graph_factory()
             self._graph_factory = factory
             graph = factory()
             inputs, cols = self.inputs[:, :bp], self._cols[:width]
-            out = graph.capture(lambda: self._step(inputs, cols))
+            out = graph.capture(lambda: self._step(inputs, cols, variant))
             self._graphs[key] = entry = (graph, out)
             return out  # `capture` left this step's result in it
         graph, out = entry
         graph.replay()
         return out
 
-    def _compile(self, bp: int, width: int) -> torch.Tensor:
-        direct = self._direct.get((bp, width))
+    def _compile(self, variant: int, bp: int, width: int) -> torch.Tensor:
+        direct = self._direct.get((variant, bp, width))
         if direct is not None:
             self.stats.direct += 1
             return direct()[0]
-        if self._compiled is None or self._backend is None:
-            inductor, dynamo = compile_options(guard_modules=self.graph_breaks)
-            self._backend = InductorBackend(inductor)
-            self._compiled = torch.compile(
-                own_code(self),
+        if self._backend is None:
+            self._backend = InductorBackend(compile_options(guard_modules=self.graph_breaks)[0])
+        if variant not in self._compiled:
+            self._compiled[variant] = torch.compile(
+                own_code(self, variant),
                 fullgraph=not self.graph_breaks,
                 backend=self._backend,
-                options=dynamo,
+                options=compile_options(guard_modules=self.graph_breaks)[1],
             )
         calls = self._backend.calls
         calls.clear()
-        logits = self._traced(bp, width)
+        logits = self._traced(variant, bp, width)
         if not self.graph_breaks and len(calls) == 1 and calls[0].returned(logits):
-            self._direct[(bp, width)] = functools.partial(calls[0].fn, *calls[0].args)
+            self._direct[(variant, bp, width)] = functools.partial(calls[0].fn, *calls[0].args)
         calls.clear()  # the recorded call holds this step's logits
         return logits
 
-    def _traced(self, bp: int, width: int) -> torch.Tensor:
+    def _traced(self, variant: int, bp: int, width: int) -> torch.Tensor:
         """The step through dynamo: its guards pick (or trace and compile) the graph."""
-        assert self._compiled is not None
         inputs, cols = self.inputs[:, :bp], self._cols[:width]
         # Batch and key width symbolic where the model lets them be: a few graphs in all
         # (batch 1; the batches whose MoE copies the pairs' weights; the rest), any width.
@@ -421,13 +440,14 @@ class DecodeStep:
             torch._dynamo.maybe_mark_dynamic(inputs, 1)
         torch._dynamo.maybe_mark_dynamic(cols, 0)
         try:
-            return self._compiled(inputs, cols)
+            return self._compiled[variant](inputs, cols)
         except torch._dynamo.exc.Unsupported as exc:  # a break in a step meant to trace whole
             if self.graph_breaks:
                 raise
             logger.warning("the decode step breaks the graph (%s): compiling it in pieces", exc)
-            self.graph_breaks, self._compiled = True, None
-            return self._compile(bp, width)
+            self.graph_breaks, self._backend = True, None
+            self._compiled.clear()
+            return self._compile(variant, bp, width)
 
     def compile_in_background(self, inputs: list[ModelInput]) -> None:
         """Start a thread that runs each of `inputs` (padding-only steps, one per bucket: see
@@ -435,26 +455,40 @@ class DecodeStep:
         sets `compiled`. A failure is logged and kept in `compile_error`: the buckets not ready
         stay eager. `close` stops it between buckets."""
 
+        def runs() -> Iterator[Callable[[], object]]:  # iterated in the thread, as it goes
+            for inp in inputs:
+                yield functools.partial(self._run, inp, self.shape(inp), publish=False)
+
+        self._start_thread(runs())
+
+    def _start_thread(
+        self, runs: Iterable[Callable[[], object]], after: threading.Event | None = None
+    ) -> None:
+        """The background compile's thread: once `after` is set (if given), each of `runs`
+        holding the step, between checks of `close`."""
         threads = torch.get_num_threads()  # the engine thread's: a new thread has the default
 
         def work() -> None:
             start = time.perf_counter()
             try:
+                if after is not None:
+                    after.wait()
                 torch.set_num_threads(threads)  # inductor's kernels keep the count they see
                 with torch.inference_mode():
-                    for inp in inputs:
+                    for run in runs:
                         if self._stop.is_set():
                             return
                         with self._lock:
-                            self._run(inp, self.shape(inp), publish=False)
+                            run()
                 logger.info(
-                    "decode step compiled in the background: %d buckets in %.1f s",
+                    "%s compiled in the background: %d graphs in %.1f s",
+                    type(self).__name__,
                     len(self.ready),
                     time.perf_counter() - start,
                 )
             except Exception as exc:  # the engine keeps serving eagerly
                 self.compile_error = exc
-                logger.warning("background compile of the decode step failed: %r", exc)
+                logger.warning("background compile of the %s failed: %r", type(self).__name__, exc)
             finally:
                 self.compiled.set()
 
@@ -462,6 +496,10 @@ class DecodeStep:
             raise RuntimeError("compile_in_background: once, on a step made with background=True")
         self._thread = threading.Thread(target=work, name="swaserve-decode-compile", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """Tell the background compile to stop (after the bucket it is compiling)."""
+        self._stop.set()
 
     def close(self) -> None:
         """Stop the background compile (after the bucket it is compiling) and wait for it."""
@@ -477,13 +515,18 @@ class DecodeStep:
         return list(self.buckets)
 
 
-def own_code(step: DecodeStep) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`step._step` over a code object of its own. dynamo keeps its compiled graphs per code
-    object, and the module guards are off (`compile_options`): two engines in one process (two
-    models) must not share graphs, so each step's function is a copy."""
-    fn = DecodeStep._step
+def own_code(
+    step: DecodeStep, variant: int = 0
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`step._step` over a code object of its own, `variant` bound as its default. dynamo
+    keeps its compiled graphs per code object, and the module guards are off
+    (`compile_options`): two engines in one process (two models) must not share graphs, nor
+    two variants of a step (a draft step's depths: other weights, one code each), so each
+    step's function is a copy."""
+    fn = type(step)._step
     code = fn.__code__.replace()
-    return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), step)
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, (variant,))
+    return types.MethodType(own, step)
 
 
 def compile_options(*, guard_modules: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -15,10 +15,11 @@ an attention backend or a device API itself (architecture §4).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -27,6 +28,7 @@ from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.models.config import MIMO_V2_FLASH, ModelConfig, load_model_config
 from swaserve.worker.models.mtp import checkpoint_mtp_layers
 from swaserve.worker.runner.decode_step import DecodeStep
+from swaserve.worker.runner.draft_step import DraftRows
 from swaserve.worker.runner.executor import (
     DraftArgs,
     RankHandles,
@@ -200,6 +202,19 @@ class ModelExecutor:
             len(inputs),
             time.perf_counter() - start,
         )
+        drafts = self.runner.draft_step
+        if drafts is not None:
+            start = time.perf_counter()
+            warm_ups = drafts.warm_up_inputs()
+            with torch.inference_mode():
+                for depth, rows in warm_ups:
+                    drafts.run_rows(rows, depth, None)
+            logger.info(
+                "MTP draft step %s: %d shapes ready in %.1f s",
+                drafts.mode,
+                len(warm_ups),
+                time.perf_counter() - start,
+            )
 
     def compile_decode_step_in_background(self, *, two_pools: bool, window: int | None) -> None:
         """Compiling in the background (`model_runner.compiles_in_background`, TP 1): start
@@ -208,6 +223,28 @@ class ModelExecutor:
         step = self.runner.decode_step
         if step is not None and step.background:
             step.compile_in_background(self._padding_steps(step, two_pools, window))
+            drafts = self.runner.draft_step
+            if drafts is not None and drafts.background:
+                drafts.compile_in_background(drafts.warm_up_inputs(), after=step.compiled)
+
+    @contextlib.contextmanager
+    def draft_hold(self, forwards: list[tuple[int, int]]) -> Iterator[bool]:
+        """Whether MTP depth forwards of (depth, rows) run through the compiled draft step
+        now (`DraftStep.hold`), holding it while they do; False at TP > 1 or without it."""
+        drafts = self.runner.draft_step if self.launcher is None else None
+        if drafts is None:
+            yield False
+            return
+        with drafts.hold(forwards) as held:
+            yield held
+
+    def draft_rows(self, rows: DraftRows, depth: int) -> torch.Tensor:
+        """`ModelRunner.draft_rows` (inside `draft_hold`)."""
+        return self.runner.draft_rows(rows, depth)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """`ModelRunner.draft_logits`."""
+        return self.runner.draft_logits(out)
 
     @staticmethod
     def _padding_steps(step: DecodeStep, two_pools: bool, window: int | None) -> list[ModelInput]:
@@ -247,9 +284,15 @@ class ModelExecutor:
         """Stop the background compile and the TP ranks, and drop the weights and the KV
         buffers."""
         try:
-            step = self._runner.decode_step if self._runner is not None else None
+            runner = self._runner
+            step = runner.decode_step if runner is not None else None
+            drafts = runner.draft_step if runner is not None else None
+            if drafts is not None:
+                drafts.stop()  # before the decode step's thread ends and lets it start
             if step is not None:
                 step.close()
+            if drafts is not None:
+                drafts.close()
             if self.launcher is not None:
                 self.launcher.close()
         finally:

@@ -26,6 +26,7 @@ from swaserve.worker.models.config import ModelConfig
 from swaserve.worker.models.loader import build_meta_model, build_model, load_weights
 from swaserve.worker.models.quantized_weights import resident_bytes
 from swaserve.worker.runner.decode_step import DecodeStep, Graph
+from swaserve.worker.runner.draft_step import DraftRows, DraftStep
 from swaserve.worker.runner.host_tensors import to_device
 from swaserve.worker.runner.model_input import ModelInput
 from swaserve.worker.runner.parallel import TPGroup
@@ -161,11 +162,19 @@ def decode_rows(config: EngineConfig, requests: int) -> int:
     return max(requests, min(drafting * (1 + config.num_speculative_tokens), MAX_VERIFY_ROWS))
 
 
+def draft_step_rows(config: EngineConfig, requests: int) -> int:
+    """The most rows an MTP depth forward runs as a graph: a decode step's committed tokens
+    (`decode_rows`: a request's token and its accepted drafts) and a chain row per request (at
+    most `MAX_VERIFY_ROWS`); a prefill chunk's refresh, larger, runs eagerly."""
+    return min(decode_rows(config, requests) + requests, MAX_VERIFY_ROWS)
+
+
 class ModelRunner:
     """Loads the model on its device, then gives it this rank's KV buffers and slot tables, and
     runs forward passes from `ModelInput`s."""
 
     decode_step: DecodeStep | None = None  # the compiled pure-decode step (`allocate_kv`)
+    draft_step: DraftStep | None = None  # the compiled MTP depth forward (`allocate_kv`)
     _draft_batch: tuple[ModelInput, ForwardBatch] | None = None  # the latest MTP refresh's
 
     def __init__(
@@ -241,6 +250,7 @@ class ModelRunner:
         self.model.bind_backend(self.backend)
         if self.compile_mode is not None:
             self.decode_step = self.make_decode_step(self.compile_mode, self.graph_factory)
+            self.draft_step = self.make_draft_step(self.compile_mode, self.graph_factory)
 
     def make_decode_step(
         self, mode: str, graph_factory: Callable[[], Graph] | None = None
@@ -260,6 +270,41 @@ class ModelRunner:
             max_batch=decode_rows(self.config, self.slot_table.num_rows),
             background=self.compile_background and mode == "compile",
         )
+
+    def make_draft_step(
+        self, mode: str, graph_factory: Callable[[], Graph] | None = None
+    ) -> DraftStep | None:
+        """The fixed-shape MTP depth forward (`draft_step`), or None: no MTP drafts, or TP > 1
+        (the depths' forwards then run eagerly)."""
+        if self.config.speculative_method != "mtp" or self.tp.world_size > 1:
+            return None
+        return DraftStep(
+            self.model,
+            self.slot_table,
+            num_depths=self.model_config.num_mtp_layers,
+            sliding_window_size=self.model_config.sliding_window_size,
+            two_pools=not self.plan.single_pool,
+            device=self.device,
+            mode=mode,
+            graph_factory=graph_factory,
+            attention_chunk_size=self.model_config.attention_chunk_size,
+            max_batch=draft_step_rows(self.config, self.slot_table.num_rows),
+            background=self.compile_background and mode == "compile",
+        )
+
+    @torch.inference_mode()
+    def draft_rows(self, rows: DraftRows, depth: int) -> torch.Tensor:  # [N, D] (device)
+        """MTP depth `depth` over `rows` through `draft_step` (inside its `hold`): each row's
+        normed output, the LM head's input (`draft_logits`)."""
+        assert self.draft_step is not None
+        last = self.model.last_hidden
+        assert last is not None, "a draft forward follows a target forward"
+        hidden = last[self._to_device(rows.hidden_rows)]  # [N, D]
+        return self.draft_step.run_rows(rows, depth, hidden)
+
+    @torch.inference_mode()
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:  # [A, D] → [A, vocab] float32
+        return self.model.logits(out).float()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)  # pinned, non-blocking on CUDA; no copy on CPU

@@ -160,7 +160,8 @@ def test_compiled_decode_keeps_the_hidden_states_mtp_drafts_read(
 ) -> None:
     """MiMo-V2-Flash with MTP drafts, compiled: decode and verify steps run the compiled graph,
     which writes each row's hidden state into a persistent buffer the drafts read (called
-    directly, without dynamo): the drafts after every step and the tokens are the eager
+    directly, without dynamo), and the MTP depths' forwards run the compiled draft step (one
+    graph per depth and bucket): the drafts after every step and the tokens are the eager
     engine's."""
     from test_mtp import run_recording_drafts
 
@@ -178,12 +179,17 @@ def test_compiled_decode_keeps_the_hidden_states_mtp_drafts_read(
     eager.shutdown()
     engine = Engine(EngineConfig(compile=True, **options))  # type: ignore[arg-type]
     try:
-        step = engine.runner.decode_step
-        assert step is not None and step.hidden is not None
-        warmed = step.stats.steps
+        step, drafts = engine.runner.decode_step, engine.runner.draft_step
+        assert step is not None and step.hidden is not None and drafts is not None
+        warmed, drafts_warmed = step.stats.steps, drafts.stats.steps
+        assert drafts.ready == {(d, b) for d in range(3) for b in drafts.buckets}
         assert run_recording_drafts(engine, prompts, GREEDY) == want
         assert step.stats.steps - warmed >= MAX_NEW // 4
         assert step.stats.direct > 0
+        # every step after a decode: three depth forwards, compiled (a prefill's refresh of
+        # more rows than the largest bucket runs eagerly)
+        assert drafts.stats.steps - drafts_warmed >= 3 * (MAX_NEW // 4)
+        assert drafts.stats.direct > 0
     finally:
         engine.shutdown()
 
@@ -231,10 +237,19 @@ def test_auto_serves_eagerly_while_it_compiles_then_runs_the_compiled_step(
         engine.check()
         assert step.compiled.wait(STARTUP_TIMEOUT_S) and step.compile_error is None
         assert step.ready == set(step.buckets)
+        drafts = engine.runner.draft_step  # MTP: its graphs compile after the decode step's
+        if drafts is not None:
+            assert drafts.compiled.wait(STARTUP_TIMEOUT_S) and drafts.compile_error is None
+            assert drafts.ready == {
+                (d, b) for d in range(drafts.num_depths) for b in drafts.buckets
+            }
+            drafted = drafts.stats.direct
         before = step.stats.direct
         engine.flush_cache()
         assert run(engine, prompts) == want
         assert step.stats.direct - before >= MAX_NEW  # decodes ran the compiled graphs
+        if drafts is not None:
+            assert drafts.stats.direct - drafted >= MAX_NEW  # and the depths theirs
         engine.check()
     finally:
         Gated.gate.set()
