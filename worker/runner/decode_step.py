@@ -68,7 +68,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from swaserve.proto import environment
 from swaserve.worker.attention import cpu_kernels
-from swaserve.worker.attention.static_decode import DecodeBatch, decode_metadata
+from swaserve.worker.attention.static_decode import DecodeBatch, DecodeMetadata, decode_metadata
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.models.static_step import static_shapes
 from swaserve.worker.runner.host_tensors import to_device
@@ -342,21 +342,7 @@ class DecodeStep:
         table.full[rows, positions] = inputs[3].to(table.dtype)  # padding: the padding row's
         if table.swa is not None and self.two_pools:
             table.swa[rows, positions] = inputs[4].to(table.dtype)
-        swa_table = None
-        if self.window is not None:
-            swa_table = table.swa if self.two_pools else table.full
-        meta = decode_metadata(
-            full_table=table.full,
-            swa_table=swa_table,
-            rows=inputs[2],
-            positions=inputs[1],
-            out_full_loc=inputs[3],
-            out_swa_loc=inputs[4] if self.two_pools else None,
-            full_cols=cols,
-            sliding_window_size=self.window,
-            attention_chunk_size=self.attention_chunk_size,
-        )
-        batch = DecodeBatch(inputs[0], inputs[1], meta)
+        batch = DecodeBatch(inputs[0], inputs[1], self._metadata(inputs, cols))
         if self.hidden is None:
             return self.model(batch).float()
         logits, hidden = self.model.forward_hidden(batch)  # type: ignore[attr-defined]
@@ -394,6 +380,25 @@ class DecodeStep:
         """What `ready` holds once the graph of (`variant`, Bp) has run: Bp here."""
         return bp
 
+    def _metadata(self, inputs: torch.Tensor, cols: torch.Tensor) -> DecodeMetadata:
+        """The attention reads and writes of the rows of `inputs` (rows 1-4: positions,
+        slot-table rows, full and SWA slots), from the device slot tables."""
+        table = self.slot_table
+        swa_table = None
+        if self.window is not None:
+            swa_table = table.swa if self.two_pools else table.full
+        return decode_metadata(
+            full_table=table.full,
+            swa_table=swa_table,
+            rows=inputs[2],
+            positions=inputs[1],
+            out_full_loc=inputs[3],
+            out_swa_loc=inputs[4] if self.two_pools else None,
+            full_cols=cols,
+            sliding_window_size=self.window,
+            attention_chunk_size=self.attention_chunk_size,
+        )
+
     def _graph(self, variant: int, bp: int, width: int) -> torch.Tensor:
         key = (variant, bp, width)
         entry = self._graphs.get(key)
@@ -414,15 +419,17 @@ class DecodeStep:
         if direct is not None:
             self.stats.direct += 1
             return direct()[0]
-        if self._backend is None:
-            self._backend = InductorBackend(compile_options(guard_modules=self.graph_breaks)[0])
         if variant not in self._compiled:
+            inductor, dynamo = compile_options(guard_modules=self.graph_breaks)
+            if self._backend is None:
+                self._backend = InductorBackend(inductor)
             self._compiled[variant] = torch.compile(
                 own_code(self, variant),
                 fullgraph=not self.graph_breaks,
                 backend=self._backend,
-                options=compile_options(guard_modules=self.graph_breaks)[1],
+                options=dynamo,
             )
+        assert self._backend is not None
         calls = self._backend.calls
         calls.clear()
         logits = self._traced(variant, bp, width)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from swaserve.worker.attention.static_decode import DecodeBatch, decode_metadata
+from swaserve.worker.attention.static_decode import DecodeBatch
 from swaserve.worker.kv.slot_table import DeviceSlotTable
 from swaserve.worker.runner.decode_step import DecodeStep, batch_buckets, bucket_of, key_width
 
@@ -175,18 +175,7 @@ class DraftStep(DecodeStep):
         pool_table[rows, positions] = (inputs[4] if self.two_pools else inputs[3]).to(
             pool_table.dtype
         )
-        meta = decode_metadata(
-            full_table=table.full,
-            swa_table=pool_table,
-            rows=rows,
-            positions=positions,
-            out_full_loc=inputs[3],
-            out_swa_loc=inputs[4] if self.two_pools else None,
-            full_cols=cols,
-            sliding_window_size=self.window,
-            attention_chunk_size=self.attention_chunk_size,
-        )
-        batch = DecodeBatch(inputs[0], inputs[5], meta)
+        batch = DecodeBatch(inputs[0], inputs[5], self._metadata(inputs, cols))
         hidden = self.hidden_in[: inputs.shape[1]]
         out: torch.Tensor = self.model.draft_hidden(batch, hidden, variant)
         return out
