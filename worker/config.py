@@ -183,4 +183,5 @@ class EngineConfig(BaseModel):
             chunked_prefill_size=self.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
             swa_eviction_interval=self.swa_eviction_interval,
+            draft_tokens=self.num_speculative_tokens if self.speculative_method else 0,
         )

@@ -639,8 +639,9 @@ class Scheduler:
         full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, step)
         full += sum(self._full_reserve(r) for r in self._prefilling)
         swa += sum(min(r.remaining_new_tokens, step) for r in self._prefilling)
-        if self._drafting(self._decode):  # the draft slots of each step (held for one step)
-            drafts = sum(map(self._draft_cap, self._decode.reqs))
+        if self._drafting(self._decode):  # the draft slots of each step (held for one step):
+            p = self.limits.page_size  # k drafts after a decode slot take <= ceil_P(k) new slots
+            drafts = sum(page_ceil(self._draft_cap(r), p) for r in self._decode.reqs)
             full, swa = full + drafts, swa + drafts
         return full, swa if self.hybrid else 0
 

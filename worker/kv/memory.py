@@ -80,6 +80,7 @@ class KVMemoryConfig:
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None
     swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
+    draft_tokens: int = 0  # k: the drafts a decoding request verifies per step (0: none)
 
 
 @dataclass(slots=True)
@@ -139,6 +140,7 @@ def plan_kv_memory(spec: KVModelSpec, config: KVMemoryConfig, dtype: torch.dtype
             chunked_prefill_size=config.chunked_prefill_size,
             swa_eviction_interval=config.swa_eviction_interval,
             page_size=p,
+            draft_tokens=config.draft_tokens,
         )
     if ratio == "auto":
         if config.expected_seq_len is None:

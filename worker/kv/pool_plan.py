@@ -10,8 +10,8 @@ Three plans:
   `N_full = floor(bytes / cell)`, `N_swa = r·N_full`, both floored to pages.
 - `plan_pools_chunk_capped`: with the prefix cache off, chunked prefill on and a cap on running
   requests, SWA need is bounded: each running request keeps at most `W + I + P` SWA tokens
-  (`decode_swa_tokens`) and one chunk is in flight. The SWA pool gets exactly that; the full
-  pool the rest.
+  (`decode_swa_tokens`), plus the pages of one step's drafts with speculative decoding, and one
+  chunk is in flight. The SWA pool gets exactly that; the full pool the rest.
 - `auto_swa_full_tokens_ratio`: choose r from the expected sequence length (see its docstring).
 
 `plan_single_pool` is the baseline (`disable_hybrid_swa_memory`): one pool for every layer.
@@ -202,12 +202,16 @@ def plan_pools_chunk_capped(
     chunked_prefill_size: int,
     swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL,
     page_size: int = 1,
+    draft_tokens: int = 0,
 ) -> PoolPlan:
     """Plan for prefix cache off + chunked prefill on + bounded running requests.
 
     No tree holds SWA KV, so the SWA pool only serves running requests: each keeps at most
     `W + I + P` SWA tokens once past the window, and one prefill chunk is in flight:
     `N_swa = ceil_P(R·(W + I + P) + C + P)`. The full pool takes every remaining byte.
+    `draft_tokens` (k, speculative decoding): a decoding request also holds the slots of its
+    k drafts during a step, at most `ceil_P(k)` new tokens' pages, so each request counts
+    those too (the scheduler reserves as much: `Scheduler.reserved_tokens`).
     """
     _check_shape(
         num_full_layers, num_swa_layers, full_token_bytes, swa_token_bytes, sliding_window_size
@@ -220,11 +224,14 @@ def plan_pools_chunk_capped(
     ):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(draft_tokens, int) or draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be an int >= 0, got {draft_tokens!r}")
     if num_swa_layers == 0:
         return _full_only(num_full_layers * full_token_bytes, kv_cache_bytes, page_size)
 
     w, p = sliding_window_size, page_size
     per_request = page_ceil(decode_swa_tokens(w, swa_eviction_interval, p), p)
+    per_request += page_ceil(draft_tokens, p)
     swa_tokens = page_ceil(max_running_requests * per_request + chunked_prefill_size + p, p)
     full_cell = full_token_bytes * num_full_layers
     swa_cell = swa_token_bytes * num_swa_layers
@@ -237,8 +244,10 @@ def plan_pools_chunk_capped(
         raise ValueError(
             f"kv_cache_bytes={kv_cache_bytes} cannot hold the capped SWA pool of {swa_tokens} "
             f"tokens (max_running_requests={max_running_requests} × (W={w} + I="
-            f"{swa_eviction_interval} + P={p}) + chunk {chunked_prefill_size} + P) and a full "
-            f"pool at least as large; lower max_running_requests or chunked_prefill_size"
+            f"{swa_eviction_interval} + P={p}"
+            + (f" + drafts {page_ceil(draft_tokens, p)}" if draft_tokens else "")
+            + f") + chunk {chunked_prefill_size} + P) and a full pool at least as large; "
+            f"lower max_running_requests or chunked_prefill_size"
         )
     return PoolPlan(
         full_tokens=full_tokens,

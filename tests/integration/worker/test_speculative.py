@@ -123,6 +123,57 @@ def spec_engine(path: Path, **options: object) -> Engine:
     return Engine(EngineConfig(model=str(path), **options))  # type: ignore[arg-type]
 
 
+def peak_running(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> int:
+    """The most requests running at once while `prompts` run together, `check()` after every
+    step."""
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check()
+        peak = max(peak, len(engine.scheduler.running))
+    return peak
+
+
+@pytest.mark.parametrize(("page_size", "k"), [(1, 3), (4, 3), (4, 6)])
+def test_the_chunk_capped_pools_run_as_many_requests_with_drafts_as_without(
+    tiny_model_factory: Callable[..., Path], page_size: int, k: int
+) -> None:
+    """Prefix cache off, chunked prefill, `max_running_requests` and a byte budget: the
+    chunk-capped SWA pool counts each request's draft pages, so the R requests that run at
+    once without drafts run at once with them (sized without the drafts, admission stopped at
+    R - 1), and every step's pools stay whole."""
+    model = tiny_model_factory(
+        "gpt-oss", num_layers=2, sliding_window_size=16, hidden_size=64, vocab_size=512
+    )
+    R = 6
+    prompts = [[5 + i, 6, 7, 8] * 20 for i in range(R)]
+    capped = dict(
+        max_total_tokens=None,
+        kv_cache_bytes=400_000,
+        page_size=page_size,
+        enable_prefix_cache=False,
+        chunked_prefill_size=32,
+        max_running_requests=R,
+        swa_eviction_interval=16,
+    )
+    plain = Engine(EngineConfig(model=str(model), **capped))  # type: ignore[arg-type]
+    try:
+        assert plain.plan.swa_tokens < plain.plan.full_tokens / 3  # the capped plan
+        assert peak_running(plain, prompts, greedy(60)) == R
+    finally:
+        plain.shutdown()
+    engine = spec_engine(model, num_speculative_tokens=k, **capped)
+    try:
+        assert engine.plan.swa_tokens > plain.plan.swa_tokens  # the draft pages
+        assert peak_running(engine, prompts, greedy(60)) == R
+        assert engine.stats.spec_accepted_tokens > 0
+        assert_pools_whole(engine)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_rejected_drafts_go_back_to_both_pools_in_the_step(gpt_oss: Path, page_size: int) -> None:
     """After every step each decoding request holds slots for exactly its computed tokens:

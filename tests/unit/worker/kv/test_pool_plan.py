@@ -117,6 +117,20 @@ def test_chunk_capped_plan() -> None:
     assert plan.total_bytes <= budget
 
 
+def test_chunk_capped_plan_counts_each_requests_draft_pages() -> None:
+    """k drafts per decoding request and step hold ceil_P(k) more SWA slots each."""
+    shape = dict(**MIMO, kv_cache_bytes=10**6 * F, max_running_requests=8, chunked_prefill_size=512)
+    plain = plan_pools_chunk_capped(**shape, page_size=16)
+    for k, pages in ((3, 16), (16, 16), (17, 32)):
+        drafting = plan_pools_chunk_capped(**shape, page_size=16, draft_tokens=k)
+        assert drafting.swa_tokens == plain.swa_tokens + 8 * pages
+    assert plan_pools_chunk_capped(**shape, draft_tokens=3).swa_tokens == (
+        plan_pools_chunk_capped(**shape).swa_tokens + 8 * 3
+    )
+    with pytest.raises(ValueError, match="draft_tokens"):
+        plan_pools_chunk_capped(**shape, draft_tokens=-1)
+
+
 def test_chunk_capped_plan_too_small_raises() -> None:
     with pytest.raises(ValueError, match="max_running_requests=64"):
         plan_pools_chunk_capped(
