@@ -53,11 +53,13 @@ theirs alone: the padding row of the slot table, the padding slot of each pool, 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +86,22 @@ KEY_BLOCK = 64
 MIN_GRAPH_KEYS = 256
 """CUDA: the smallest key width of a captured graph; widths double from there."""
 INPUT_FIELDS = 5  # input ids, positions, slot-table rows, full slots, SWA slots
+
+_COMPILING: weakref.WeakSet[DecodeStep] = weakref.WeakSet()  # steps whose thread runs
+
+
+@atexit.register
+def _stop_compiles_at_exit() -> None:
+    """At interpreter exit (an engine never shut down): stop every background compile and
+    wait for each (after the graph it is compiling). A thread left inside inductor while the
+    interpreter finalizes aborts the process ("terminate called without an active
+    exception"). All stop before any is waited for: a draft step's thread waits for its decode
+    step's to end."""
+    steps = list(_COMPILING)
+    for step in steps:
+        step.stop()
+    for step in steps:
+        step.close()
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -497,11 +515,13 @@ class DecodeStep:
                 self.compile_error = exc
                 logger.warning("background compile of the %s failed: %r", type(self).__name__, exc)
             finally:
+                _COMPILING.discard(self)
                 self.compiled.set()
 
         if not self.background or self._thread is not None:
             raise RuntimeError("compile_in_background: once, on a step made with background=True")
         self._thread = threading.Thread(target=work, name="swaserve-decode-compile", daemon=True)
+        _COMPILING.add(self)
         self._thread.start()
 
     def stop(self) -> None:

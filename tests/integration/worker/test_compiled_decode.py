@@ -273,6 +273,37 @@ def test_tp2_compiled_equals_tp1(tiny_model_factory: Callable[..., Path]) -> Non
         tp.shutdown()
 
 
+EXIT_WHILE_COMPILING = """
+import sys, time
+from swaserve.worker import Engine, EngineConfig
+engine = Engine(EngineConfig(model=sys.argv[1], max_total_tokens=640, max_running_requests=4))
+step = engine.runner.decode_step
+while not step.ready and not step.compiled.is_set():  # the first graph: then the second's
+    time.sleep(0.01)
+print(step.background, step.compiled.is_set())
+"""
+
+
+def test_an_engine_never_shut_down_exits_cleanly_while_it_compiles(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A script that ends with the default engine's background compile under way (no
+    `shutdown`; it ends as the second graph starts compiling) exits with 0: the compile stops
+    after that graph at exit. A thread left inside inductor had aborted the process
+    ("terminate called without an active exception", exit status 134, in 4 of 5 runs)."""
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=W, hidden_size=32)
+    env = {k: v for k, v in os.environ.items() if k != CPU_AUTO_COMPILE_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_COMPILING, str(model)],
+        env=env | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},  # cold: it compiles
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout.split() == ["True", "False"], done.stdout  # it was compiling at the end
+    assert "terminate called" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 START_AND_COUNT = """
 import json, sys
 from torch._dynamo.utils import counters
