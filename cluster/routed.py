@@ -264,7 +264,14 @@ class RoutedCluster:
         sent: list[int] = []  # tokens streamed to the caller so far
         cached: int | None = None  # the first attempt's cached_tokens
         failures = 0
+        finishing: Any = None  # the router's finish of the last attempt, still to be awaited
         while True:
+            if finishing is not None:
+                # The router actor is async: Ray does not keep its calls in submission order, so
+                # a finish not awaited could be taken after the next route (which then finds
+                # the id still routed, "already routed or queued"), or after it, undoing it.
+                await self._await_finish(finishing)
+                finishing = None
             prompt = token_ids + sent if sent else token_ids
             left = params.max_new_tokens - len(sent)
             if left <= 0:  # the lost chunk was only the finish: the request is complete
@@ -343,9 +350,17 @@ class RoutedCluster:
             finally:
                 # Also when the caller left while the request was queued in the router. A run
                 # to its end tells the router how many tokens it took (the worker's speed).
-                self.router.finish.remote(request_id, generated)
+                finishing = self.router.finish.remote(request_id, generated)
                 if worker is not None and not finished and self._worker_alive(worker):
                     self._abort_on(worker, request_id)
+
+    async def _await_finish(self, finishing: Any) -> None:
+        """Wait for the router to have taken a finish (a router that died with it forgot the
+        request anyway)."""
+        try:
+            await finishing
+        except self.router_errors as exc:
+            logger.warning("the router died before it took a finish: %s", exc)
 
     async def _route(
         self,

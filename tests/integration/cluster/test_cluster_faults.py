@@ -47,6 +47,7 @@ class StreamThread(threading.Thread):
         self.request = request
         self.items: list[pb.GenerateResponse] = []
         self.code: grpc.StatusCode | None = None
+        self.details = ""  # the error's message, when it ended with one
         self.first = threading.Event()
 
     def run(self) -> None:
@@ -59,7 +60,7 @@ class StreamThread(threading.Thread):
                     self.first.set()
                 self.code = grpc.StatusCode.OK
             except grpc.RpcError as exc:
-                self.code = exc.code()
+                self.code, self.details = exc.code(), exc.details() or ""
             finally:
                 self.first.set()
 
@@ -121,7 +122,7 @@ def assert_nothing_lost(streams: list[StreamThread], expected: list[list[int]]) 
     for s, want in zip(streams, expected, strict=True):
         s.join(STARTUP_TIMEOUT_S + 60)
         assert not s.is_alive()
-        assert s.code == grpc.StatusCode.OK, s.request.request_id
+        assert s.code == grpc.StatusCode.OK, (s.request.request_id, s.details)
         assert [t for item in s.items for t in item.token_ids] == want, s.request.request_id
         last = s.items[-1]
         assert last.finish_reason == "length"

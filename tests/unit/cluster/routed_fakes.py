@@ -62,7 +62,9 @@ class _Method:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         result = self.fn(*args, **kwargs)
-        return result if hasattr(result, "__aiter__") else Done(result)
+        return (
+            result if hasattr(result, "__aiter__") or hasattr(result, "__await__") else Done(result)
+        )
 
 
 class Handle:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pickle
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +24,7 @@ from swaserve.cluster.openai_api import api_error
 from swaserve.cluster.openai_api.protocol import APIError
 from swaserve.cluster.openai_api.responses import ResponseStore, SharedResponseStore, Stored
 from swaserve.cluster.routed import InvalidRequest, Unavailable
+from swaserve.cluster.router_actor import RouteAnswer
 from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress
 from swaserve.cluster.serve_worker import SwaWorker
 from swaserve.proto.engine_request import EngineRequest
@@ -261,6 +262,57 @@ def test_a_dead_worker_is_removed_and_its_request_migrates(model_dir: Path) -> N
     assert cluster.migrations == 1
     # The lost attempt tells the router nothing of speed; the one that ran to its end, its tokens.
     assert router.finished == [("r1", None), ("r1", len(EVERY_TOKEN) - 2)]
+
+
+class LateFinishRouter(FakeRouter):
+    """A router that refuses to route an id it still holds, as `Router.route` does, and
+    takes a `finish` only when its caller awaits it: an async Ray actor may run a call after
+    the caller's next one."""
+
+    def __init__(self, worker_ids: list[str]) -> None:
+        super().__init__(worker_ids)
+        self.held: set[str] = set()
+
+    def route(self, request_id: str, *args: Any, **kwargs: Any) -> RouteAnswer:
+        if request_id in self.held:
+            return RouteAnswer("invalid", message=f"request {request_id!r} is already routed")
+        answer = super().route(request_id, *args, **kwargs)
+        if answer.worker_id is not None:
+            self.held.add(request_id)
+        return answer
+
+    def finish(self, request_id: str, generated_tokens: int | None = None) -> Any:
+        def taken() -> None:
+            super(LateFinishRouter, self).finish(request_id, generated_tokens)
+            self.held.discard(request_id)
+
+        return LateCall(taken)
+
+
+class LateCall:
+    """What `.remote(...)` returns for a call the actor takes when it is awaited."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self.call = call
+
+    def __await__(self) -> Generator[None, None, None]:
+        self.call()
+        return
+        yield  # a generator: `await` takes the call at once
+
+
+def test_a_migrating_request_is_routed_again_after_the_router_took_its_finish(
+    model_dir: Path,
+) -> None:
+    """The lost attempt's finish reaches the router before the request is routed again
+    (else the router, still holding the id, refuses it: a 400 for a request that was fine)."""
+    router = LateFinishRouter(["w0", "w1"])
+    workers = ScriptedWorkers({"w0": [breaks_after(2, ActorDiedError())], "w1": [serves()]})
+    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster.model_info = model_info(model_dir)
+    assert generated(cluster) == EVERY_TOKEN
+    assert router.routed == ["w0", "w1"] and cluster.migrations == 1
+    assert router.finished[0] == ("r1", None)
 
 
 def test_a_misrouted_call_loses_nobody(model_dir: Path) -> None:
