@@ -32,7 +32,7 @@ class Headroom:
     queued_prefill_tokens: int = 0  # prompt tokens of waiting requests not yet prefilled
     prefilling_tokens: int = 0  # prompt tokens admitted requests have still to compute
     full_reserved_tokens: int = 0  # full tokens promised to running requests' decode still to come
-    swa_reserved_tokens: int = 0  # SWA tokens promised to running requests (about min(new, I + P))
+    swa_reserved_tokens: int = 0  # SWA tokens promised to running requests (to W + I + P each)
     prompt_tokens_total: int = 0  # counters since start: prompt tokens admitted ...
     cached_tokens_total: int = 0  # ... and how many of them came from the prefix cache
     window_repair_tokens_total: int = 0  # ... tokens recomputed to repair cached windows

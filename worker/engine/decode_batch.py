@@ -166,12 +166,20 @@ class DecodeBatch:
         self.last_tokens = tokens
         self._recount()
 
-    def reserved_tokens(self, new_token_ratio: float, clip: int, swa_step: int) -> tuple[int, int]:
+    def reserved_tokens(self, new_token_ratio: float, clip: int, swa_cap: int) -> tuple[int, int]:
         """(full, SWA) tokens these requests' future decode steps are promised: per request
-        int(min(remaining, clip) × ratio) and min(remaining, swa_step)."""
+        int(min(remaining, clip) × ratio), and what it may still add to the SWA slots it holds
+        before it holds `swa_cap` (W + I + P: out-of-window SWA is given back every I
+        positions, so no decoding request holds more), at most its remaining tokens. A
+        request that holds its window and most of an interval is promised little more: what
+        it holds is already off the pool."""
         remaining = self.new_ends - self.seq_lens  # [B] int64, >= 1 while decoding
         full = np.floor(np.minimum(remaining, clip) * new_token_ratio)  # [B] float64
-        return int(full.sum()), int(np.minimum(remaining, swa_step).sum())
+        starts = np.fromiter(
+            (r.swa.own_start for r in self.reqs), dtype=np.int64, count=len(self.reqs)
+        )  # [B] int64
+        growth = np.maximum(swa_cap - (self.seq_lens - starts), 0)  # [B] int64
+        return int(full.sum()), int(np.minimum(remaining, growth).sum())
 
     # ---- integrity -----------------------------------------------------------------------
     def check(self) -> None:

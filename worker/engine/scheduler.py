@@ -34,7 +34,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from swaserve.proto.kv_rules import page_ceil, page_floor, swa_tokens_for_extend
+from swaserve.proto.kv_rules import (
+    decode_swa_tokens,
+    page_ceil,
+    page_floor,
+    swa_tokens_for_extend,
+)
 from swaserve.proto.stream import FinishReason
 from swaserve.worker.engine.decode_batch import DecodeBatch
 from swaserve.worker.engine.kv_manager import KVCacheManager, PrefixHit, WindowRepair
@@ -634,9 +639,15 @@ class Scheduler:
         return full - full_reserved, swa - swa_reserved
 
     def reserved_tokens(self) -> tuple[int, int]:
-        """(full, SWA) tokens promised to running requests' future decode steps."""
-        step = self.limits.swa_eviction_interval + self.limits.page_size
-        full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, step)
+        """(full, SWA) tokens promised to running requests' future decode steps: a decoding
+        request's SWA up to the most it holds (`DecodeBatch.reserved_tokens`), a prefilling
+        one's the interval it grows by after its prefill freed all but its window."""
+        limits = self.limits
+        step = limits.swa_eviction_interval + limits.page_size
+        cap = decode_swa_tokens(
+            limits.sliding_window_size or 0, limits.swa_eviction_interval, limits.page_size
+        )
+        full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, cap)
         full += sum(self._full_reserve(r) for r in self._prefilling)
         swa += sum(min(r.remaining_new_tokens, step) for r in self._prefilling)
         if self._drafting(self._decode):  # the draft slots of each step (held for one step):

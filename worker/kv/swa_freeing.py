@@ -40,6 +40,12 @@ class SWAFreeState:
     cache_protected_len: int = 0
     next_check_len: int = 0
 
+    @property
+    def own_start(self) -> int:
+        """The first position whose SWA slot the request holds itself (before it: the
+        tree's, or freed)."""
+        return max(self.swa_evicted_seqlen, self.cache_protected_len)
+
 
 def swa_free_boundary(
     pre_len: int,

@@ -115,12 +115,20 @@ def test_mirrors_hold_through_joins_aborts_and_swa_freeing(model_dir: Path) -> N
         full_reserve = sum(
             int(min(r.remaining_new_tokens, 4096) * sched.new_token_ratio) for r in sched.running
         )
-        swa_reserve = sum(min(r.remaining_new_tokens, INTERVAL + P) for r in sched.running)
+        swa_reserve = sum(  # a decode: up to the W + I + P it may hold; a prefill: I + P
+            min(
+                r.remaining_new_tokens,
+                max(W + INTERVAL + P - r.num_computed + r.swa.own_start, 0)
+                if r.is_decoding
+                else INTERVAL + P,
+            )
+            for r in sched.running
+        )
         assert sched.reserved_tokens() == (full_reserve, swa_reserve)
         for r in engine.scheduler.running:
             # Out-of-window SWA is given back once the interval I piled up: a decode holds
             # at most the window, two partial pages and I - 1 more.
-            held = r.num_computed - max(r.swa.swa_evicted_seqlen, r.swa.cache_protected_len)
+            held = r.num_computed - r.swa.own_start
             assert not r.is_decoding or held <= W + 2 * P + INTERVAL
     assert engine.stats.swa_freed_tokens > 0
 

@@ -219,7 +219,7 @@ def test_retraction_keeps_each_matcher_right(tiny_model_factory: Callable[..., P
     engine = Engine(
         EngineConfig(
             model=str(path),
-            max_total_tokens=640,
+            max_total_tokens=448,
             schedule_conservativeness=0.1,
             max_running_requests=12,
             chunked_prefill_size=32,
