@@ -644,8 +644,11 @@ class Scheduler:
         one's the interval it grows by after its prefill freed all but its window."""
         limits = self.limits
         step = limits.swa_eviction_interval + limits.page_size
-        cap = decode_swa_tokens(
-            limits.sliding_window_size or 0, limits.swa_eviction_interval, limits.page_size
+        cap = page_ceil(  # in whole pages: W and I need not be multiples of P
+            decode_swa_tokens(
+                limits.sliding_window_size or 0, limits.swa_eviction_interval, limits.page_size
+            ),
+            limits.page_size,
         )
         full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, cap)
         full += sum(self._full_reserve(r) for r in self._prefilling)

@@ -88,6 +88,7 @@ MIN_GRAPH_KEYS = 256
 INPUT_FIELDS = 5  # input ids, positions, slot-table rows, full slots, SWA slots
 
 _COMPILING: weakref.WeakSet[DecodeStep] = weakref.WeakSet()  # steps whose thread runs
+_COMPILING_LOCK = threading.Lock()  # the threads take themselves out as they end
 
 
 @atexit.register
@@ -97,7 +98,8 @@ def _stop_compiles_at_exit() -> None:
     interpreter finalizes aborts the process ("terminate called without an active
     exception"). All stop before any is waited for: a draft step's thread waits for its decode
     step's to end."""
-    steps = list(_COMPILING)
+    with _COMPILING_LOCK:
+        steps = list(_COMPILING)
     for step in steps:
         step.stop()
     for step in steps:
@@ -515,14 +517,17 @@ class DecodeStep:
                 self.compile_error = exc
                 logger.warning("background compile of the %s failed: %r", type(self).__name__, exc)
             finally:
-                _COMPILING.discard(self)
+                with _COMPILING_LOCK:
+                    _COMPILING.discard(self)
                 self.compiled.set()
 
         if not self.background or self._thread is not None:
             raise RuntimeError("compile_in_background: once, on a step made with background=True")
         self._thread = threading.Thread(target=work, name="swaserve-decode-compile", daemon=True)
-        _COMPILING.add(self)
         self._thread.start()
+        with _COMPILING_LOCK:  # after its start (a thread that ended first is joined at once)
+            if not self.compiled.is_set():
+                _COMPILING.add(self)
 
     def stop(self) -> None:
         """Tell the background compile to stop (after the bucket it is compiling)."""
