@@ -91,19 +91,25 @@ _COMPILING: weakref.WeakSet[DecodeStep] = weakref.WeakSet()  # steps whose threa
 _COMPILING_LOCK = threading.Lock()  # the threads take themselves out as they end
 
 
+def close_steps(steps: Iterable[DecodeStep | None]) -> None:
+    """Stop the background compile of each step, then wait for each (after the graph it is
+    compiling). All stop before any is waited for: a draft step's thread waits for its decode
+    step's to end."""
+    live = [step for step in steps if step is not None]
+    for step in live:
+        step.stop()
+    for step in live:
+        step.close()
+
+
 @atexit.register
 def _stop_compiles_at_exit() -> None:
-    """At interpreter exit (an engine never shut down): stop every background compile and
-    wait for each (after the graph it is compiling). A thread left inside inductor while the
-    interpreter finalizes aborts the process ("terminate called without an active
-    exception"). All stop before any is waited for: a draft step's thread waits for its decode
-    step's to end."""
+    """At interpreter exit (an engine never shut down): `close_steps` over every step whose
+    thread still runs. A thread left inside inductor while the interpreter finalizes aborts
+    the process ("terminate called without an active exception")."""
     with _COMPILING_LOCK:
         steps = list(_COMPILING)
-    for step in steps:
-        step.stop()
-    for step in steps:
-        step.close()
+    close_steps(steps)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -230,6 +236,8 @@ class DecodeStep:
     the model's forward."""
 
     buckets: tuple[int, ...]  # the padded batch sizes of its graphs
+    input_fields = INPUT_FIELDS  # rows of `inputs`
+    hands_on_hidden = True  # keeps each step's hidden states for MTP drafts (`hidden`)
 
     def __init__(
         self,
@@ -267,7 +275,7 @@ class DecodeStep:
         self.two_pools = two_pools
         self.device = device
         self.mode = mode
-        self.buckets = batch_buckets(max_batch or slot_table.num_rows)
+        self.buckets = self.make_buckets(max_batch or slot_table.num_rows)
         self.padding_row = slot_table.padding_row
         self.background = background
         self.ready: set[Hashable] = set()  # buckets whose graph has run (compiled or captured)
@@ -278,8 +286,8 @@ class DecodeStep:
         self._thread: threading.Thread | None = None
         self.max_len = slot_table.max_len
         self.inputs = torch.zeros(
-            INPUT_FIELDS, self.buckets[-1] + 1, dtype=torch.int64, device=device
-        )  # [5, Bmax + 1] int64: the persistent input buffer every graph reads (one column
+            self.input_fields, self.buckets[-1] + 1, dtype=torch.int64, device=device
+        )  # [F, Bmax + 1] int64: the persistent input buffer every graph reads (one column
         # more than the largest bucket: every bucket's view has the same strides)
         self._cols = torch.arange(self.max_len, dtype=torch.int64, device=device)  # [L] int64
         self.stats = DecodeStepStats()
@@ -294,11 +302,16 @@ class DecodeStep:
         # A model with MTP layers: each step's normed hidden states, written inside the graph
         # (the drafts read them: `model.last_hidden` is set to this step's rows)
         self.hidden: torch.Tensor | None = None
-        if getattr(model, "keep_hidden", False):
+        if self.hands_on_hidden and getattr(model, "keep_hidden", False):
             config, dtype = model.config, model.dtype  # type: ignore[attr-defined]
             self.hidden = torch.zeros(
                 self.buckets[-1] + 1, config.hidden_size, dtype=dtype, device=device
             )  # [Bmax + 1, D]
+
+    @staticmethod
+    def make_buckets(max_batch: int) -> tuple[int, ...]:
+        """The padded batch sizes of the graphs for at most `max_batch` rows."""
+        return batch_buckets(max_batch)
 
     def accepts(self, inp: ModelInput) -> bool:
         """Whether `inp` is a pure-decode step this graph runs: one new token per request, no

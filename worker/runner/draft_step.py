@@ -88,6 +88,9 @@ class DraftStep(DecodeStep):
     """The fixed-shape MTP depth forward of one model runner (see the module docstring);
     `model` has MTP layers (`HybridCausalLM.draft_hidden`)."""
 
+    input_fields = DRAFT_FIELDS
+    hands_on_hidden = False  # the target's step hands the drafts theirs
+
     def __init__(
         self,
         model: Any,
@@ -98,18 +101,16 @@ class DraftStep(DecodeStep):
     ) -> None:
         super().__init__(model, slot_table, **options)
         self.num_depths = num_depths
-        # no bucket of one row: a graph of batch 1 is one more compile per depth (dynamo
-        # specializes a dimension of 1), for a forward of one row only at depth 0 of batch 1
-        every = batch_buckets(options.get("max_batch") or slot_table.num_rows)
-        self.buckets = tuple(b for b in every if b > 1) or (2,)
-        self.inputs = torch.zeros(
-            DRAFT_FIELDS, self.buckets[-1] + 1, dtype=torch.int64, device=self.device
-        )  # [6, Bmax + 1] int64
-        self.hidden = None  # a draft step hands nothing on
         self.hidden_in = torch.zeros(
             self.buckets[-1] + 1, model.config.hidden_size, dtype=model.dtype, device=self.device
         )  # [Bmax + 1, D] the target's hidden state of each row
         self.width = key_width(1, self.max_len, graphs=self.mode == "graphs")
+
+    @staticmethod
+    def make_buckets(max_batch: int) -> tuple[int, ...]:
+        """No bucket of one row: a graph of batch 1 is one more compile per depth (dynamo
+        specializes a dimension of 1), for a forward of one row only at depth 0 of batch 1."""
+        return tuple(b for b in batch_buckets(max_batch) if b > 1) or (2,)
 
     def ready_key(self, variant: int, bp: int) -> Hashable:
         return (variant, bp)

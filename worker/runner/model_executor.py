@@ -27,7 +27,7 @@ from swaserve.worker.config import EngineConfig
 from swaserve.worker.kv.pool_plan import PoolPlan
 from swaserve.worker.models.config import MIMO_V2_FLASH, ModelConfig, load_model_config
 from swaserve.worker.models.mtp import checkpoint_mtp_layers
-from swaserve.worker.runner.decode_step import DecodeStep
+from swaserve.worker.runner.decode_step import DecodeStep, close_steps
 from swaserve.worker.runner.draft_step import DraftRows
 from swaserve.worker.runner.executor import (
     DraftArgs,
@@ -285,14 +285,8 @@ class ModelExecutor:
         buffers."""
         try:
             runner = self._runner
-            step = runner.decode_step if runner is not None else None
-            drafts = runner.draft_step if runner is not None else None
-            if drafts is not None:
-                drafts.stop()  # before the decode step's thread ends and lets it start
-            if step is not None:
-                step.close()
-            if drafts is not None:
-                drafts.close()
+            if runner is not None:
+                close_steps([runner.decode_step, runner.draft_step])
             if self.launcher is not None:
                 self.launcher.close()
         finally:
