@@ -265,94 +265,106 @@ class RoutedCluster:
         cached: int | None = None  # the first attempt's cached_tokens
         failures = 0
         finishing: Any = None  # the router's finish of the last attempt, still to be awaited
-        while True:
-            if finishing is not None:
-                # The router actor is async: Ray does not keep its calls in submission order, so
-                # a finish not awaited could be taken after the next route (which then finds
-                # the id still routed, "already routed or queued"), or after it, undoing it.
-                await self._await_finish(finishing)
-                finishing = None
-            prompt = token_ids + sent if sent else token_ids
-            left = params.max_new_tokens - len(sent)
-            if left <= 0:  # the lost chunk was only the finish: the request is complete
-                yield GenerateChunk(
-                    request_id,
-                    finished=True,
-                    finish_reason=FinishReason.LENGTH,
-                    cached_tokens=cached or 0,
-                )
-                return
-            attempt = params if not sent else params.model_copy(update={"max_new_tokens": left})
-            worker: str | None = None
-            finished = False
-            generated: int | None = None  # tokens of an attempt that ran to its end
-            try:
-                asked_s = time.monotonic()
-                worker = await self._route(request_id, prompt, attempt, session_id, deadline)
-                route_s = time.monotonic() - asked_s
-                self._open[request_id] = worker
-                request = EngineRequest(request_id, prompt, attempt, len(sent))
-                async for item in self._stream(worker, request):
-                    if isinstance(item, ValueError):  # the engine refused it (RequestError)
-                        finished = True
-                        if sent:
-                            raise Unavailable(
-                                f"request {request_id} could not move to {worker}: {item}"
-                            )
-                        raise InvalidRequest(str(item))
-                    if isinstance(item, Exception):  # e.g. "worker has stopped"
-                        raise WorkerLost(str(item))
-                    if item.finish_reason == FinishReason.MISROUTED:
-                        finished = True
-                        raise _Misrouted(item.error or "")
-                    if item.finish_reason == FinishReason.WORKER_LOST:
-                        raise WorkerLost(item.error)
-                    if item.finish_reason == FinishReason.ERROR:
-                        finished = True
-                        raise GenerationFailed(item.error or "the worker's step failed")
-                    item.worker_id = item.worker_id or worker
-                    finished = item.finished
-                    if item.token_ids or item.finished:  # not the "taken" chunk
-                        if cached is None:
-                            cached = item.cached_tokens
-                            first_s = time.monotonic() - asked_s
-                            self.breakdowns.append(
-                                TTFTBreakdown(
-                                    request_id, worker, route_s, cached, item.timings, first_s
+        try:
+            while True:
+                if finishing is not None:
+                    # The router actor is async: Ray does not keep its calls in submission order, so
+                    # a finish not awaited could be taken after the next route (which then finds
+                    # the id still routed, "already routed or queued"), or after it, undoing it.
+                    await self._await_finish(finishing)
+                    finishing = None
+                prompt = token_ids + sent if sent else token_ids
+                left = params.max_new_tokens - len(sent)
+                if left <= 0:  # the lost chunk was only the finish: the request is complete
+                    yield GenerateChunk(
+                        request_id,
+                        finished=True,
+                        finish_reason=FinishReason.LENGTH,
+                        cached_tokens=cached or 0,
+                    )
+                    return
+                attempt = params if not sent else params.model_copy(update={"max_new_tokens": left})
+                worker: str | None = None
+                finished = False
+                generated: int | None = None  # tokens of an attempt that ran to its end
+                try:
+                    asked_s = time.monotonic()
+                    worker = await self._route(request_id, prompt, attempt, session_id, deadline)
+                    route_s = time.monotonic() - asked_s
+                    self._open[request_id] = worker
+                    request = EngineRequest(request_id, prompt, attempt, len(sent))
+                    async for item in self._stream(worker, request):
+                        if isinstance(item, ValueError):  # the engine refused it (RequestError)
+                            finished = True
+                            if sent:
+                                raise Unavailable(
+                                    f"request {request_id} could not move to {worker}: {item}"
                                 )
-                            )
-                        item.cached_tokens = cached
-                        sent.extend(item.token_ids)
-                        yield item
-                    if finished:
-                        generated = left - (params.max_new_tokens - len(sent))
-                        return
-                raise WorkerLost("the stream ended early")
-            except (WorkerLost, _Misrouted) as exc:
-                assert worker is not None  # routing itself does not lose workers
-                finished = True  # nothing left to abort on a lost worker
-                if isinstance(exc, WorkerLost):
-                    self._lose(worker, f"lost during request {request_id}: {exc}")
-                failures += 1
-                self.migrations += bool(sent)
-                if failures >= self.max_attempts or _past(deadline):
-                    raise Unavailable(
-                        f"request {request_id}: gave up after {failures} attempts; the last "
-                        f"worker ({worker}) was lost: {exc}"
-                    ) from exc
-                logger.warning(
-                    "request %s: %s after losing %s (%d tokens streamed)",
-                    request_id,
-                    "migrating" if sent else "retrying",
-                    worker,
-                    len(sent),
-                )
-            finally:
-                # Also when the caller left while the request was queued in the router. A run
-                # to its end tells the router how many tokens it took (the worker's speed).
-                finishing = self.router.finish.remote(request_id, generated)
-                if worker is not None and not finished and self._worker_alive(worker):
-                    self._abort_on(worker, request_id)
+                            raise InvalidRequest(str(item))
+                        if isinstance(item, Exception):  # e.g. "worker has stopped"
+                            raise WorkerLost(str(item))
+                        if item.finish_reason == FinishReason.MISROUTED:
+                            finished = True
+                            raise _Misrouted(item.error or "")
+                        if item.finish_reason == FinishReason.WORKER_LOST:
+                            raise WorkerLost(item.error)
+                        if item.finish_reason == FinishReason.ERROR:
+                            finished = True
+                            raise GenerationFailed(item.error or "the worker's step failed")
+                        item.worker_id = item.worker_id or worker
+                        finished = item.finished
+                        if item.token_ids or item.finished:  # not the "taken" chunk
+                            if cached is None:
+                                cached = item.cached_tokens
+                                first_s = time.monotonic() - asked_s
+                                self.breakdowns.append(
+                                    TTFTBreakdown(
+                                        request_id, worker, route_s, cached, item.timings, first_s
+                                    )
+                                )
+                            item.cached_tokens = cached
+                            sent.extend(item.token_ids)
+                            yield item
+                        if finished:
+                            generated = left - (params.max_new_tokens - len(sent))
+                            break
+                    else:
+                        raise WorkerLost("the stream ended early")
+                except (WorkerLost, _Misrouted) as exc:
+                    assert worker is not None  # routing itself does not lose workers
+                    finished = True  # nothing left to abort on a lost worker
+                    if isinstance(exc, WorkerLost):
+                        self._lose(worker, f"lost during request {request_id}: {exc}")
+                    failures += 1
+                    self.migrations += bool(sent)
+                    if failures >= self.max_attempts or _past(deadline):
+                        raise Unavailable(
+                            f"request {request_id}: gave up after {failures} attempts; the last "
+                            f"worker ({worker}) was lost: {exc}"
+                        ) from exc
+                    logger.warning(
+                        "request %s: %s after losing %s (%d tokens streamed)",
+                        request_id,
+                        "migrating" if sent else "retrying",
+                        worker,
+                        len(sent),
+                    )
+                finally:
+                    # Also when the caller left while the request was queued in the router. A run
+                    # to its end tells the router how many tokens it took (the worker's speed).
+                    finishing = self.router.finish.remote(request_id, generated)
+                    if worker is not None and not finished and self._worker_alive(worker):
+                        self._abort_on(worker, request_id)
+                if generated is not None:
+                    # The stream ends once the router let go of the id: a caller may reuse it at
+                    # once (the router refuses an id it still holds). Its last tokens are out.
+                    await self._await_finish(finishing)
+                    return
+        except Exception:
+            # An error ends the stream too: a caller may retry with the same id at once.
+            if finishing is not None:
+                await self._await_finish(finishing)
+            raise
 
     async def _await_finish(self, finishing: Any) -> None:
         """Wait for the router to have taken a finish (a router that died with it forgot the

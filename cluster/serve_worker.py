@@ -101,4 +101,4 @@ class SwaWorker(EngineWorker):
             loop.wait(10.0)
         except BaseException:
             logger.warning("worker %s ended with an error", self.worker_id, exc_info=True)
-        loop.engine.shutdown()
+        loop.engine.shutdown(wait_compiles=False)  # the replica's process ends next

@@ -224,7 +224,8 @@ class EngineWorker:
             await asyncio.to_thread(self.loop.wait, 30.0)
         except BaseException:
             logger.warning("worker %s ended with an error", self.worker_id, exc_info=True)
-        await asyncio.to_thread(self.loop.engine.shutdown)
+        # The group kills this process next: a background compile's graph is not waited for.
+        await asyncio.to_thread(self.loop.engine.shutdown, wait_compiles=False)
 
     def _loop(self) -> EngineLoop:
         if self.loop is None:

@@ -1015,9 +1015,11 @@ class Engine:
         self.scheduler.flush_cache()
         self._collect_events()
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, wait_compiles: bool = True) -> None:
         """Abort everything, free the KV memory and stop the TP ranks (none is left running,
-        also after a `TensorParallelError`)."""
+        also after a `TensorParallelError`). A background compile stops after the graph it is
+        compiling; `wait_compiles=False` does not wait for that graph (a process that ends
+        right after: a worker actor, a Serve replica), which can take tens of seconds cold."""
         try:
             for rid in list(self._requests):
                 self.abort(rid)
@@ -1028,7 +1030,7 @@ class Engine:
                 self.tree.reset()
             self._requests.clear()
         finally:
-            self.executor.close()
+            self.executor.close(wait_compiles=wait_compiles)
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         req = self._requests.get(request_id)

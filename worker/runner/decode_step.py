@@ -91,15 +91,17 @@ _COMPILING: weakref.WeakSet[DecodeStep] = weakref.WeakSet()  # steps whose threa
 _COMPILING_LOCK = threading.Lock()  # the threads take themselves out as they end
 
 
-def close_steps(steps: Iterable[DecodeStep | None]) -> None:
+def close_steps(steps: Iterable[DecodeStep | None], *, wait: bool = True) -> None:
     """Stop the background compile of each step, then wait for each (after the graph it is
     compiling). All stop before any is waited for: a draft step's thread waits for its decode
-    step's to end."""
+    step's to end. Without `wait` they are only told to stop (the exit hook waits for them
+    if the process ends normally)."""
     live = [step for step in steps if step is not None]
     for step in live:
         step.stop()
-    for step in live:
-        step.close()
+    if wait:
+        for step in live:
+            step.close()
 
 
 @atexit.register

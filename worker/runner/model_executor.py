@@ -280,13 +280,14 @@ class ModelExecutor:
         if self.launcher is not None:
             self.launcher.check_alive()
 
-    def close(self) -> None:
+    def close(self, *, wait_compiles: bool = True) -> None:
         """Stop the background compile and the TP ranks, and drop the weights and the KV
-        buffers."""
+        buffers. `wait_compiles=False`: do not wait for the graph a background compile is
+        compiling (its thread ends after it)."""
         try:
             runner = self._runner
             if runner is not None:
-                close_steps([runner.decode_step, runner.draft_step])
+                close_steps([runner.decode_step, runner.draft_step], wait=wait_compiles)
             if self.launcher is not None:
                 self.launcher.close()
         finally:

@@ -256,6 +256,31 @@ def test_auto_serves_eagerly_while_it_compiles_then_runs_the_compiled_step(
         engine.shutdown()
 
 
+def test_a_shutdown_that_does_not_wait_leaves_the_compile_to_stop_on_its_own(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`shutdown(wait_compiles=False)` (a worker actor's, a Serve replica's: their process
+    ends next) returns while the background compile is held inside its work; the thread then
+    stops before its next graph."""
+    monkeypatch.delenv(CPU_AUTO_COMPILE_ENV)
+    padding_steps = ModelExecutor._padding_steps
+    monkeypatch.setattr(
+        ModelExecutor, "_padding_steps", staticmethod(lambda *a: Gated(padding_steps(*a)))
+    )
+    Gated.gate.clear()
+    model = tiny_model_factory("gpt-oss", num_layers=2, sliding_window_size=W, hidden_size=32)
+    engine = Engine(EngineConfig(model=str(model), max_total_tokens=640))
+    step = engine.runner.decode_step
+    try:
+        assert step is not None and step.background
+        engine.shutdown(wait_compiles=False)  # returns with the thread held at the gate
+        assert not step.compiled.is_set()
+    finally:
+        Gated.gate.set()
+    assert step.compiled.wait(STARTUP_TIMEOUT_S)
+    assert step.ready == set() and step.compile_error is None  # stopped before its first graph
+
+
 def test_tp2_compiled_equals_tp1(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory(
         "gpt-oss", num_layers=4, num_heads=4, num_kv_heads=2, sliding_window_size=W, seed=5

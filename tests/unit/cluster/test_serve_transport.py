@@ -315,6 +315,25 @@ def test_a_migrating_request_is_routed_again_after_the_router_took_its_finish(
     assert router.finished[0] == ("r1", None)
 
 
+def test_a_stream_ends_after_the_router_took_its_finish_so_its_id_is_free_at_once(
+    model_dir: Path,
+) -> None:
+    """A caller may send a new request with the id of one whose stream just ended, whether
+    that one ran to its end or failed: the router has let go of it by then."""
+    router = LateFinishRouter(["w0"])
+    refused = RequestError("the prompt does not fit the SWA pool")
+    workers = ScriptedWorkers({"w0": [serves(), answers(refused), serves()]})
+    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster.model_info = model_info(model_dir)
+    assert generated(cluster) == EVERY_TOKEN
+    assert router.held == set()
+    with pytest.raises(InvalidRequest, match="SWA pool"):
+        generated(cluster)
+    assert router.held == set()
+    assert generated(cluster) == EVERY_TOKEN
+    assert router.routed == ["w0", "w0", "w0"]
+
+
 def test_a_misrouted_call_loses_nobody(model_dir: Path) -> None:
     misrouted = GenerateChunk(
         "r1", finished=True, finish_reason=FinishReason.MISROUTED, error="elsewhere"
