@@ -20,7 +20,8 @@ SWA KV may have been freed: the window checkpoints and window repair keep it reu
 Per variant and turn: the cached share of prompt tokens (Σ cached_tokens / Σ prompt_tokens over
 the turn's requests of every agent). Printed: the table, and from turn 2 on the hybrid engine's
 share against the one-pool engine's and against round robin's. Variants run in order
-hybrid, one-pool, round-robin for `--repeats` rounds; each starts its own cluster (cold caches).
+hybrid, one-pool, round-robin for `--repeats` rounds; each starts its own cluster (cold
+caches; the decode step compiled before serving, as in bench/cluster_load.py).
 
     python bench/agent_loop.py [--json] [--arch gpt-oss|mimo-v2-flash] [--replicas 4] [--agents 16]
         [--turns 8] [--repeats 1] [--reasoning-chars 24] [--answer-chars 24]
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
-from multiturn import local_ray
+from multiturn import local_ray, workers_compile
 
 from swaserve.cluster.cluster import Cluster, ClusterConfig
 from swaserve.cluster.http_server import HttpServer
@@ -189,6 +190,7 @@ async def run_variant(
             device="cpu",
             max_total_tokens=args.max_total_tokens,
             seed=0,
+            compile=workers_compile(),
             **overrides,
         ),
         router=RouterConfig(policy=policy),

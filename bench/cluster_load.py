@@ -10,8 +10,9 @@ its answer (the tokens the model streamed back) + a new user message (1/2 to 3/2
 session and send its turns one after another with its `session_id`, greedy, `ignore_eos`:
 at most N sessions, hence N requests, are in flight.
 
-Each run starts its own cluster (cold prefix caches) and gRPC server on the one local Ray,
-sends one warm-up request per worker (tokens no workload prompt starts with), then the
+Each run starts its own cluster (cold prefix caches; the workers compile their decode step, or
+load it from the inductor cache, before they serve: `multiturn.workers_compile`) and gRPC
+server on the one local Ray, sends one warm-up request per worker (tokens no workload prompt starts with), then the
 workload, and stops the cluster. Runs alternate the policies for `--repeats` rounds, so that
 a busy machine slows them alike; the median of each figure over the rounds counts.
 
@@ -64,6 +65,7 @@ from multiturn import (
     medians,
     parse_workload_args,
     percentile,
+    workers_compile,
     workload_parser,
 )
 from sim_calibration import hops_of
@@ -221,7 +223,11 @@ async def run_policy(
     each workload request's time to first token went (`RoutedCluster.breakdowns`)."""
     config = ClusterConfig(
         engine=EngineConfig(
-            model=model_dir, device="cpu", max_total_tokens=args.max_total_tokens, seed=0
+            model=model_dir,
+            device="cpu",
+            max_total_tokens=args.max_total_tokens,
+            seed=0,
+            compile=workers_compile(),
         ),
         router=RouterConfig(
             policy=policy,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import ray
 
+from swaserve.proto.environment import cpu_auto_compile
 from swaserve.worker.models.tiny import make_tiny_model
 
 
@@ -78,6 +79,16 @@ def make_model(path: str | Path, args: argparse.Namespace) -> Path:
         num_kv_heads=2,
         seed=0,
     )
+
+
+def workers_compile() -> bool:
+    """`EngineConfig.compile` for the benches' workers: True, so that each compiles (or loads
+    from the inductor cache) its decode step before it serves, and a run measures the steady
+    state the default `compile="auto"` reaches once its background compile is done. Otherwise
+    that compile (30-45 s cold, 4-9 s cached) would run beside most of a run, on the same
+    cores. False (eager) where `$SWASERVE_CPU_AUTO_COMPILE=0` keeps `auto` eager: the test
+    suite's runs."""
+    return cpu_auto_compile()
 
 
 @contextlib.contextmanager

@@ -11,8 +11,9 @@ AsyncOpenAI, one event loop) each take the next session and send its turns one a
 (`stream=True`, `stream_options={"include_usage": True}`, `user=<session id>`, greedy,
 `ignore_eos`): at most N requests are in flight.
 
-Each run deploys the app fresh as its own Serve application (cold prefix caches; its own name
-and route prefix, deleted after the run) on one Serve instance, sends one warm-up request per
+Each run deploys the app fresh as its own Serve application (cold prefix caches, the decode
+step compiled before serving as in bench/cluster_load.py; its own name and route prefix,
+deleted after the run) on one Serve instance, sends one warm-up request per
 worker (a system message no workload prompt shares beyond the template's first 2 tokens),
 then the workload. Runs alternate serve / swaserve for `--repeats` rounds, so that a busy
 machine slows both alike; the median of each figure over the rounds counts.
@@ -59,6 +60,7 @@ from multiturn import (
     medians,
     parse_workload_args,
     percentile,
+    workers_compile,
     workload_parser,
 )
 from openai.types import CompletionUsage
@@ -235,6 +237,7 @@ def run_routing(
         "device": "cpu",
         "max_total_tokens": args.max_total_tokens,
         "seed": 0,
+        "compile": workers_compile(),
         "routing": routing,
     }
     serve.run(build_app(app_args), name=app_name, route_prefix=f"/{app_name}")
