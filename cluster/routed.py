@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 BREAKDOWNS_KEPT = 10_000
+FINISH_TIMEOUT_S = 10.0
+"""How long a stream's end, or a request's next route, waits for the router to take a finish
+(it takes one in milliseconds; a router that hangs must not hold the caller)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,11 +371,13 @@ class RoutedCluster:
 
     async def _await_finish(self, finishing: Any) -> None:
         """Wait for the router to have taken a finish (a router that died with it forgot the
-        request anyway)."""
+        request anyway), at most `FINISH_TIMEOUT_S`."""
         try:
-            await finishing
+            await asyncio.wait_for(finishing, FINISH_TIMEOUT_S)
         except self.router_errors as exc:
             logger.warning("the router died before it took a finish: %s", exc)
+        except TimeoutError:
+            logger.warning("the router took no finish within %g s", FINISH_TIMEOUT_S)
 
     async def _route(
         self,

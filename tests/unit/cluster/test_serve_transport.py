@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
 from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
 
+from swaserve.cluster import routed
 from swaserve.cluster.grpc_server import UNAUTHENTICATED_DETAILS, RpcFailure
 from swaserve.cluster.openai_api import api_error
 from swaserve.cluster.openai_api.protocol import APIError
@@ -332,6 +333,24 @@ def test_a_stream_ends_after_the_router_took_its_finish_so_its_id_is_free_at_onc
     assert router.held == set()
     assert generated(cluster) == EVERY_TOKEN
     assert router.routed == ["w0", "w0", "w0"]
+
+
+class HungFinishRouter(FakeRouter):
+    """A router that never answers a `finish`."""
+
+    def finish(self, request_id: str, generated_tokens: int | None = None) -> Any:
+        return asyncio.Event().wait()
+
+
+def test_a_router_that_takes_no_finish_does_not_hold_the_stream(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(routed, "FINISH_TIMEOUT_S", 0.01)
+    router = HungFinishRouter(["w0"])
+    workers = ScriptedWorkers({"w0": [serves()]})
+    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster.model_info = model_info(model_dir)
+    assert generated(cluster) == EVERY_TOKEN
 
 
 def test_a_misrouted_call_loses_nobody(model_dir: Path) -> None:
