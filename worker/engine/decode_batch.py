@@ -25,11 +25,20 @@ from swaserve.worker.engine.request import Request
 
 _NONE = np.empty(0, dtype=np.int64)  # [0] int64: no index (never written)
 _NO_GAP = 1 << 62
-_ARRAYS = ("rows", "seq_lens", "last_tokens", "next_check", "limits", "new_ends", "stop_groups")
+_ARRAYS = (
+    "rows",
+    "seq_lens",
+    "last_tokens",
+    "next_check",
+    "own_starts",
+    "limits",
+    "new_ends",
+    "stop_groups",
+)
 
 
 def _mirror(i: int) -> property:
-    """Row `i` of the batch's [7, B] state: a view to read or edit in place, or to assign."""
+    """Row `i` of the batch's [8, B] state: a view to read or edit in place, or to assign."""
 
     def get(self: DecodeBatch) -> np.ndarray:  # [B] int64 view
         return self._state[i]
@@ -56,8 +65,8 @@ class DecodeBatch:
         "reqs",
         "request_ids",
     )
-    # One [7, B] array holds every mirror, so a join or a leave is one concatenate or delete.
-    rows, seq_lens, last_tokens, next_check, limits, new_ends, stop_groups = (
+    # One [8, B] array holds every mirror, so a join or a leave is one concatenate or delete.
+    rows, seq_lens, last_tokens, next_check, own_starts, limits, new_ends, stop_groups = (
         _mirror(i) for i in range(len(_ARRAYS))
     )
 
@@ -66,7 +75,7 @@ class DecodeBatch:
         self.request_ids: list[str] = []
         self.cached_tokens: list[int] = []
         self.outputs: list[list[int]] = []  # each request's output_ids
-        self._state = np.empty((len(_ARRAYS), 0), dtype=np.int64)  # [7, B] int64
+        self._state = np.empty((len(_ARRAYS), 0), dtype=np.int64)  # [8, B] int64
         self._groups: list[np.ndarray] = []  # sorted stop ids of each group
         self._group_of: dict[frozenset[int], int] = {}
         self._group_sizes: list[int] = []
@@ -98,12 +107,13 @@ class DecodeBatch:
                 [r.num_computed for r in reqs],
                 [r.output_ids[-1] for r in reqs],
                 [r.swa.next_check_len for r in reqs],
+                [r.swa.own_start for r in reqs],
                 [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs],
                 [len(r.prompt_ids) + r.params.max_new_tokens - 1 for r in reqs],
                 [self._join_group(r.stop_ids) for r in reqs],
             ],
             dtype=np.int64,
-        )  # [7, k] int64, in _ARRAYS order
+        )  # [8, k] int64, in _ARRAYS order
         self._state = np.concatenate((self._state, new), axis=1)
         self._recount()
 
@@ -134,9 +144,11 @@ class DecodeBatch:
         return np.flatnonzero(self.seq_lens >= self.next_check)
 
     def refresh_next_check(self, idx: np.ndarray) -> None:
-        """Re-read `next_check_len` of requests `idx` (after SWA freeing visited them)."""
-        reqs = self.reqs
-        self.next_check[idx] = [reqs[i].swa.next_check_len for i in idx.tolist()]
+        """Re-read the SWA state (`next_check_len`, `own_start`) of requests `idx` after SWA
+        freeing visited them: a decoding request's changes nowhere else."""
+        states = [self.reqs[i].swa for i in idx.tolist()]
+        self.next_check[idx] = [s.next_check_len for s in states]
+        self.own_starts[idx] = [s.own_start for s in states]
         self._swa_countdown = _min_gap(self.next_check, self.seq_lens)
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:  # [B] int64 → [k] int64
@@ -175,10 +187,7 @@ class DecodeBatch:
         it holds is already off the pool."""
         remaining = self.new_ends - self.seq_lens  # [B] int64, >= 1 while decoding
         full = np.floor(np.minimum(remaining, clip) * new_token_ratio)  # [B] float64
-        starts = np.fromiter(
-            (r.swa.own_start for r in self.reqs), dtype=np.int64, count=len(self.reqs)
-        )  # [B] int64
-        growth = np.maximum(swa_cap - (self.seq_lens - starts), 0)  # [B] int64
+        growth = np.maximum(swa_cap - (self.seq_lens - self.own_starts), 0)  # [B] int64
         return int(full.sum()), int(np.minimum(remaining, growth).sum())
 
     # ---- integrity -----------------------------------------------------------------------
@@ -190,6 +199,7 @@ class DecodeBatch:
             "seq_lens": [r.num_computed for r in reqs],
             "last_tokens": [r.output_ids[-1] if r.output_ids else -1 for r in reqs],
             "next_check": [r.swa.next_check_len for r in reqs],
+            "own_starts": [r.swa.own_start for r in reqs],
             "limits": [len(r.prompt_ids) + r.max_output_len - 1 for r in reqs],
             "new_ends": [len(r.prompt_ids) + r.params.max_new_tokens - 1 for r in reqs],
         }

@@ -124,6 +124,15 @@ class SchedulerLimits:
     speculative_max_batch: int | None = None  # no drafts when this many or more decode
 
     @property
+    def decode_swa_cap(self) -> int:
+        """The most SWA slots a decoding request holds, in whole pages (W and I need not be
+        multiples of P): `DecodeBatch.reserved_tokens` promises it up to that."""
+        p = self.page_size
+        return page_ceil(
+            decode_swa_tokens(self.sliding_window_size or 0, self.swa_eviction_interval, p), p
+        )
+
+    @property
     def init_new_token_ratio(self) -> float:
         return min(1.0, INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness)
 
@@ -644,13 +653,9 @@ class Scheduler:
         one's the interval it grows by after its prefill freed all but its window."""
         limits = self.limits
         step = limits.swa_eviction_interval + limits.page_size
-        cap = page_ceil(  # in whole pages: W and I need not be multiples of P
-            decode_swa_tokens(
-                limits.sliding_window_size or 0, limits.swa_eviction_interval, limits.page_size
-            ),
-            limits.page_size,
+        full, swa = self._decode.reserved_tokens(
+            self.new_token_ratio, CLIP_MAX_NEW_TOKENS, limits.decode_swa_cap
         )
-        full, swa = self._decode.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS, cap)
         full += sum(self._full_reserve(r) for r in self._prefilling)
         swa += sum(min(r.remaining_new_tokens, step) for r in self._prefilling)
         if self._drafting(self._decode):  # the draft slots of each step (held for one step):
