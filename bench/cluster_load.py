@@ -12,9 +12,10 @@ at most N sessions, hence N requests, are in flight.
 
 Each run starts its own cluster (cold prefix caches; the workers compile their decode step, or
 load it from the inductor cache, before they serve: `multiturn.workers_compile`) and gRPC
-server on the one local Ray, sends one warm-up request per worker (tokens no workload prompt starts with), then the
-workload, and stops the cluster. Runs alternate the policies for `--repeats` rounds, so that
-a busy machine slows them alike; the median of each figure over the rounds counts.
+server on the one local Ray, sends one warm-up request per worker (tokens no workload prompt
+starts with), then the workload, and stops the cluster. Runs alternate the policies for
+`--repeats` rounds, so that a busy machine slows them alike; the median of each figure over
+the rounds counts.
 
 Per run: generated tokens / s over the run, TTFT p50 / p99 (send → first streamed item with
 tokens), cached-token share (Σ usage.cached_tokens / Σ usage.prompt_tokens), wall time;

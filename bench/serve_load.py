@@ -13,10 +13,10 @@ AsyncOpenAI, one event loop) each take the next session and send its turns one a
 
 Each run deploys the app fresh as its own Serve application (cold prefix caches, the decode
 step compiled before serving as in bench/cluster_load.py; its own name and route prefix,
-deleted after the run) on one Serve instance, sends one warm-up request per
-worker (a system message no workload prompt shares beyond the template's first 2 tokens),
-then the workload. Runs alternate serve / swaserve for `--repeats` rounds, so that a busy
-machine slows both alike; the median of each figure over the rounds counts.
+deleted after the run) on one Serve instance, sends one warm-up request per worker (a system
+message no workload prompt shares beyond the template's first 2 tokens), then the workload.
+Runs alternate serve / swaserve for `--repeats` rounds, so that a busy machine slows both
+alike; the median of each figure over the rounds counts.
 
 Per run: completion tokens / s over the run, TTFT p50 / p99 (send → first chunk with a
 content delta), cached-token share (Σ usage.prompt_tokens_details.cached_tokens / Σ

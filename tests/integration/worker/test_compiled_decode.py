@@ -299,12 +299,20 @@ def test_tp2_compiled_equals_tp1(tiny_model_factory: Callable[..., Path]) -> Non
 
 
 EXIT_WHILE_COMPILING = """
-import sys, time
+import sys, threading
 from swaserve.worker import Engine, EngineConfig
+from swaserve.worker.runner.decode_step import DecodeStep
+first_graph = threading.Event()
+run = DecodeStep._run
+def counted(self, *args, **kwargs):
+    out = run(self, *args, **kwargs)
+    if threading.current_thread().name == "swaserve-decode-compile":
+        first_graph.set()  # the thread goes on to the second graph
+    return out
+DecodeStep._run = counted
 engine = Engine(EngineConfig(model=sys.argv[1], max_total_tokens=640, max_running_requests=4))
 step = engine.runner.decode_step
-while not step.ready and not step.compiled.is_set():  # the first graph: then the second's
-    time.sleep(0.01)
+first_graph.wait(600)
 print(step.background, step.compiled.is_set())
 """
 
