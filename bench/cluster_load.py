@@ -10,6 +10,13 @@ its answer (the tokens the model streamed back) + a new user message (1/2 to 3/2
 session and send its turns one after another with its `session_id`, greedy, `ignore_eos`:
 at most N sessions, hence N requests, are in flight.
 
+That is a closed loop: a policy that saves work gets its clients' next turns sooner, so what it
+saves shows mostly as throughput, at about the same contention per worker. `--session-rate R`
+makes it an open loop instead: session i starts at a time drawn from a Poisson process of R
+sessions per second (from the seed: the same schedule for every policy) and sends its turns
+one after another, however many sessions are in flight. The offered load is then the same for
+every policy, and what a policy saves shows as latency.
+
 Each run starts its own cluster (cold prefix caches; the workers compile their decode step, or
 load it from the inductor cache, before they serve: `multiturn.workers_compile`) and gRPC
 server on the one local Ray, sends one warm-up request per worker (tokens no workload prompt
@@ -31,8 +38,8 @@ sessions one worker holds tend to arrive together (their answers end in the same
 their prefills share steps and each first token waits for all of them.
 
     python bench/cluster_load.py [--json] [--policies round_robin,ttft] [--sessions 10]
-        [--turns 6] [--concurrency 5] [--max-new-tokens 16] [--repeats 3] [--hidden 256]
-        [--layers 4] [--window 32] [--router-config JSON] ...
+        [--turns 6] [--concurrency 5 | --session-rate R] [--max-new-tokens 16] [--repeats 3]
+        [--hidden 256] [--layers 4] [--window 32] [--router-config JSON] ...
 
 Each run also prints where the time to first token went (`RoutedCluster.breakdowns`): the
 router's answer, the engine's queue, the prefill, the way to the engine and back (and of it,
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -91,6 +99,7 @@ class Workload:
     system: list[int]
     users: list[list[list[int]]]  # [session][turn] -> the new user tokens of that turn
     max_new_tokens: int
+    arrivals: tuple[float, ...] | None = None  # open loop: each session's start, s after the first
 
     @property
     def num_requests(self) -> int:
@@ -111,14 +120,17 @@ class Workload:
 def make_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
     low, high = max(1, args.user_tokens // 2), args.user_tokens + args.user_tokens // 2
-    return Workload(
-        system=rng.choices(WORKLOAD_TOKENS, k=args.system_tokens),
-        users=[
-            [rng.choices(WORKLOAD_TOKENS, k=rng.randint(low, high)) for _ in range(args.turns)]
-            for _ in range(args.sessions)
-        ],
-        max_new_tokens=args.max_new_tokens,
-    )
+    system = rng.choices(WORKLOAD_TOKENS, k=args.system_tokens)
+    users = [
+        [rng.choices(WORKLOAD_TOKENS, k=rng.randint(low, high)) for _ in range(args.turns)]
+        for _ in range(args.sessions)
+    ]
+    arrivals = None
+    if args.session_rate is not None:  # a Poisson process, drawn after (and apart from) the text
+        gaps = random.Random(f"arrivals-{args.seed}")
+        starts = itertools.accumulate(gaps.expovariate(args.session_rate) for _ in users[1:])
+        arrivals = (0.0, *starts)
+    return Workload(system, users, args.max_new_tokens, arrivals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,34 +179,49 @@ async def send(
     return answer, last, first_s, time.perf_counter() - start
 
 
+async def session(
+    stub: pb_grpc.InferenceStub, work: Workload, i: int, out: list[TurnResult]
+) -> None:
+    """Session `i`'s turns, each sent once the previous one's answer is in."""
+    prompt = list(work.system)
+    for k, user in enumerate(work.users[i]):
+        prompt += user
+        request_id = f"s{i}-t{k}"
+        answer, last, ttft_s, latency_s = await send(
+            stub, prompt, f"session-{i}", work.max_new_tokens, request_id
+        )
+        out.append(
+            TurnResult(
+                i,
+                k,
+                request_id,
+                last.usage.prompt_tokens,
+                last.usage.cached_tokens,
+                tuple(answer),
+                last.finish_reason,
+                last.worker_id,
+                ttft_s,
+                latency_s,
+            )
+        )
+        prompt += answer
+
+
 async def client(
     stub: pb_grpc.InferenceStub, work: Workload, sessions: list[int], out: list[TurnResult]
 ) -> None:
     """Take sessions from `sessions` (shared by the clients) until none is left."""
     while sessions:
-        i = sessions.pop(0)
-        prompt = list(work.system)
-        for k, user in enumerate(work.users[i]):
-            prompt += user
-            request_id = f"s{i}-t{k}"
-            answer, last, ttft_s, latency_s = await send(
-                stub, prompt, f"session-{i}", work.max_new_tokens, request_id
-            )
-            out.append(
-                TurnResult(
-                    i,
-                    k,
-                    request_id,
-                    last.usage.prompt_tokens,
-                    last.usage.cached_tokens,
-                    tuple(answer),
-                    last.finish_reason,
-                    last.worker_id,
-                    ttft_s,
-                    latency_s,
-                )
-            )
-            prompt += answer
+        await session(stub, work, sessions.pop(0), out)
+
+
+async def arriving(
+    stub: pb_grpc.InferenceStub, work: Workload, i: int, start: float, out: list[TurnResult]
+) -> None:
+    """Session `i` of an open-loop workload, from its arrival time on (`start`: the run's)."""
+    assert work.arrivals is not None
+    await asyncio.sleep(max(0.0, start + work.arrivals[i] - time.perf_counter()))
+    await session(stub, work, i, out)
 
 
 async def warm_up(stub: pb_grpc.InferenceStub) -> None:
@@ -206,11 +233,15 @@ async def warm_up(stub: pb_grpc.InferenceStub) -> None:
 async def drive(
     stub: pb_grpc.InferenceStub, work: Workload, concurrency: int
 ) -> tuple[list[TurnResult], float]:
-    """The workload on `concurrency` clients: its results and wall seconds."""
+    """The workload on `concurrency` clients, or (`work.arrivals`) each session from its
+    arrival time on, however many are in flight: its results and wall seconds."""
     results: list[TurnResult] = []
     sessions = list(range(len(work.users)))
     start = time.perf_counter()
-    await asyncio.gather(*(client(stub, work, sessions, results) for _ in range(concurrency)))
+    if work.arrivals is not None:
+        await asyncio.gather(*(arriving(stub, work, i, start, results) for i in sessions))
+    else:
+        await asyncio.gather(*(client(stub, work, sessions, results) for _ in range(concurrency)))
     return results, time.perf_counter() - start
 
 
@@ -443,7 +474,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="fit bench/cluster_sim.py to these runs and print its predictions beside them",
     )
     parser.add_argument("--sim-repeats", type=int, default=5, help="simulations per policy")
-    return parse_workload_args(parser, argv, tokens_dest="max_new_tokens", min_system=0)
+    parser.add_argument(
+        "--session-rate",
+        type=float,
+        default=None,
+        help="open loop: sessions start at this rate (per s, Poisson, drawn from --seed) "
+        "however many are in flight, instead of --concurrency clients taking them in turn",
+    )
+    args = parse_workload_args(parser, argv, tokens_dest="max_new_tokens", min_system=0)
+    if args.session_rate is not None:
+        if not args.session_rate > 0:
+            parser.error("--session-rate must be above 0")
+        if args.simulate:
+            parser.error("--simulate replays the closed loop (--concurrency), not --session-rate")
+    return args
 
 
 def run_on_ray(work: Workload, args: argparse.Namespace) -> tuple[list[dict], dict | None]:
@@ -459,13 +503,19 @@ def run_on_ray(work: Workload, args: argparse.Namespace) -> tuple[list[dict], di
     return runs, predicted
 
 
+def clients_of(args: argparse.Namespace) -> str:
+    if args.session_rate is None:
+        return f"{args.concurrency} clients"
+    return f"open loop: {args.session_rate:g} sessions/s"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = make_workload(args)
     load_before = os.getloadavg()[0]
     print(
         f"cluster_load: {REPLICAS} replicas × TP 1 (CPU), {args.sessions} sessions × "
-        f"{args.turns} turns, {args.concurrency} clients, system prompt {args.system_tokens} "
+        f"{args.turns} turns, {clients_of(args)}, system prompt {args.system_tokens} "
         f"tokens, user ~{args.user_tokens}, answers {args.max_new_tokens}; model hidden "
         f"{args.hidden}, {args.layers} layers, W = {args.window}; {work.prompt_tokens} prompt "
         f"tokens per run (load average {load_before:.2f})"
@@ -496,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             "sessions": args.sessions,
             "turns": args.turns,
             "concurrency": args.concurrency,
+            "session_rate": args.session_rate,
             "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats,
             "workload_requests": work.num_requests,

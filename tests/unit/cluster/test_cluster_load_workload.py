@@ -1,0 +1,124 @@
+"""bench/cluster_load.py's two ways of sending the workload, against a stand-in server (no
+Ray): a closed loop of --concurrency clients, and the open loop of --session-rate, whose
+sessions start on a seeded Poisson schedule however many are in flight."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+from collections.abc import AsyncIterator
+
+import cluster_load
+import pytest
+
+from swaserve.proto.swaserve.v1 import inference_pb2 as pb
+
+ANSWER = [5, 6, 7]
+HANG_S = 60.0  # a run that cannot end fails after this instead of hanging
+
+
+def drive(server: Server, work: cluster_load.Workload, concurrency: int) -> list:
+    run = cluster_load.drive(server, work, concurrency)
+    results, _ = asyncio.run(asyncio.wait_for(run, HANG_S))
+    return results
+
+
+def args_of(*argv: str) -> argparse.Namespace:
+    return cluster_load.parse_args(["--sessions=6", "--turns=2", "--user-tokens=8", *argv])
+
+
+class Server:
+    """Answers every Generate with ANSWER; the first turns are held until `hold` of them are
+    in flight together, so a run that never has that many at once cannot end."""
+
+    def __init__(self, hold: int) -> None:
+        self.hold = hold
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.first_turns = 0
+        self.all_started = asyncio.Event()
+        self.prompts: dict[str, list[int]] = {}
+
+    def Generate(self, request: pb.GenerateRequest, timeout: float) -> AsyncIterator:
+        return self._stream(request)
+
+    async def _stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        self.prompts[request.request_id] = list(request.token_ids)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if request.request_id.endswith("-t0"):
+                self.first_turns += 1
+                if self.first_turns == self.hold:
+                    self.all_started.set()
+                await self.all_started.wait()
+            yield pb.GenerateResponse(token_ids=ANSWER)
+            yield pb.GenerateResponse(
+                finish_reason="length",
+                usage=pb.Usage(prompt_tokens=len(request.token_ids)),
+                worker_id="worker-0",
+            )
+        finally:
+            self.in_flight -= 1
+
+
+def test_the_open_loop_draws_its_schedule_from_the_seed_and_keeps_the_text() -> None:
+    closed = cluster_load.make_workload(args_of("--seed=3"))
+    rate = cluster_load.make_workload(args_of("--seed=3", "--session-rate=4"))
+    again = cluster_load.make_workload(args_of("--seed=3", "--session-rate=4"))
+    other = cluster_load.make_workload(args_of("--seed=4", "--session-rate=4"))
+    assert closed.arrivals is None
+    assert (rate.system, rate.users) == (closed.system, closed.users)  # the same text
+    assert rate.arrivals == again.arrivals != other.arrivals
+    assert rate.arrivals is not None and rate.arrivals[0] == 0.0
+    assert list(rate.arrivals) == sorted(rate.arrivals) and len(rate.arrivals) == 6
+    many = cluster_load.make_workload(
+        cluster_load.parse_args(["--sessions=400", "--turns=1", "--session-rate=4"])
+    )
+    assert many.arrivals is not None
+    gaps = [b - a for a, b in zip(many.arrivals, many.arrivals[1:], strict=False)]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.2)  # 1 / rate
+
+
+def test_the_open_loop_does_not_wait_for_a_client() -> None:
+    """Every session's first turn is in flight at once, with --concurrency 2."""
+    args = args_of("--concurrency=2", "--session-rate=1e6")
+    work = cluster_load.make_workload(args)
+    server = Server(hold=6)
+    results = drive(server, work, args.concurrency)
+    assert server.most_in_flight == 6
+    assert len(results) == 12
+    for r in results:  # turn 2 carries turn 1 and its answer
+        prompt = server.prompts[r.request_id]
+        history = list(work.system) + work.users[r.session][0]
+        assert prompt[: len(history)] == history
+        if r.turn == 1:
+            assert prompt[len(history) : len(history) + len(ANSWER)] == ANSWER
+
+
+def test_the_closed_loop_keeps_to_its_clients() -> None:
+    args = args_of("--concurrency=2")
+    work = cluster_load.make_workload(args)
+    server = Server(hold=2)  # the first two sessions' turns meet; the rest never wait
+    results = drive(server, work, args.concurrency)
+    assert server.most_in_flight == 2
+    assert sorted((r.session, r.turn) for r in results) == [
+        (s, t) for s in range(6) for t in (0, 1)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--session-rate=0"], "--session-rate must be above 0"),
+        (["--session-rate=2", "--simulate"], "--simulate replays the closed loop"),
+    ],
+)
+def test_bad_open_loop_options_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cluster_load.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
