@@ -30,7 +30,11 @@ Defaults and why:
   little, 512 / 768 gain less or less evenly, and 1536 / 2048 / 4096 give up too much of the
   hits (reuse 0.74 / 0.68 / 0.43). A slack
   relative to the cost (×1.2-1.5) does not help: it is the short requests, whose cost is
-  small, that must be free to move.
+  small, that must be free to move. The same slack places a new session (a session key
+  `ttft` has not placed) where the workers within it do not all hold the same prefix of its
+  first request: the least loaded of them gets it (`policies.TTFTPolicy`). On
+  bench/cluster_load.py's open loop (`--session-rate 3`, seeds 4242 and 9) that took the
+  turns per worker from 83 / 37, 85 / 35, 46 / 74 and 11 / 109 to 53 / 67 - 64 / 56.
 - `prefix_load_weight=1.0`: `prefix` adds to `ttft`'s cost the delay the request's own prefill
   adds to each request already on the worker (its uncached tokens × the worker's load ×
   the weight, over its speed). Three other rules were measured before it on the calibrated
@@ -87,7 +91,10 @@ class RouterConfig(BaseModel):
     seed: int = Field(0, description="seed of randomized policies (power_of_two)")
     max_hold_s: float = Field(0.05, ge=0, description="ttft: longest wait for a faster worker")
     ttft_balance_tokens: int = Field(
-        1024, ge=0, description="ttft: prefill a placement may add to go where most KV is free"
+        1024,
+        ge=0,
+        description="ttft: prefill a placement may add to go where most KV is free (or, for a "
+        "new session, to the least loaded worker)",
     )
     prefix_load_weight: float = Field(
         1.0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -134,6 +135,12 @@ class Policy(ABC):
         expected to serve it sooner once it has room. A query; default: never."""
         return False
 
+    def placed(self, request: RouteRequest, chosen: Candidate) -> None:
+        """The router sent `request` to `chosen` (after `pick` and `hold`, which may see a
+        queued request more than once): where a policy records its placements. Default:
+        nothing."""
+        return None
+
 
 class PrefixPolicy(Policy):
     """Least time the request costs everyone on a worker: its own wait for the first token
@@ -172,6 +179,10 @@ weighing memory always moved 62-80 % of the turns and cut reuse from 0.84 to 0.7
 bench/router_sim.py's chat trace 0.5 keeps reuse at 0.84-0.88 (0.25: 0.79-0.87, 0.75:
 0.83-0.84)."""
 
+SESSION_MEMORY = 1 << 16
+"""Session keys `ttft` remembers having placed (the least recently placed are forgotten
+first; a forgotten session's next turn is placed as a new one)."""
+
 HOLD_SPEEDUP = 1.25
 """How much faster than the chosen worker one without room must be for `ttft` to wait for it
 (observed speeds of alike workers differ by a few percent)."""
@@ -188,6 +199,24 @@ class TTFTPolicy(Policy):
     idle one once the queue there is longer than the hit. No balance gate: the queue is the
     load signal.
 
+    A session's first request places the session: its later turns follow their cached
+    history there. The cost of that first turn does not see the turns the worker's other
+    sessions will send next, so where one worker alone held a prefix that new sessions share
+    (a system prompt), new sessions went there while its queue was short, and stayed (an open
+    loop on the 2-worker cluster: 74-109 of 120 turns on one worker).
+    So a request whose `session_key` this policy has not placed yet, where the workers
+    whose cost is within `ttft_balance_tokens` of the cheapest do not all hold the same
+    prefix of it, goes to the least loaded of them (`load / speed`: requests, each running
+    one a session whose next turn will follow, a slower worker's counting for more; ties:
+    the keys below); a shared prefix shorter than the slack is then computed once more, on
+    the second worker, and the sessions split. Where they all hold the same prefix, only
+    the queues differ, and the cheapest wins as for any request (on bench/router_sim.py's
+    agentic trace, whose fan-outs each open a session, placing those by load too raised
+    TTFT p99 at 500 ms-late reports from 268 / 863 ms to 513 / 1089 on seeds 0 / 1).
+    Requests without a key are placed by cost alone, and memory pressure (below) comes
+    first: a new session placed by load in a nearly full pool would have its next turn
+    moved to the freest one, away from its history.
+
     Memory is the other thing a placement spends: KV written where the full pool is full
     evicts cached prefixes that later turns would have hit. So when the cheapest worker's pool
     is less than `BALANCE_FREE_SHARE` free, the workers whose cost is within
@@ -200,15 +229,34 @@ class TTFTPolicy(Policy):
 
     name = "ttft"
 
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._sessions: OrderedDict[str, None] = OrderedDict()  # placed keys, oldest first
+
     def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         c = candidates
         cost = _ttft(request, c)
         keys = (cost, -c.hit_tokens, c.load, c.order)
         best = first_min(keys)
-        if c.free_tokens[best] >= BALANCE_FREE_SHARE * c.total_tokens[best]:
-            return best  # no memory pressure there: no reason to move
         near = cost <= cost[best] + self.config.ttft_balance_tokens
-        return first_min((-c.free_tokens, *keys), near)
+        if c.free_tokens[best] < BALANCE_FREE_SHARE * c.total_tokens[best]:
+            return first_min((-c.free_tokens, *keys), near)  # memory pressure: the freest pool
+        if (
+            request.session_key is not None
+            and request.session_key not in self._sessions
+            and c.hit_tokens[near].max() > c.hit_tokens[near].min()
+        ):  # a new session drawn by a prefix that not every near worker holds: least loaded
+            return first_min((c.load / c.speed, *keys), near)
+        return best
+
+    def placed(self, request: RouteRequest, chosen: Candidate) -> None:
+        key = request.session_key
+        if key is None:
+            return
+        self._sessions[key] = None
+        self._sessions.move_to_end(key)
+        if len(self._sessions) > SESSION_MEMORY:
+            self._sessions.popitem(last=False)
 
     def hold(self, request: RouteRequest, chosen: Candidate, waiting: Candidates) -> bool:
         """Wait while a faster worker that lacks room now is cheaper than `chosen` even

@@ -309,6 +309,7 @@ class Router:
                 request, chosen, self._candidates(waiting, hits, speeds)
             ):
                 return None
+        self.policy.placed(request, chosen)
         state = self._workers[chosen.worker_id]
         uncached = len(request.token_ids) - chosen.hit_tokens
         state.add(request.request_id, RequestNeed(int(full[bit]), int(swa[bit])), now, uncached)

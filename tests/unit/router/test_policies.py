@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from router_scenario import Cluster, stored
 
-from swaserve.router import POLICIES, Candidate, Outcome, RouterConfig, RouteRequest
+from swaserve.router import POLICIES, Candidate, Outcome, RouterConfig, RouteRequest, policies
 from swaserve.router.policies import PowerOfTwoPolicy, SessionPolicy
 
 PROMPT = list(range(1, 18))
@@ -179,6 +180,75 @@ def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> 
     assert c.router.route("r3", prompt, 16).worker_id == "a"  # about 90 vs 601
     c.router.check()
     tight.router.check()
+
+
+def test_ttft_places_a_new_session_on_the_least_loaded_worker_within_the_balance_slack() -> None:
+    """A session's first turn, where the cheapest worker holds a prefix that others within
+    `ttft_balance_tokens` of it lack, goes to the least loaded of them (its later turns
+    follow it there); its later turns, and requests without a session key, go to the
+    cheapest."""
+    system = list(range(1, 513))  # 512 tokens, cached on a only; a runs 3 requests
+    turn1 = [*system, *range(1000, 1089)]  # 601 tokens: a 89 + 3 queued, b 601
+    turn2 = [*turn1, *range(2000, 2040)]  # 641: a 129 + 3 queued (only the system prompt
+    # is cached there), b 641 (turn 1 is not reported cached there yet)
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    c.report("a", [stored(system)], num_running=3, queued_prefill_tokens=3)
+    c.report("b")
+    assert c.router.route("t1", turn1, 16, session_key="s1").worker_id == "b"
+    assert c.router.route("t2", turn2, 16, session_key="s1").worker_id == "a"  # the cheapest
+    assert c.router.route("n1", turn1, 16).worker_id == "a"  # no key: the cheapest
+    # Where every near worker holds the same prefix, the cost decides for a new session too:
+    # only a prefix that one worker lacks draws sessions where they would pile up.
+    both = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    both.report("a", [stored(system)], num_running=3, queued_prefill_tokens=3)
+    both.report("b", [stored(system)], queued_prefill_tokens=40)
+    assert both.router.route("t1", turn1, 16, session_key="s1").worker_id == "a"  # 92 < 129
+    # Past the slack the cost decides for a new session too.
+    tight = Cluster("a", "b", policy="ttft", inflight_prefixes=False, ttft_balance_tokens=256)
+    tight.report("a", [stored(system)], num_running=3, queued_prefill_tokens=3)
+    tight.report("b")
+    assert tight.router.route("t1", turn1, 16, session_key="s1").worker_id == "a"  # 601 - 92
+    # Memory pressure comes first: where the cheapest pool is less than half free, a new
+    # session goes to the freest pool, however loaded (its next turn would move there).
+    full = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    full.report("a", num_running=1, full_free_tokens=800, full_evictable_tokens=8000)
+    full.report("b", num_running=3, full_free_tokens=9000)
+    assert full.router.route("t1", turn1, 16, session_key="s1").worker_id == "b"
+    for cluster in (c, both, tight, full):
+        cluster.router.check()
+
+
+def test_ttft_counts_a_slower_worker_s_requests_for_more_when_placing_a_new_session() -> None:
+    ttft = policies.TTFTPolicy(RouterConfig(policy="ttft"))
+    request = RouteRequest("r", list(range(100)), 16, "s1")  # a: 50 cached, cost 50; b: 200
+    fast = Candidate("a", 0, 3, 50, 0, 1.0, 1000, 1000)  # 3 requests at full speed
+    assert ttft.choose(request, [fast, Candidate("b", 1, 2, 0, 0, 0.5, 1000, 1000)]) == fast
+    lighter = Candidate("b", 1, 1, 0, 0, 0.5, 1000, 1000)  # 1 at half speed: 2 < 3
+    assert ttft.choose(request, [fast, lighter]) == lighter
+
+
+def test_ttft_remembers_the_sessions_it_placed_not_those_it_only_picked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pick that the router does not act on (a held or queued request is picked again
+    later) leaves the session new; the least recently placed sessions are forgotten first,
+    past SESSION_MEMORY."""
+    monkeypatch.setattr(policies, "SESSION_MEMORY", 2)
+    ttft = policies.TTFTPolicy(RouterConfig(policy="ttft"))
+    busy = Candidate("a", 0, 3, 512, 0, 1.0, 1000, 1000)  # cost 89: the cheapest
+    idle = Candidate("b", 1, 0, 0, 0, 1.0, 1000, 1000)  # cost 601: within 1024, idle
+    workers = [busy, idle]
+
+    def pick(session: str) -> str:
+        return ttft.choose(RouteRequest("r", list(range(601)), 16, session), workers).worker_id
+
+    assert pick("s1") == "b" and pick("s1") == "b"  # picked twice, placed never: still new
+    ttft.placed(RouteRequest("r", [], 16, "s1"), idle)
+    assert pick("s1") == "a"  # placed: by cost from now on
+    for key in ("s2", "s3"):
+        ttft.placed(RouteRequest("r", [], 16, key), idle)
+    assert pick("s1") == "b"  # the oldest of three, forgotten
+    assert pick("s3") == "a"
 
 
 def test_ttft_divides_the_cost_by_the_worker_s_observed_speed() -> None:
