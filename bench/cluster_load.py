@@ -216,11 +216,10 @@ async def client(
 
 
 async def arriving(
-    stub: pb_grpc.InferenceStub, work: Workload, i: int, start: float, out: list[TurnResult]
+    stub: pb_grpc.InferenceStub, work: Workload, i: int, at: float, out: list[TurnResult]
 ) -> None:
-    """Session `i` of an open-loop workload, from its arrival time on (`start`: the run's)."""
-    assert work.arrivals is not None
-    await asyncio.sleep(max(0.0, start + work.arrivals[i] - time.perf_counter()))
+    """Session `i` from `at` (`time.perf_counter()`) on: an open-loop arrival."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
     await session(stub, work, i, out)
 
 
@@ -239,7 +238,8 @@ async def drive(
     sessions = list(range(len(work.users)))
     start = time.perf_counter()
     if work.arrivals is not None:
-        await asyncio.gather(*(arriving(stub, work, i, start, results) for i in sessions))
+        starts = (start + t for t in work.arrivals)
+        await asyncio.gather(*(arriving(stub, work, i, at, results) for i, at in enumerate(starts)))
     else:
         await asyncio.gather(*(client(stub, work, sessions, results) for _ in range(concurrency)))
     return results, time.perf_counter() - start
