@@ -4,8 +4,10 @@ the background) once its compile is done, on the same model, in the same process
 `Engine.step()` timed.
 
 Models (tiny, random, written by the tiny-model maker): GPT-OSS and MiMo-V2-Flash shapes of
-vocab 1024, hidden 256, 6 layers (W = 32), 4 experts top-2, float32. Per batch size B, B prompts
-of --prompt-len tokens generate --new-tokens greedy tokens each:
+vocab 1024, hidden 256, 6 layers (W = 32), 4 experts top-2, computed in float32, the weights
+stored in bfloat16 as the published checkpoints (`--weights-dtype float32`: random float32
+values, which the compiled step's panels then hold in float32, twice the bytes). Per batch size
+B, B prompts of --prompt-len tokens generate --new-tokens greedy tokens each:
 
     prefill tok/s   prompt tokens / time of the steps until every request has its first token
     decode step ms  median of the steps after that (all B requests decoding)
@@ -29,7 +31,14 @@ as the eager one (`default_start_s`: its extra start-up in the cached process) a
 the background: `background_s` is how long after its start every bucket was compiled (cold,
 in the bench's own process; --quick: over the probes' cache, `background_cold` false).
 
+`--against REV`: the compiled step at batch 8 of GPT-OSS on the code of git revision REV
+against this tree's, each in child processes of its own (own inductor and kernel caches),
+alternating, --against-rounds times each; prints both medians, their ratio and whether the
+greedy tokens are the same (REV's code must have `Engine`, `EngineConfig` and `SamplingParams`
+as today's; REV 1675141^ is where the speculative decoding issue measured its 3.6 ms step).
+
     python bench/decode.py [--json] [--quick] [--batches 1,8,24,64] [--archs gpt-oss,mimo-v2-flash]
+        [--weights-dtype bfloat16|float32] [--against REV [--against-rounds 5]]
 """
 
 from __future__ import annotations
@@ -37,26 +46,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from decode_probe import engine, run_batch
 
 from swaserve.proto.environment import CPU_AUTO_COMPILE_ENV
-from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker import Engine
 from swaserve.worker.models.tiny import make_tiny_model
 
 GOALS = {1: 2.9, 8: 2.6, 24: 2.0}  # decode speed-up goals of this bench on a 2-core CPU
+AGAINST_GOAL = 8, 1.8  # batch, the compiled step's speed-up goal over the revision's
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("worker", "router", "cluster", "proto")  # swaserve.<name> is <name>/ (pyproject)
 
 
-def make_model(root: Path, arch: str) -> Path:
+def make_model(root: Path, arch: str, weights_dtype: str = "bfloat16") -> Path:
     return make_tiny_model(
-        root / arch,
+        root / f"{arch}-{weights_dtype}",
         arch,
         num_layers=6,
         sliding_window_size=32,
@@ -66,64 +81,17 @@ def make_model(root: Path, arch: str) -> Path:
         vocab_size=1024,
         num_experts=4,
         num_experts_per_tok=2,
+        weights_dtype=weights_dtype,
     )
 
 
 CONFIGS: dict[str, bool | str] = {"eager": False, "compiled": True, "default": "auto"}
 
 
-def engine(model: Path, compile_: bool | str) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(model),
-            device="cpu",
-            max_total_tokens=65536,
-            max_running_requests=64,
-            check_on_idle=False,
-            compile=compile_,  # type: ignore[arg-type]
-        )
-    )
-
-
 def timed_start(model: Path, compile_: bool | str) -> tuple[Engine, float]:
     start = time.perf_counter()
     eng = engine(model, compile_)
     return eng, time.perf_counter() - start
-
-
-def run_batch(
-    eng: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int
-) -> tuple[dict[str, float], list[list[int]]]:
-    """`batch` new prompts (fresh per `seed`: a repeat must not hit the prefix cache, which
-    would turn its prefill into one-token steps)."""
-    rng = random.Random(seed)
-    ids = []
-    for _ in range(batch):
-        prompt = [rng.randrange(1, 1000) for _ in range(prompt_len)]
-        params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-        ids.append(eng.add_request(prompt, params))
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    prefill_s, decode_steps = 0.0, []
-    while eng.has_unfinished_requests():
-        started = sum(1 for t in tokens.values() if t)
-        running = sum(1 for t in tokens.values() if 0 < len(t) < new_tokens)
-        start = time.perf_counter()
-        outs = eng.step()
-        took = time.perf_counter() - start
-        if started < batch:
-            prefill_s += took
-        elif running == batch:
-            decode_steps.append(took)
-        for out in outs:
-            tokens[out.request_id].extend(out.new_token_ids)
-    decode_steps.sort()
-    step = decode_steps[len(decode_steps) // 2]
-    figures = {
-        "prefill_tok_s": batch * prompt_len / prefill_s,
-        "decode_step_ms": step * 1e3,
-        "decode_tok_s": batch / step,
-    }
-    return figures, [tokens[i] for i in ids]
 
 
 def best(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -163,8 +131,75 @@ def probe_startup(model: Path, cache: Path, threads: int) -> dict[str, float]:
     }
 
 
+@contextmanager
+def checkout(rev: str, root: Path) -> Iterator[Path]:
+    """A `git worktree` of `rev` under `root`, and a folder whose `swaserve/` holds its
+    packages (to put first on PYTHONPATH); the worktree is removed after."""
+    tree = root / "tree"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        package = root / "path" / "swaserve"
+        package.mkdir(parents=True)
+        for name in PACKAGES:
+            (package / name).symlink_to(tree / name)
+        yield package.parent
+    finally:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+            check=True,
+            capture_output=True,
+        )
+
+
+def probe_step(
+    model: Path, cache: Path, path: Path | None, args: argparse.Namespace, compile_: bool = True
+) -> dict[str, Any]:
+    """`decode_probe.py` in a new process with its inductor cache under `cache`, on the code
+    under `path` (this tree's if None; a revision's code builds its C++ kernels under `cache`
+    too, this tree's use the usual cache)."""
+    env = dict(
+        os.environ, BENCH_THREADS=str(args.threads), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor")
+    )
+    if path is not None:
+        env["SWASERVE_CACHE_DIR"] = str(cache / "swaserve")
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
+    argv = [sys.executable, str(Path(__file__).with_name("decode_probe.py")), str(model)]
+    argv += [str(args.batch), str(args.repeats), "compiled" if compile_ else "eager"]
+    probe = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cache)
+    if probe.returncode != 0:
+        raise SystemExit(f"the step probe failed ({' '.join(argv)}):\n{probe.stderr[-3000:]}")
+    return json.loads(probe.stdout.strip().splitlines()[-1])
+
+
+def bench_against(rev: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """REV's compiled step against this tree's (`--against`), alternating processes."""
+    model = make_model(root, "gpt-oss", args.weights_dtype)
+    probe = argparse.Namespace(threads=args.threads, batch=AGAINST_GOAL[0], repeats=3)
+    runs: dict[str, list[dict[str, Any]]] = {"rev": [], "tree": []}
+    with checkout(rev, root / "against") as path:
+        for _ in range(args.against_rounds):
+            for side, code in (("rev", path), ("tree", None)):
+                cache = root / f"against-cache-{side}"
+                cache.mkdir(exist_ok=True)
+                runs[side].append(probe_step(model, cache, code, probe))
+    medians = {side: statistics.median(r["step_ms"] for r in rs) for side, rs in runs.items()}
+    return {
+        "rev": rev,
+        "batch": AGAINST_GOAL[0],
+        "weights_dtype": args.weights_dtype,
+        "rev_step_ms": [r["step_ms"] for r in runs["rev"]],
+        "tree_step_ms": [r["step_ms"] for r in runs["tree"]],
+        "ratio": medians["rev"] / medians["tree"],
+        "same_tokens": len({r["tokens"] for rs in runs.values() for r in rs}) == 1,
+    }
+
+
 def bench_arch(arch: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    model = make_model(root, arch)
+    model = make_model(root, arch, args.weights_dtype)
     cache = root / f"inductor-{arch}"  # the arch's own: cold is cold, one model per process
     cold = probe_startup(model, cache, args.threads)
     cached = probe_startup(model, cache, args.threads)
@@ -229,11 +264,23 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--weights-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype the models' weights are stored in (computed in float32 either way)",
+    )
+    parser.add_argument(
+        "--against", metavar="REV", help="also time the compiled batch-8 step of git REV's code"
+    )
+    parser.add_argument("--against-rounds", type=int, default=5)
     parser.add_argument("--startup-probe", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.startup_probe is not None:
         startup_probe(args.startup_probe)
         return
+    if args.against_rounds < 1:
+        parser.error("--against-rounds must be at least 1")
     args.batches = [int(b) for b in args.batches.split(",")]
     archs = args.archs.split(",")
     if args.quick:
@@ -243,6 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         results = {arch: bench_arch(arch, root, args) for arch in archs}
+        against = None if args.against is None else bench_against(args.against, root, args)
     load = os.getloadavg()[0]
     for arch, res in results.items():
         print(
@@ -265,9 +313,30 @@ def main() -> None:
                 f"{r['prefill_ratio']:12.2f}×  "
                 f"{r['same_tokens']} ({r['differing_requests']} of {r['requests']} differ)"
             )
+    if against is not None:
+        batch, goal = AGAINST_GOAL
+        print(
+            f"gpt-oss compiled batch-{batch} step, {against['weights_dtype']} weights, "
+            f"{args.against_rounds} alternating processes each: {against['rev']} "
+            + " ".join(f"{ms:.2f}" for ms in against["rev_step_ms"])
+            + " ms, this tree "
+            + " ".join(f"{ms:.2f}" for ms in against["tree_step_ms"])
+            + f" ms; median ratio {against['ratio']:.2f}× (goal {goal}×), "
+            f"same tokens {against['same_tokens']}"
+        )
     print(f"load average at the end: {load:.2f}")
     if args.json:
-        print(json.dumps({"results": results, "load_avg": load, "threads": args.threads}))
+        print(
+            json.dumps(
+                {
+                    "results": results,
+                    "against": against,
+                    "weights_dtype": args.weights_dtype,
+                    "load_avg": load,
+                    "threads": args.threads,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """bench/decode.py end to end (--quick: GPT-OSS, batches 1 and 8, in a subprocess with its own
 inductor cache): the compiled, the eager and the default (compiled in the background) decode
 step give the same greedy tokens, every figure is there, and the compile's start-up cost is
-measured cold and cached. No timing asserts."""
+measured cold and cached; `--against`'s worktree and probes. No timing asserts."""
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+from pathlib import Path
+
+import decode
 import pytest
 from bench_subprocess import run_bench_script
+
+from swaserve.worker.models.tiny import make_tiny_model
 
 
 @pytest.mark.slow
@@ -22,3 +29,31 @@ def test_decode_bench_compiled_equals_eager() -> None:
             assert all(v > 0 for v in batch[side].values())
     assert result["compile_cold_s"] > 0 and result["compile_cached_s"] > 0
     assert result["background_s"] > 0
+
+
+@pytest.mark.slow
+def test_against_runs_the_revisions_code_in_a_worktree_it_removes(tmp_path: Path) -> None:
+    """`--against REV`'s plumbing, eager on a tiny model: the probe on REV (HEAD here) imports
+    the engine from REV's worktree, this tree's from this tree, the two give the same tokens,
+    and the worktree is gone after."""
+    model = make_tiny_model(
+        tmp_path / "model", "gpt-oss", num_layers=2, sliding_window_size=4, vocab_size=1024
+    )  # the probe's prompts draw ids below 1000
+    probe = argparse.Namespace(threads=1, batch=2, repeats=1)
+    caches = [tmp_path / "rev-cache", tmp_path / "tree-cache"]
+    for cache in caches:
+        cache.mkdir()
+    with decode.checkout("HEAD", tmp_path / "against") as path:
+        tree = tmp_path / "against" / "tree"
+        theirs = decode.probe_step(model, caches[0], path, probe, compile_=False)
+    ours = decode.probe_step(model, caches[1], None, probe, compile_=False)
+    assert Path(theirs["engine_file"]).is_relative_to(path)
+    assert Path(theirs["engine_file"]).resolve().is_relative_to(tree)
+    assert Path(ours["engine_file"]).resolve().is_relative_to(decode.ROOT)
+    assert theirs["tokens"] == ours["tokens"]
+    assert theirs["step_ms"] > 0 and ours["step_ms"] > 0
+    assert not tree.exists()
+    listed = subprocess.run(
+        ["git", "-C", str(decode.ROOT), "worktree", "list"], capture_output=True, text=True
+    )
+    assert str(tree) not in listed.stdout

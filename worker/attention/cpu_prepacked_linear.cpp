@@ -14,19 +14,28 @@
 // products in order k = 0 .. K - 1 in one accumulator lane, whatever M is, so a row's result
 // does not depend on the other rows of the batch. (oneDNN's prepacked GEMM, which this
 // replaced, took 1.4-2.3x longer at 8 rows on the decode bench's shapes.)
+//
+// Panels are float32, or bfloat16 where every weight's float32 value is a bfloat16 value (a
+// checkpoint stored in bfloat16 and computed in float32): widened to float32 as they are
+// loaded, exactly, so both hold the same weights and give the same bits; the bfloat16 panels
+// stream half the bytes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -38,11 +47,22 @@ constexpr int64_t kPanel = 16;  // output features a panel holds
 constexpr int kLanes = kPanel / Vec::size();  // vectors per panel row (1 on AVX-512, 2 on AVX2)
 static_assert(kPanel % Vec::size() == 0, "a panel is a whole number of vectors");
 
+// One vector of a panel row's weights, as float32.
+inline Vec load_weights(const float* w) {
+  return Vec::loadu(w);
+}
+
+inline Vec load_weights(const c10::BFloat16* w) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(w, out);  // each value's 16 bits, shifted up: exact
+  return out;
+}
+
 // Rows [0, MB) of x against panels [0, NB) (panel p's row k at panels + (p * ldp + k) * 16),
-// over k in [0, K): NB * kLanes * MB accumulators.
-template <int MB, int NB>
+// over k in [0, K): NB * kLanes * MB accumulators. W: the panels' element type.
+template <int MB, int NB, typename W>
 void tile(
-    const float* x, int64_t ldx, const float* panels, int64_t K, int64_t ldp, float* y,
+    const float* x, int64_t ldx, const W* panels, int64_t K, int64_t ldp, float* y,
     int64_t ldy, int64_t n0, int64_t N, const float* bias) {
   Vec acc[MB][NB][kLanes];
   for (int m = 0; m < MB; ++m)
@@ -52,7 +72,7 @@ void tile(
     Vec w[NB][kLanes];
     for (int p = 0; p < NB; ++p)
       for (int l = 0; l < kLanes; ++l)
-        w[p][l] = Vec::loadu(panels + (p * ldp + k) * kPanel + l * Vec::size());
+        w[p][l] = load_weights(panels + (p * ldp + k) * kPanel + l * Vec::size());
     for (int m = 0; m < MB; ++m) {
       const Vec xv(x[m * ldx + k]);
       for (int p = 0; p < NB; ++p)
@@ -74,33 +94,35 @@ void tile(
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t,
                         int64_t, int64_t, const float*);
 
 // Rows of a register tile: 8 × 2 panels of accumulators fill half of AVX-512's 32 registers;
 // with narrower vectors a panel row takes more of them.
 constexpr int64_t kRows = Vec::size() >= 16 ? 8 : 4;
 
-template <int NB>
-TileFn tile_for_rows(int64_t rows) {
+template <int NB, typename W>
+TileFn<W> tile_for_rows(int64_t rows) {
   switch (rows) {
-    case 1: return &tile<1, NB>;
-    case 2: return &tile<2, NB>;
-    case 3: return &tile<3, NB>;
-    case 4: return &tile<4, NB>;
-    case 5: return &tile<5, NB>;
-    case 6: return &tile<6, NB>;
-    case 7: return &tile<7, NB>;
-    default: return &tile<kRows, NB>;
+    case 1: return &tile<1, NB, W>;
+    case 2: return &tile<2, NB, W>;
+    case 3: return &tile<3, NB, W>;
+    case 4: return &tile<4, NB, W>;
+    case 5: return &tile<5, NB, W>;
+    case 6: return &tile<6, NB, W>;
+    case 7: return &tile<7, NB, W>;
+    default: return &tile<kRows, NB, W>;
   }
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the panels of columns
 // [16·2t, 16·2t + 32) (panel p at panels + p·ldp·16), plus bias: one panel pair's columns.
+template <typename W>
 struct Gemm {
   const float* x;
   int64_t ldx;
-  const float* panels;
+  const W* panels;
   int64_t K;
   int64_t ldp;
   float* y;
@@ -115,13 +137,27 @@ struct Gemm {
     const bool two = (p0 + 1) * kPanel < N;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int64_t rows = std::min(kRows, M - m0);
-      const TileFn fn = two ? tile_for_rows<2>(rows) : tile_for_rows<1>(rows);
+      const TileFn<W> fn = two ? tile_for_rows<2, W>(rows) : tile_for_rows<1, W>(rows);
       fn(x + m0 * ldx, ldx, panels + p0 * ldp * kPanel, K, ldp, y + m0 * ldy, ldy, p0 * kPanel,
          N, bias);
     }
   }
 };
 
+// f(the panels' elements): `const float*` or `const c10::BFloat16*`.
+template <typename F>
+void with_panels(const at::Tensor& panels, const char* op, const F& f) {
+  if (panels.scalar_type() == at::kBFloat16) {
+    f(panels.const_data_ptr<c10::BFloat16>());
+    return;
+  }
+  TORCH_CHECK(panels.scalar_type() == at::kFloat, "swaserve::", op,
+              ": panels must be float32 or bfloat16, got ", panels.scalar_type());
+  f(panels.const_data_ptr<float>());
+}
+
+template <typename P>
+using Element = std::remove_cv_t<std::remove_pointer_t<P>>;
 
 at::Tensor panel_linear(
     const at::Tensor& x_in,
@@ -129,9 +165,7 @@ at::Tensor panel_linear(
     const std::optional<at::Tensor>& bias_in,
     int64_t out_features) {
   TORCH_CHECK(x_in.device().is_cpu() && panels_in.device().is_cpu(), "prepacked_linear runs on CPU");
-  TORCH_CHECK(
-      x_in.scalar_type() == at::kFloat && panels_in.scalar_type() == at::kFloat,
-      "prepacked_linear: x and panels must be float32");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "prepacked_linear: x must be float32");
   TORCH_CHECK(
       panels_in.dim() == 3 && panels_in.size(2) == kPanel,
       "prepacked_linear: panels must be [P, K, ", kPanel, "], got ", panels_in.sizes());
@@ -153,12 +187,13 @@ at::Tensor panel_linear(
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0) {
     const float* xp = x.data_ptr<float>();
-    const float* pp = panels.data_ptr<float>();
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    const Gemm gemm{xp, K, pp, K, K, yp, N, N, bp};
-    at::parallel_for(0, gemm.pairs(), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) gemm.run_pair(M, t);
+    with_panels(panels, "prepacked_linear", [&](const auto* pp) {
+      const Gemm<Element<decltype(pp)>> gemm{xp, K, pp, K, K, yp, N, N, bp};
+      at::parallel_for(0, gemm.pairs(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) gemm.run_pair(M, t);
+      });
     });
   }
   return y.view(shape);
@@ -296,12 +331,14 @@ at::Tensor prepacked_expert_linear(
   const float* xp = x.data_ptr<float>();
   float* xgp = xg.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) std::copy_n(xp + (groups.order[i] / k) * K, K, xgp + i * K);
-  const float* pp = panels.data_ptr<float>();
   float* ygp = yg.data_ptr<float>();
-  groups.run(E, [&](int64_t e) {
-    const int64_t row = groups.start[e];
-    return Gemm{xgp + row * K, K, pp + e * (F / kPanel) * K * kPanel, K, K, ygp + row * F, F, F,
-                bp == nullptr ? nullptr : bp + e * F};
+  with_panels(panels, op, [&](const auto* pp) {
+    groups.run(E, [&](int64_t e) {
+      const int64_t row = groups.start[e];
+      return Gemm<Element<decltype(pp)>>{xgp + row * K, K, pp + e * (F / kPanel) * K * kPanel,
+                                         K, K, ygp + row * F, F, F,
+                                         bp == nullptr ? nullptr : bp + e * F};
+    });
   });
   float* op_out = out.data_ptr<float>();
   for (int64_t p = 0; p < n; ++p) std::copy_n(ygp + groups.slot[p] * F, F, op_out + p * F);
@@ -338,11 +375,13 @@ at::Tensor prepacked_expert_linear_in(
   const float* hp = h.data_ptr<float>();
   float* hgp = hg.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) std::copy_n(hp + groups.order[i] * I, I, hgp + i * I);
-  const float* pp = panels.data_ptr<float>();
   float* ygp = yg.data_ptr<float>();
-  groups.run(E, [&](int64_t e) {
-    const int64_t row = groups.start[e];
-    return Gemm{hgp + row * I, I, pp + e * I * kPanel, I, Ktot, ygp + row * D, D, D, nullptr};
+  with_panels(panels, op, [&](const auto* pp) {
+    groups.run(E, [&](int64_t e) {
+      const int64_t row = groups.start[e];
+      return Gemm<Element<decltype(pp)>>{hgp + row * I, I, pp + e * I * kPanel, I, Ktot,
+                                         ygp + row * D, D, D, nullptr};
+    });
   });
   const float* wp = weights.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -23,6 +23,13 @@ Python kernel multiplies by the panels with `torch.matmul`.
 Only the static step uses the copies (`Prepackable.prepacked` and `in_static_step`): prefill
 and mixed steps keep MKL over the parameters, so the copies add their bytes to the weights
 (`ModelRunner.weight_bytes`). Float32 weights on CPU only (`available`).
+
+A weight whose every value is a bfloat16 value (a checkpoint stored in bfloat16, as the
+published GPT-OSS and MiMo-V2-Flash weights are, computed in float32 on CPU) is held in
+bfloat16 panels (`panel_dtype`): the kernel widens each value to float32 as it loads it, which
+is exact, so the step computes the same products in the same order and returns the same bits,
+and it streams half the bytes. The decode bench's batch-8 step reads its weights at about the
+memory's speed, so that is where its time goes.
 """
 
 from __future__ import annotations
@@ -57,11 +64,19 @@ def available(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] → [ceil(N / PANEL), K, PANEL]: panel p's row k holds weight[PANEL·p + j, k]."""
+def panel_dtype(weight: torch.Tensor) -> torch.dtype:
+    """bfloat16 where every value of the float32 `weight` is a bfloat16 value (so the panels
+    lose nothing), else float32."""
+    narrow = weight.to(torch.bfloat16)
+    return torch.bfloat16 if torch.equal(narrow.to(weight.dtype), weight) else weight.dtype
+
+
+def to_panels(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[N, K] → [ceil(N / PANEL), K, PANEL] in `dtype` (the weight's by default): panel p's row
+    k holds weight[PANEL·p + j, k]."""
     n, k = weight.shape
     count = -(-n // PANEL)
-    padded = weight.new_zeros(count * PANEL, k)
+    padded = weight.new_zeros(count * PANEL, k, dtype=dtype or weight.dtype)
     padded[:n] = weight
     return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
 
@@ -69,8 +84,9 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
     """Hold a prepacked copy of `weight` ([out_features, in_features]: a view or rearranged
     copy of `source`'s values) for `source`, until `source` is freed; `prepacked_linear(x,
-    source, ...)` then computes `x @ weight.T`. Returns the bytes the copy holds. `source` must
-    not change afterwards (the copy would not follow)."""
+    source, ...)` then computes `x @ weight.T`. Returns the bytes the copy holds (half when the
+    values are bfloat16 values, `panel_dtype`). `source` must not change afterwards (the copy
+    would not follow)."""
     if not available(weight):
         raise ValueError(
             f"a prepacked weight must be float32 on CPU, got {weight.dtype} on {weight.device}"
@@ -78,7 +94,7 @@ def pack(source: torch.Tensor, weight: torch.Tensor) -> int:
     if weight.dim() != 2:
         raise ValueError(f"a prepacked weight is [out_features, in_features], got {weight.shape}")
     with torch.no_grad():
-        packed = to_panels(weight)
+        packed = to_panels(weight, panel_dtype(weight))
     key = source.data_ptr()
 
     def forget(_: object, key: int = key) -> None:
@@ -154,7 +170,7 @@ def _prepacked_linear_cpu(
     if x.numel() == 0:
         return _prepacked_linear_fake(x, source, bias, out_features)
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.matmul(rows, held.packed)  # [P, M, PANEL]
+    y = torch.matmul(rows, held.packed.to(rows.dtype))  # [P, M, PANEL]
     y = y.transpose(0, 1).reshape(rows.shape[0], -1)[:, :out_features]
     if bias is not None:
         y = y + bias

@@ -56,6 +56,8 @@ from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import weight_map
 from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4_SCALES
 
+WEIGHTS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 ARCHITECTURES = {
     "gpt-oss": GPT_OSS,
     "mimo-v2-flash": MIMO_V2_FLASH,
@@ -144,6 +146,7 @@ def make_tiny_model(
     harmony: bool = False,
     native_chat: bool = False,
     mtp_layers: int | None = None,
+    weights_dtype: str = "float32",
     **overrides: Any,
 ) -> Path:
     """Write the model dir and return its path.
@@ -160,8 +163,12 @@ def make_tiny_model(
     `checkpoint_format`, `quantization`: see the module docstring; `fp8_block_size` is FP8's
     `weight_block_size` (rows, cols). `mtp_layers`: MiMo-V2-Flash's multi-token-prediction
     depths (`model.mtp.layers.{j}`, `models.mtp`), 3 by default as the published model; the
-    other families have none.
+    other families have none. `weights_dtype`: the dtype the float weights are stored in
+    ("bfloat16" as the published checkpoints; FP8 scales stay float32); the engine computes in
+    float32 on CPU either way.
     """
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {sorted(WEIGHTS_DTYPES)}")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
     if checkpoint_format not in CHECKPOINT_FORMATS:
@@ -432,11 +439,17 @@ def make_tiny_model(
         hf["eos_token_id"] = [EOS_ID, 256 + len(SPECIAL_TOKENS) + 2]
     if special == GEMMA_SPECIAL_TOKENS:  # generation ends at a turn's end, as Gemma's does
         hf["eos_token_id"] = [EOS_ID, 256 + len(SPECIAL_TOKENS) + 1]
+    if weights_dtype != "float32":
+        hf["torch_dtype"] = weights_dtype
     hf |= overrides
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     weights = checkpoint_weights(hf, seed, checkpoint_format, mtp_layers)
+    stored = WEIGHTS_DTYPES[weights_dtype]
+    for name, tensor in weights.items():
+        if tensor.dtype == torch.float32 and not name.endswith(FP8_SCALE):
+            weights[name] = tensor.to(stored)
     _write_weights(root, weights, num_shards)
     write_byte_tokenizer(root, special, added, template)
     return root
@@ -606,6 +619,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--harmony", action="store_true", help="GPT-OSS: the same as --native-chat")
     parser.add_argument(
+        "--weights-dtype",
+        choices=sorted(WEIGHTS_DTYPES),
+        default="float32",
+        help="dtype the float weights are stored in (bfloat16: as the published checkpoints)",
+    )
+    parser.add_argument(
         "--mtp-layers",
         type=int,
         default=None,
@@ -628,6 +647,7 @@ def run(args: argparse.Namespace) -> int:
         harmony=args.harmony,
         native_chat=args.native_chat,
         mtp_layers=args.mtp_layers,
+        weights_dtype=args.weights_dtype,
     )
     config = parse_model_config(json.loads((root / "config.json").read_text()))
     print(

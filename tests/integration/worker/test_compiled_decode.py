@@ -24,6 +24,7 @@ import torch
 from swaserve.proto import StructuredOutputs
 from swaserve.proto.environment import CPU_AUTO_COMPILE_ENV
 from swaserve.worker import Engine, EngineConfig, SamplingParams
+from swaserve.worker.models import prepacked
 from swaserve.worker.runner.model_executor import ModelExecutor
 
 W = 8
@@ -94,12 +95,20 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 # More experts than twice those a token chooses: the compiled step runs each token through its
 # own experts only (`BatchedExperts.forward_prepacked_sparse`).
 MANY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2}
+# Weights stored in bfloat16, as the published checkpoints: the step's panels hold them in
+# bfloat16 (`prepacked.panel_dtype`), half the bytes, the same products.
+BF16_WEIGHTS = {"weights_dtype": "bfloat16"}
+OPTION_IDS = {
+    repr({}): "as-made",
+    repr(MANY_EXPERTS): "8-experts",
+    repr(BF16_WEIGHTS): "bf16-weights",
+}
 
 
 @pytest.mark.parametrize(
-    ("arch", "experts"),
+    ("arch", "options"),
     [
-        ("gpt-oss", {}),
+        ("gpt-oss", BF16_WEIGHTS),
         ("gpt-oss", MANY_EXPERTS),
         ("mimo-v2-flash", {}),
         ("mimo-v2-flash", MANY_EXPERTS),
@@ -110,14 +119,14 @@ MANY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2}
         ("exaone4", {}),
         ("llama4", {}),
     ],
-    ids=lambda v: v if isinstance(v, str) else ("8-experts" if v else "as-made"),
+    ids=lambda v: v if isinstance(v, str) else OPTION_IDS[repr(v)],
 )
 def test_compiled_decode_equals_transformers_and_eager(
-    arch: str, experts: dict[str, int], tiny_model_factory: Callable[..., Path]
+    arch: str, options: dict[str, int | str], tiny_model_factory: Callable[..., Path]
 ) -> None:
     layers = 6 if arch == "gemma4" else 4  # Gemma 4's last two share KV
     model = tiny_model_factory(
-        arch, num_layers=layers, sliding_window_size=W, hidden_size=32, seed=7, **experts
+        arch, num_layers=layers, sliding_window_size=W, hidden_size=32, seed=7, **options
     )
     prompts = workload(1)
     want = reference(model, prompts)
@@ -127,6 +136,9 @@ def test_compiled_decode_equals_transformers_and_eager(
         engine = make_engine(model, compile_=True, page_size=page_size)
         step = engine.runner.decode_step
         assert step is not None and step.mode == "compile"
+        held = [prepacked.held_for(p) for p in engine.runner.model.parameters()]
+        panels = {copy.dtype for copy in held if copy is not None}
+        assert panels == ({torch.bfloat16} if options is BF16_WEIGHTS else {torch.float32})
         warmed = step.stats.steps  # the start-up's padding-only steps
         assert warmed == len(step.buckets)
         assert run(engine, prompts) == want

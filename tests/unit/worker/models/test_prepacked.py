@@ -222,3 +222,72 @@ def test_the_expert_linears_run_each_token_through_its_own_experts() -> None:
         prepacked.expert_linear(x, gate_up, bias, experts_n * features, chosen, features)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         prepacked.expert_linear(x, gate_up, bias, experts_n * features, chosen[:, :1] * 0, 24)
+
+
+def bf16_valued(*shape: int) -> torch.Tensor:
+    """Float32 values that are all bfloat16 values: a bfloat16 checkpoint loaded in float32."""
+    return randn(*shape).to(torch.bfloat16).float()
+
+
+def test_bfloat16_values_are_held_in_bfloat16_panels() -> None:
+    weight = bf16_valued(40, 24)
+    assert prepacked.panel_dtype(weight) == torch.bfloat16
+    assert pack(weight, weight) == 48 * 24 * 2  # half a float32 copy's bytes
+    held = held_for(weight)
+    assert held is not None and held.dtype == torch.bfloat16
+    assert torch.equal(held.float(), prepacked.to_panels(weight))  # nothing lost
+    off = weight.clone()
+    off[3, 5] += 2.0**-20  # one value a bfloat16 cannot hold
+    assert prepacked.panel_dtype(off) == torch.float32
+    assert pack(off, off) == 48 * 24 * 4
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 19])
+def test_bfloat16_panels_give_the_float32_panels_bits(
+    rows: int, linear: Linear, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel widens each bfloat16 weight to its float32 value as it loads it: the same
+    products in the same order as over float32 panels of the same values (with the Python
+    kernel, the same matmul)."""
+    weight, bias, x = bf16_valued(40, 24), randn(40), randn(rows, 24)
+    twin = weight.clone()  # the same values, held in float32 panels
+    pack(weight, weight)
+    _held_in_float32(twin, monkeypatch)
+    assert held_for(weight).dtype == torch.bfloat16 and held_for(twin).dtype == torch.float32
+    assert torch.equal(linear(x, weight, bias, 40), linear(x, twin, bias, 40))
+    assert (linear(x, weight, bias, 40) - F.linear(x, weight, bias)).abs().max() < 1e-5
+
+
+def test_bfloat16_expert_panels_give_the_float32_panels_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if cpu_kernels.load() is None:
+        pytest.skip("the C++ kernels did not build here")
+    experts_n, features, inputs, d = 4, 32, 16, 24
+    gate_up, down = bf16_valued(experts_n * features, d), bf16_valued(d, experts_n * inputs)
+    bias = randn(experts_n * features)
+    twins = gate_up.clone(), down.clone()
+    for weight in (gate_up, down):
+        pack(weight, weight)
+    for twin in twins:
+        _held_in_float32(twin, monkeypatch)
+    x, h, weights = randn(9, d), randn(9, 2, inputs), torch.rand(9, 2, generator=GEN)
+    chosen = torch.stack([torch.randperm(experts_n, generator=GEN)[:2] for _ in range(9)])
+    outs = [
+        (
+            prepacked.expert_linear(x, up, bias, experts_n * features, chosen, features),
+            prepacked.expert_linear_in(h, dn, d, chosen, weights, inputs),
+        )
+        for up, dn in ((gate_up, down), twins)
+    ]
+    assert held_for(gate_up).dtype == torch.bfloat16 and held_for(twins[0]).dtype == torch.float32
+    for got, want in zip(*outs, strict=True):
+        assert torch.equal(got, want)
+
+
+def _held_in_float32(weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold `weight`'s copy in float32 panels whatever its values (as `pack` does for values a
+    bfloat16 cannot hold)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(prepacked, "panel_dtype", lambda _: torch.float32)
+        pack(weight, weight)

@@ -174,6 +174,31 @@ def test_make_tiny_model_subcommand_writes_original_fp8(tmp_path: Path) -> None:
     assert "model.layers.1.mlp.gate.weight_scale_inv" not in weights  # the router stays float
 
 
+def test_bfloat16_weights_as_the_published_checkpoints(tmp_path: Path) -> None:
+    """`--weights-dtype bfloat16` stores the float weights (not the FP8 scales) in bfloat16, the
+    values the float32 model rounded to; the engine's loader and transformers read them alike."""
+    argv = ["make-tiny-model", str(tmp_path / "m"), "--arch", "mimo-v2-flash", "--layers", "2"]
+    assert (
+        main(
+            [*argv, "--format", "original", "--quantization", "fp8", "--weights-dtype", "bfloat16"]
+        )
+        == 0
+    )
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    weights = load_file(tmp_path / "m" / SINGLE_FILE)
+    assert weights["model.layers.1.self_attn.attention_sink_bias"].dtype == torch.bfloat16
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    gate = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    assert weights[gate].dtype == torch.float8_e4m3fn
+    assert weights[gate + "_scale_inv"].dtype == torch.float32
+    plain = load_file(make_tiny_model(tmp_path / "f", arch="gpt-oss", num_layers=2) / SINGLE_FILE)
+    narrow = make_tiny_model(tmp_path / "b", arch="gpt-oss", num_layers=2, weights_dtype="bfloat16")
+    for name, tensor in load_file(narrow / SINGLE_FILE).items():
+        assert torch.equal(tensor, plain[name].to(torch.bfloat16)), name
+    with pytest.raises(ValueError, match="weights_dtype must be one of"):
+        make_tiny_model(tmp_path / "x", weights_dtype="float16")
+
+
 def test_bad_arguments_raise(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown arch 'llama'"):
         make_tiny_model(tmp_path, arch="llama")
