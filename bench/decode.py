@@ -32,8 +32,8 @@ the background: `background_s` is how long after its start every bucket was comp
 in the bench's own process; --quick: over the probes' cache, `background_cold` false).
 
 `--against REV`: the compiled step at batch 8 of GPT-OSS on the code of git revision REV
-against this tree's, each in child processes of its own (own inductor and kernel caches),
-alternating, --against-rounds times each; prints both medians, their ratio and whether the
+against this tree's, each in child processes of its own (an inductor cache per side, REV's C++
+kernels built apart), alternating, --against-rounds times each; prints both medians, their ratio and whether the
 greedy tokens are the same (REV's code must have `Engine`, `EngineConfig` and `SamplingParams`
 as today's; REV 1675141^ is where the speculative decoding issue measured its 3.6 ms step).
 
@@ -129,6 +129,15 @@ def probe_startup(model: Path, cache: Path, threads: int) -> dict[str, float]:
         "compiled": float(times["compiled_s"] - times["eager_s"]),
         "default": float(times["default_s"] - times["eager_s"]),
     }
+
+
+def is_commit(rev: str) -> bool:
+    """Whether `rev` names a commit of this repository."""
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+    )
+    return found.returncode == 0
 
 
 @contextmanager
@@ -281,6 +290,8 @@ def main() -> None:
         return
     if args.against_rounds < 1:
         parser.error("--against-rounds must be at least 1")
+    if args.against is not None and not is_commit(args.against):
+        parser.error(f"--against: {args.against!r} names no commit of this repository")
     args.batches = [int(b) for b in args.batches.split(",")]
     archs = args.archs.split(",")
     if args.quick:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 from pathlib import Path
 
 import decode
@@ -57,3 +58,15 @@ def test_against_runs_the_revisions_code_in_a_worktree_it_removes(tmp_path: Path
         ["git", "-C", str(decode.ROOT), "worktree", "list"], capture_output=True, text=True
     )
     assert str(tree) not in listed.stdout
+
+
+def test_against_refuses_a_revision_that_names_no_commit() -> None:
+    assert decode.is_commit("HEAD")
+    assert not decode.is_commit("no-such-revision-here")
+    done = subprocess.run(
+        [sys.executable, str(decode.ROOT / "bench" / "decode.py"), "--against", "no-such-rev"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "--against: 'no-such-rev' names no commit of this repository" in done.stderr
