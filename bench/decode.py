@@ -85,9 +85,6 @@ def make_model(root: Path, arch: str, weights_dtype: str = "bfloat16") -> Path:
     )
 
 
-CONFIGS: dict[str, bool | str] = {"eager": False, "compiled": True, "default": "auto"}
-
-
 def timed_start(model: Path, compile_: bool | str) -> tuple[Engine, float]:
     start = time.perf_counter()
     eng = engine(model, compile_)
@@ -165,19 +162,26 @@ def checkout(rev: str, root: Path) -> Iterator[Path]:
 
 
 def probe_step(
-    model: Path, cache: Path, path: Path | None, args: argparse.Namespace, compile_: bool = True
+    model: Path,
+    cache: Path,
+    path: Path | None,
+    *,
+    threads: int,
+    batch: int,
+    rounds: int,
+    compile_: bool = True,
 ) -> dict[str, Any]:
     """`decode_probe.py` in a new process with its inductor cache under `cache`, on the code
     under `path` (this tree's if None; a revision's code builds its C++ kernels under `cache`
     too, this tree's use the usual cache)."""
     env = dict(
-        os.environ, BENCH_THREADS=str(args.threads), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor")
+        os.environ, BENCH_THREADS=str(threads), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor")
     )
     if path is not None:
         env["SWASERVE_CACHE_DIR"] = str(cache / "swaserve")
         env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
     argv = [sys.executable, str(Path(__file__).with_name("decode_probe.py")), str(model)]
-    argv += [str(args.batch), str(args.repeats), "compiled" if compile_ else "eager"]
+    argv += [str(batch), str(rounds), "compiled" if compile_ else "eager"]
     probe = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cache)
     if probe.returncode != 0:
         raise SystemExit(f"the step probe failed ({' '.join(argv)}):\n{probe.stderr[-3000:]}")
@@ -187,14 +191,17 @@ def probe_step(
 def bench_against(rev: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """REV's compiled step against this tree's (`--against`), alternating processes."""
     model = make_model(root, "gpt-oss", args.weights_dtype)
-    probe = argparse.Namespace(threads=args.threads, batch=AGAINST_GOAL[0], repeats=3)
     runs: dict[str, list[dict[str, Any]]] = {"rev": [], "tree": []}
+    caches = {side: root / f"against-cache-{side}" for side in runs}
+    for cache in caches.values():
+        cache.mkdir()
     with checkout(rev, root / "against") as path:
         for _ in range(args.against_rounds):
             for side, code in (("rev", path), ("tree", None)):
-                cache = root / f"against-cache-{side}"
-                cache.mkdir(exist_ok=True)
-                runs[side].append(probe_step(model, cache, code, probe))
+                probe = probe_step(
+                    model, caches[side], code, threads=args.threads, batch=AGAINST_GOAL[0], rounds=3
+                )
+                runs[side].append(probe)
     medians = {side: statistics.median(r["step_ms"] for r in rs) for side, rs in runs.items()}
     return {
         "rev": rev,

@@ -5,7 +5,6 @@ measured cold and cached; `--against`'s worktree and probes. No timing asserts."
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -40,14 +39,14 @@ def test_against_runs_the_revisions_code_in_a_worktree_it_removes(tmp_path: Path
     model = make_tiny_model(
         tmp_path / "model", "gpt-oss", num_layers=2, sliding_window_size=4, vocab_size=1024
     )  # the probe's prompts draw ids below 1000
-    probe = argparse.Namespace(threads=1, batch=2, repeats=1)
+    probe = {"threads": 1, "batch": 2, "rounds": 1, "compile_": False}
     caches = [tmp_path / "rev-cache", tmp_path / "tree-cache"]
     for cache in caches:
         cache.mkdir()
     with decode.checkout("HEAD", tmp_path / "against") as path:
         tree = tmp_path / "against" / "tree"
-        theirs = decode.probe_step(model, caches[0], path, probe, compile_=False)
-    ours = decode.probe_step(model, caches[1], None, probe, compile_=False)
+        theirs = decode.probe_step(model, caches[0], path, **probe)
+    ours = decode.probe_step(model, caches[1], None, **probe)
     assert Path(theirs["engine_file"]).is_relative_to(path)
     assert Path(theirs["engine_file"]).resolve().is_relative_to(tree)
     assert Path(ours["engine_file"]).resolve().is_relative_to(decode.ROOT)

@@ -56,7 +56,7 @@ from swaserve.worker.models.registry import get_model_class
 from swaserve.worker.models.weight_maps import weight_map
 from swaserve.worker.models.weight_sources import FP8_SCALE, MXFP4_BLOCKS, MXFP4_SCALES
 
-WEIGHTS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHTS_DTYPES = ("float32", "bfloat16")  # torch dtype names
 
 ARCHITECTURES = {
     "gpt-oss": GPT_OSS,
@@ -446,10 +446,11 @@ def make_tiny_model(
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     weights = checkpoint_weights(hf, seed, checkpoint_format, mtp_layers)
-    stored = WEIGHTS_DTYPES[weights_dtype]
-    for name, tensor in weights.items():
-        if tensor.dtype == torch.float32 and not name.endswith(FP8_SCALE):
-            weights[name] = tensor.to(stored)
+    if weights_dtype != "float32":
+        stored = getattr(torch, weights_dtype)
+        for name, tensor in weights.items():
+            if tensor.dtype == torch.float32 and not name.endswith(FP8_SCALE):
+                weights[name] = tensor.to(stored)
     _write_weights(root, weights, num_shards)
     write_byte_tokenizer(root, special, added, template)
     return root
