@@ -21,10 +21,10 @@ Defaults and why:
   (TTFT p99 469 → 320 ms at 0 ms reports, seed 0); waiting longer costs the skewed-tenant
   trace more than it gains (p99 120 / 133 / 128 ms at 0.05 / 0.1 / 0.2 s).
 - `ttft_balance_tokens=1024`: when the cheapest worker's full pool is less than half free
-  (`policies.BALANCE_FREE_SHARE`), `ttft` takes the workers whose predicted prefill is within
-  1024 tokens of the cheapest as equal and sends the request to the one with the most free
-  full KV, so that new sessions fill the emptiest pools instead of evicting other sessions'
-  histories. On bench/router_sim.py's chat trace (reports 100 ms late, one slow worker, seeds
+  (`policies.BALANCE_FREE_SHARE`), `ttft` may send the request to a worker whose predicted
+  prefill is within 1024 tokens of the cheapest where that spares at least as much cached KV
+  from eviction as it recomputes (the one that evicts least, then the freest), so that new
+  sessions fill the emptiest pools instead of evicting other sessions' histories. On bench/router_sim.py's chat trace (reports 100 ms late, one slow worker, seeds
   0-2) it lifts reuse from 0.75-0.80 to 0.84-0.88 and cuts TTFT p99 from 168-195 ms to
   134-183. Without the pressure gate (tuned first): 0 (the cheapest alone) and 256 change
   little, 512 / 768 gain less or less evenly, and 1536 / 2048 / 4096 give up too much of the
@@ -93,8 +93,8 @@ class RouterConfig(BaseModel):
     ttft_balance_tokens: int = Field(
         1024,
         ge=0,
-        description="ttft: prefill a placement may add to go where most KV is free (or, for a "
-        "new session, to the least loaded worker)",
+        description="ttft: prefill a placement may add to evict less cached KV (or, for a "
+        "new session, to go to the least loaded worker)",
     )
     prefix_load_weight: float = Field(
         1.0,

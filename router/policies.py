@@ -214,17 +214,28 @@ class TTFTPolicy(Policy):
     agentic trace, whose fan-outs each open a session, placing those by load too raised
     TTFT p99 at 500 ms-late reports from 268 / 863 ms to 513 / 1089 on seeds 0 / 1).
     Requests without a key are placed by cost alone, and memory pressure (below) comes
-    first: a new session placed by load in a nearly full pool would have its next turn
-    moved to the freest one, away from its history.
+    first.
 
-    Memory is the other thing a placement spends: KV written where the full pool is full
-    evicts cached prefixes that later turns would have hit. So when the cheapest worker's pool
-    is less than `BALANCE_FREE_SHARE` free, the workers whose cost is within
-    `ttft_balance_tokens` of the cheapest are taken as equal for this request, and of those
-    the one with the most free KV wins (ties: lower cost, longer hit, lower load, add
-    order). New sessions and short histories then fill the emptiest pools, as SGLang's
-    gateway sends low-match requests to its smallest tree, and long histories stay where
-    they are cached (moving one costs more than the slack).
+    Memory is the other thing a placement spends: KV written beyond a pool's unallocated
+    room evicts cached prefixes that later turns may hit. So when the cheapest worker's pool
+    is less than `BALANCE_FREE_SHARE` free, a worker within `ttft_balance_tokens` of the
+    cheapest may take the request instead where the move spares at least as much cached KV
+    from eviction as it costs in recomputed prompt: (evicted on the cheapest − evicted
+    there) ≥ (uncached there − uncached on the cheapest), evicted being the uncached prompt
+    tokens beyond the free slots of the worker's last report. Of those, the one that evicts
+    the least wins, then the freest (then lower cost, longer hit, lower load, add order).
+    So a request that every pool would prefill alike (a new session on a system prompt
+    they all hold) fills the emptiest pool rather than evict, as SGLang's gateway sends
+    low-match requests to its smallest tree, while a history stays where it is cached: its
+    turn writes fewer tokens than moving it would recompute. Once every pool is full of
+    cached KV (a server's steady state: a prefix cache keeps what it may evict), every
+    placement evicts what it writes, and memory moves a request only to a worker where it
+    writes no more. The rule before (the freest pool of
+    those within the slack) drew turns to whichever pool a report showed a few more free
+    slots in: bench/cluster_load.py with 60 sessions, whose caches fill after the first
+    dozen, kept 0.73-0.76 of the turns on their worker and a cached share of 0.80; now
+    0.97-0.98 and 0.84. On bench/router_sim.py's chat trace it keeps reuse at 0.79-0.82
+    (0.77-0.80 before).
     """
 
     name = "ttft"
@@ -240,7 +251,13 @@ class TTFTPolicy(Policy):
         best = first_min(keys)
         near = cost <= cost[best] + self.config.ttft_balance_tokens
         if c.free_tokens[best] < BALANCE_FREE_SHARE * c.total_tokens[best]:
-            return first_min((-c.free_tokens, *keys), near)  # memory pressure: the freest pool
+            # Memory pressure: a move off the cheapest pays where it spares at least as much
+            # cached KV from eviction as it recomputes.
+            writes = len(request.token_ids) - c.hit_tokens  # the KV its prompt adds there
+            evicted = np.maximum(writes - c.free_tokens, 0)  # beyond the free slots
+            spares = near & (evicted[best] - evicted >= writes - writes[best])
+            if np.count_nonzero(spares) > 1:
+                return first_min((evicted, -c.free_tokens, *keys), spares)
         if (
             request.session_key is not None
             and request.session_key not in self._sessions

@@ -154,32 +154,49 @@ def test_ttft_ties_go_to_the_longer_hit_then_the_lower_load() -> None:
     assert c.router.route("s", list(range(100, 117)), 1).worker_id == "b"  # both 17: load
 
 
-def test_ttft_takes_the_freest_pool_among_workers_within_the_balance_slack() -> None:
-    """When the cheapest worker's pool is less than half free, costs within
-    `ttft_balance_tokens` of the cheapest count as equal: the worker with the most free KV
-    wins, so a short request fills an empty pool rather than evict there."""
-    system = list(range(1, 513))  # 512 tokens, cached on a, whose pool is nearly full
-    prompt = [*system, *range(1000, 1089)]  # 601 tokens
+def test_ttft_moves_a_request_for_memory_only_where_it_spares_more_kv_than_it_recomputes() -> None:
+    """When the cheapest worker's pool is less than half free, a worker within
+    `ttft_balance_tokens` takes the request where the move spares at least as much cached
+    KV from eviction as it recomputes: a prompt every pool prefills alike fills the freest
+    pool rather than evict; a cached history stays."""
+    system = list(range(1, 513))  # 512 tokens, cached on both; a's pool is nearly full
+    prompt = [*system, *range(1000, 1089)]  # 601 tokens: 89 to compute on either
     c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
-    c.report("a", [stored(system)], full_free_tokens=800, full_evictable_tokens=8000)
-    c.report("b", full_free_tokens=9000)
-    # a: 0 + 601 - 512 = 89; b: 601, within 1024 of 89; b has the more free KV.
+    c.report("a", [stored(system)], full_free_tokens=40, full_evictable_tokens=8800)
+    c.report("b", [stored(system)], full_free_tokens=9000)
+    # Equal costs, a first by add order; a evicts 49 cached tokens, b none, for no recompute.
     assert c.router.route("r1", prompt, 16).worker_id == "b"
-    tight = Cluster("a", "b", policy="ttft", inflight_prefixes=False, ttft_balance_tokens=256)
-    tight.report("a", [stored(system)], full_free_tokens=800, full_evictable_tokens=8000)
-    tight.report("b", full_free_tokens=9000)
-    assert tight.router.route("r1", prompt, 16).worker_id == "a"  # 601 - 89 > 256
-    # A long history cached on a costs more to move than the slack: it stays.
-    history = list(range(1, 2001))
-    c.report("a", [stored(history)], full_free_tokens=800, full_evictable_tokens=8000)
-    c.report("b", full_free_tokens=9000, queued_prefill_tokens=0)
-    assert c.router.route("r2", [*history, 5], 16).worker_id == "a"  # 1 vs 2001 and more
+    tight = Cluster("a", "b", policy="ttft", inflight_prefixes=False, ttft_balance_tokens=0)
+    tight.report("a", [stored(system)], full_free_tokens=40, full_evictable_tokens=8800)
+    tight.report("b", [stored(system)], full_free_tokens=9000, queued_prefill_tokens=10)
+    assert tight.router.route("r1", prompt, 16).worker_id == "a"  # b 10 over the slack
+    # A history cached on a: moving its turn recomputes 488 tokens to spare 49: it stays.
+    history = [*system, *range(2000, 2488)]
+    c.report("a", [stored(history)], full_free_tokens=40, full_evictable_tokens=8800)
+    c.report("b", admitted=["r1"], full_free_tokens=9000, queued_prefill_tokens=0)
+    assert c.router.route("r2", [*history, *range(3000, 3089)], 16).worker_id == "a"
     # The cheapest pool at least half free: no memory pressure, the cheapest stays.
     c.report("a", full_free_tokens=5000, full_evictable_tokens=4000)
-    c.report("b", admitted=["r1"], full_free_tokens=9000, queued_prefill_tokens=0)
-    assert c.router.route("r3", prompt, 16).worker_id == "a"  # about 90 vs 601
+    assert c.router.route("r3", [*history, *range(4000, 4089)], 16).worker_id == "a"
     c.router.check()
     tight.router.check()
+
+
+def test_ttft_keeps_a_turn_on_its_history_once_every_pool_is_full_of_cached_kv() -> None:
+    """Once the pools are full of evictable cache (a server's steady state), a few more free
+    slots in one worker's report do not draw a session's next turn off its history."""
+    history = list(range(1, 601))  # 600 tokens cached on a; the next turn adds 89
+    turn = [*history, *range(1000, 1089)]
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    c.report("a", [stored(history)], full_free_tokens=16, full_evictable_tokens=9000)
+    c.report("b", full_free_tokens=300, full_evictable_tokens=9000)
+    # a: 89 to compute, 73 beyond its free slots; b: 689 (within the 1024 slack), 389 beyond.
+    assert c.router.route("t2", turn, 16, session_key="s").worker_id == "a"
+    c.router.finish("t2")
+    # Room for the whole prompt on b spares 73 cached tokens on a for 600 recomputed: it stays.
+    c.report("b", full_free_tokens=700, full_evictable_tokens=8600)
+    assert c.router.route("t3", turn, 16, session_key="s").worker_id == "a"
+    c.router.check()
 
 
 def test_ttft_places_a_new_session_on_the_least_loaded_worker_within_the_balance_slack() -> None:

@@ -163,7 +163,20 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
     if best.free_tokens >= BALANCE_FREE_SHARE * best.total_tokens:
         return best
     near = [c for c in cands if cost(c) <= cost(best) + 1024]
-    return min(near, key=lambda c: (-c.free_tokens, cost(c), -c.hit_tokens, c.load, c.order))
+
+    def writes(c: Candidate) -> int:
+        return len(request.token_ids) - c.hit_tokens
+
+    def evicted(c: Candidate) -> int:
+        return max(writes(c) - c.free_tokens, 0)
+
+    spares = [c for c in near if evicted(best) - evicted(c) >= writes(c) - writes(best)]
+    if len(spares) == 1:  # no move spares more cached KV than it recomputes
+        return best
+    return min(
+        spares,
+        key=lambda c: (evicted(c), -c.free_tokens, cost(c), -c.hit_tokens, c.load, c.order),
+    )
 
 
 @pytest.mark.parametrize("policy", ["prefix", "least_load", "ttft"])
@@ -175,7 +188,7 @@ def reference_pick(policy: str, request: RouteRequest, cands: list[Candidate]) -
             st.sampled_from([0, 16, 32, 1024, 2048]),  # hit
             st.sampled_from([0, 100, 1500, 4000]),  # queued prefill
             st.sampled_from([1.0, 0.5, 0.25]),  # speed
-            st.integers(0, 10),  # free (of 10)
+            st.sampled_from([0, 64, 1000, 2112, 4999, 5000, 10_000]),  # free (of 10,000)
             st.sampled_from([0, 60, 200]),  # decode step, in prompt tokens
         ),
         min_size=1,
@@ -187,7 +200,7 @@ def test_column_picks_equal_the_rules_over_a_list(policy: str, rows: list[tuple]
     from swaserve.router import RouterConfig
 
     cands = [
-        Candidate(f"w{i}", i, load, hit, queued, speed, free, 10, decode)
+        Candidate(f"w{i}", i, load, hit, queued, speed, free, 10_000, decode)
         for i, (load, hit, queued, speed, free, decode) in enumerate(rows)
     ]
     request = RouteRequest("r", list(range(2048 + 64)), 8)
