@@ -24,13 +24,14 @@ Defaults and why:
   (`policies.BALANCE_FREE_SHARE`), `ttft` may send the request to a worker whose predicted
   prefill is within 1024 tokens of the cheapest where that spares at least as much cached KV
   from eviction as it recomputes (the one that evicts least, then the freest), so that new
-  sessions fill the emptiest pools instead of evicting other sessions' histories. On bench/router_sim.py's chat trace (reports 100 ms late, one slow worker, seeds
-  0-2) it lifts reuse from 0.75-0.80 to 0.84-0.88 and cuts TTFT p99 from 168-195 ms to
-  134-183. Without the pressure gate (tuned first): 0 (the cheapest alone) and 256 change
-  little, 512 / 768 gain less or less evenly, and 1536 / 2048 / 4096 give up too much of the
-  hits (reuse 0.74 / 0.68 / 0.43). A slack
-  relative to the cost (×1.2-1.5) does not help: it is the short requests, whose cost is
-  small, that must be free to move. The same slack places a new session (a session key
+  sessions fill the emptiest pools instead of evicting other sessions' histories. On
+  bench/router_sim.py's chat trace (reports 100 ms late, one slow worker, seeds 0-2; with
+  the earlier freest-pool rule) it lifted reuse from 0.75-0.80 to 0.84-0.88 and cut TTFT p99
+  from 168-195 ms to 134-183. Without the pressure gate (tuned first): 0 (the cheapest
+  alone) and 256 change little, 512 / 768 gain less or less evenly, and 1536 / 2048 / 4096
+  give up too much of the hits (reuse 0.74 / 0.68 / 0.43). A slack relative to the cost
+  (×1.2-1.5) does not help: it is the short requests, whose cost is small, that must be free
+  to move. The same slack places a new session (a session key
   `ttft` has not placed) where the workers within it do not all hold the same prefix of its
   first request: the least loaded of them gets it (`policies.TTFTPolicy`). On
   bench/cluster_load.py's open loop (`--session-rate 3`, seeds 4242 and 9) that took the

@@ -166,7 +166,7 @@ class PrefixPolicy(Policy):
 
     def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         c = candidates
-        uncached = len(request.token_ids) - c.hit_tokens
+        uncached = _uncached(request, c)
         score = _ttft(request, c) + self.config.prefix_load_weight * uncached * c.load / c.speed
         return first_min((score, -c.hit_tokens, c.load, c.order))
 
@@ -253,7 +253,7 @@ class TTFTPolicy(Policy):
         if c.free_tokens[best] < BALANCE_FREE_SHARE * c.total_tokens[best]:
             # Memory pressure: a move off the cheapest pays where it spares at least as much
             # cached KV from eviction as it recomputes.
-            writes = len(request.token_ids) - c.hit_tokens  # the KV its prompt adds there
+            writes = _uncached(request, c)  # the KV its prompt adds there
             evicted = np.maximum(writes - c.free_tokens, 0)  # beyond the free slots
             spares = near & (evicted[best] - evicted >= writes - writes[best])
             if np.count_nonzero(spares) > 1:
@@ -285,11 +285,16 @@ class TTFTPolicy(Policy):
         return bool(np.any((waiting.speed >= speed) & (_ttft(request, waiting) < cost)))
 
 
+def _uncached(request: RouteRequest, c: Candidate | Candidates) -> Any:
+    """The prompt tokens a worker would compute (and write KV for): the prompt less its hit."""
+    return len(request.token_ids) - c.hit_tokens
+
+
 def _ttft(request: RouteRequest, c: Candidate | Candidates) -> Any:
     """The `ttft` policy's cost: the work before the first token (the queued prefill, the
     running decodes' step, the uncached prompt), in prompt tokens, over the speed (one
     figure for a `Candidate`, an array for `Candidates`)."""
-    work = c.queued_prefill_tokens + c.decode_tokens + len(request.token_ids) - c.hit_tokens
+    work = c.queued_prefill_tokens + c.decode_tokens + _uncached(request, c)
     return work / c.speed
 
 
