@@ -6,9 +6,13 @@ Serve's default router, power of two choices, against ours).
 Workload (drawn once per seed, replayed for every run): S sessions share a system prompt;
 turn 1 of a session is the system prompt + a user message, turn k the prompt of turn k-1 +
 its answer (the tokens the model streamed back) + a new user message (1/2 to 3/2 of
-`--user-tokens`, token ids). N clients (`grpc.aio`, one event loop) each take the next
-session and send its turns one after another with its `session_id`, greedy, `ignore_eos`:
-at most N sessions, hence N requests, are in flight.
+`--user-tokens`, token ids). Each turn's answer is 1/2 to 3/2 of `--max-new-tokens` long,
+drawn per turn (greedy, `ignore_eos`); `--fixed-answers` makes every answer that long, the
+form of the first measurements: then the sessions one worker holds, decoding in one batch,
+end their answers in the same step, send their next turns together and stay in step, which
+no chat does. N clients (`grpc.aio`, one event loop) each take the next session and send its
+turns one after another with its `session_id`: at most N sessions, hence N requests, are in
+flight.
 
 That is a closed loop: a policy that saves work gets its clients' next turns sooner, so what it
 saves shows mostly as throughput, at about the same contention per worker. `--session-rate R`
@@ -33,13 +37,13 @@ every answer equals the first run's (greedy: cache hits must not change the toke
 
 Read the figures with two effects in mind: round robin keeps a session on its worker by
 accident when the clients move in step (4 clients on 2 workers: 0.6-0.8 of the turns; 5, the
-default: 0.5-0.8; see "same wkr"), so its median turn is a hit too; and the turns of the
-sessions one worker holds tend to arrive together (their answers end in the same step), so
-their prefills share steps and each first token waits for all of them.
+default: 0.5-0.8; see "same wkr"), so its median turn is a hit too; and with
+`--fixed-answers` the turns of the sessions one worker holds arrive together, so their
+prefills share steps and each first token waits for all of them.
 
     python bench/cluster_load.py [--json] [--policies round_robin,ttft] [--sessions 10]
-        [--turns 6] [--concurrency 5 | --session-rate R] [--max-new-tokens 16] [--repeats 3]
-        [--hidden 256] [--layers 4] [--window 32] [--router-config JSON] ...
+        [--turns 6] [--concurrency 5 | --session-rate R] [--max-new-tokens 16] [--fixed-answers]
+        [--repeats 3] [--hidden 256] [--layers 4] [--window 32] [--router-config JSON] ...
 
 Each run also prints where the time to first token went (`RoutedCluster.breakdowns`): the
 router's answer, the engine's queue, the prefill, the way to the engine and back (and of it,
@@ -69,6 +73,7 @@ from dataclasses import dataclass
 import grpc
 from cluster_predict import predict, prediction_errors, print_predictions
 from multiturn import (
+    answer_lengths,
     local_ray,
     make_model,
     medians,
@@ -98,7 +103,7 @@ RPC_TIMEOUT_S = 600.0
 class Workload:
     system: list[int]
     users: list[list[list[int]]]  # [session][turn] -> the new user tokens of that turn
-    max_new_tokens: int
+    answers: list[list[int]]  # [session][turn] -> that turn's max_new_tokens (its answer's length)
     arrivals: tuple[float, ...] | None = None  # open loop: each session's start, s after the first
 
     @property
@@ -109,10 +114,10 @@ class Workload:
     def prompt_tokens(self) -> int:
         """Σ prompt tokens of all requests: turn k adds its user tokens and k-1's answer."""
         total = 0
-        for turns in self.users:
-            length = len(self.system) - self.max_new_tokens
-            for user in turns:
-                length += self.max_new_tokens + len(user)
+        for turns, answers in zip(self.users, self.answers, strict=True):
+            length = len(self.system)
+            for k, user in enumerate(turns):
+                length += len(user) + (answers[k - 1] if k else 0)
                 total += length
         return total
 
@@ -125,12 +130,15 @@ def make_workload(args: argparse.Namespace) -> Workload:
         [rng.choices(WORKLOAD_TOKENS, k=rng.randint(low, high)) for _ in range(args.turns)]
         for _ in range(args.sessions)
     ]
+    answers = answer_lengths(
+        args.seed, args.sessions, args.turns, args.max_new_tokens, args.fixed_answers
+    )
     arrivals = None
     if args.session_rate is not None:  # a Poisson process, drawn after (and apart from) the text
         gaps = random.Random(f"arrivals-{args.seed}")
         starts = itertools.accumulate(gaps.expovariate(args.session_rate) for _ in users[1:])
         arrivals = (0.0, *starts)
-    return Workload(system, users, args.max_new_tokens, arrivals)
+    return Workload(system, users, answers, arrivals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +196,7 @@ async def session(
         prompt += user
         request_id = f"s{i}-t{k}"
         answer, last, ttft_s, latency_s = await send(
-            stub, prompt, f"session-{i}", work.max_new_tokens, request_id
+            stub, prompt, f"session-{i}", work.answers[i][k], request_id
         )
         out.append(
             TurnResult(
@@ -516,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"cluster_load: {REPLICAS} replicas × TP 1 (CPU), {args.sessions} sessions × "
         f"{args.turns} turns, {clients_of(args)}, system prompt {args.system_tokens} "
-        f"tokens, user ~{args.user_tokens}, answers {args.max_new_tokens}; model hidden "
+        f"tokens, user ~{args.user_tokens}, answers {'' if args.fixed_answers else '~'}"
+        f"{args.max_new_tokens}; model hidden "
         f"{args.hidden}, {args.layers} layers, W = {args.window}; {work.prompt_tokens} prompt "
         f"tokens per run (load average {load_before:.2f})"
     )
@@ -548,9 +557,11 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": args.concurrency,
             "session_rate": args.session_rate,
             "max_new_tokens": args.max_new_tokens,
+            "fixed_answers": args.fixed_answers,
             "repeats": args.repeats,
             "workload_requests": work.num_requests,
             "workload_prompt_tokens": work.prompt_tokens,
+            "workload_answer_tokens": sum(map(sum, work.answers)),
             "load_average_before": load_before,
             "load_average_after": load_after,
             "median": median,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,12 @@ def workload_parser(
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=5, help="clients, sessions in flight")
     parser.add_argument(tokens_flag, type=int, default=16, help=tokens_help)
+    parser.add_argument(
+        "--fixed-answers",
+        action="store_true",
+        help="every answer that long, instead of 1/2 to 3/2 of it drawn per turn (the "
+        "sessions sharing a worker then end their turns in the same step, and stay in step)",
+    )
     parser.add_argument("--system-tokens", type=int, default=384, help="shared system prompt")
     parser.add_argument("--user-tokens", type=int, default=128, help="mean tokens per user turn")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
@@ -50,6 +57,16 @@ def parse_workload_args(
     if args.system_tokens < min_system:
         parser.error(f"--system-tokens must be at least {min_system}")
     return args
+
+
+def answer_lengths(seed: int, sessions: int, turns: int, mean: int, fixed: bool) -> list[list[int]]:
+    """[session][turn] -> the answer's length: 1/2 to 3/2 of `mean`, drawn per turn from
+    `seed` apart from the text (so that `fixed`, every answer `mean` long, keeps the text)."""
+    if fixed:
+        return [[mean] * turns for _ in range(sessions)]
+    rng = random.Random(f"answers-{seed}")
+    low, high = max(1, mean // 2), mean + mean // 2
+    return [[rng.randint(low, high) for _ in range(turns)] for _ in range(sessions)]
 
 
 def percentile(values: list[float], q: float) -> float:

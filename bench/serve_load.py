@@ -9,7 +9,8 @@ answer as streamed back, plus a new user message (random lowercase words, 1/2 to
 prompt extends the previous one through the chat template. N clients (the stock `openai`
 AsyncOpenAI, one event loop) each take the next session and send its turns one after another
 (`stream=True`, `stream_options={"include_usage": True}`, `user=<session id>`, greedy,
-`ignore_eos`): at most N requests are in flight.
+`ignore_eos`, `max_tokens` drawn per turn from 1/2 to 3/2 of `--max-tokens`, or that many with
+`--fixed-answers`, as in bench/cluster_load.py): at most N requests are in flight.
 
 Each run deploys the app fresh as its own Serve application (cold prefix caches, the decode
 step compiled before serving as in bench/cluster_load.py; its own name and route prefix,
@@ -35,7 +36,7 @@ encodes as 3 other bytes, so an answer's own KV is seldom reused, only the histo
 (a real model's text round-trips).
 
     python bench/serve_load.py [--json] [--sessions 10] [--turns 6] [--concurrency 5]
-        [--max-tokens 16] [--repeats 3] [--hidden 256] [--layers 4] [--window 32] ...
+        [--max-tokens 16] [--fixed-answers] [--repeats 3] [--hidden 256] [--layers 4] [--window 32] ...
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from pathlib import Path
 
 import openai
 from multiturn import (
+    answer_lengths,
     local_ray,
     make_model,
     medians,
@@ -80,7 +82,7 @@ MODEL_NAME = "tiny-gpt-oss"  # the model dir in the temp dir; the app serves it 
 class ChatWorkload:
     system: str
     users: list[list[str]]  # [session][turn] -> the new user message of that turn
-    max_tokens: int
+    answers: list[list[int]]  # [session][turn] -> that turn's max_tokens (its answer's length)
 
     @property
     def num_requests(self) -> int:
@@ -104,7 +106,9 @@ def make_workload(args: argparse.Namespace) -> ChatWorkload:
             [words(rng, rng.randint(low, high)) for _ in range(args.turns)]
             for _ in range(args.sessions)
         ],
-        max_tokens=args.max_tokens,
+        answers=answer_lengths(
+            args.seed, args.sessions, args.turns, args.max_tokens, args.fixed_answers
+        ),
     )
 
 
@@ -164,7 +168,7 @@ async def client_loop(
         for k, user in enumerate(work.users[i]):
             messages.append({"role": "user", "content": user})
             answer, usage, reason, ttft_s, latency_s = await send(
-                client, messages, f"session-{i}", work.max_tokens
+                client, messages, f"session-{i}", work.answers[i][k]
             )
             details = usage.prompt_tokens_details
             out.append(
@@ -384,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         f"serve_load: Serve app, {REPLICAS} worker replicas × TP 1 (CPU), {args.sessions} "
         f"sessions × {args.turns} turns, {args.concurrency} clients (openai, streaming chat), "
         f"system message {args.system_tokens} tokens, user ~{args.user_tokens}, answers "
-        f"{args.max_tokens}; model hidden {args.hidden}, {args.layers} layers, W = "
+        f"{'' if args.fixed_answers else '~'}{args.max_tokens}; model hidden {args.hidden}, {args.layers} layers, W = "
         f"{args.window} (load average {load_before:.2f})",
         flush=True,
     )
@@ -416,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             "turns": args.turns,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
+            "fixed_answers": args.fixed_answers,
             "repeats": args.repeats,
             "workload_requests": work.num_requests,
+            "workload_answer_tokens": sum(map(sum, work.answers)),
             "load_average_before": load_before,
             "load_average_after": load_after,
             "median": median,

@@ -37,6 +37,9 @@ def test_cluster_load_bench() -> None:
 
     requests = SESSIONS * TURNS
     assert data["workload_requests"] == requests
+    # Answer lengths drawn per turn, 1/2 to 3/2 of --max-new-tokens.
+    low, high = MAX_NEW_TOKENS // 2, MAX_NEW_TOKENS + MAX_NEW_TOKENS // 2
+    assert requests * low <= data["workload_answer_tokens"] <= requests * high
     runs = {run["policy"]: run for run in data["runs"]}
     assert sorted(runs) == ["prefix", "round_robin", "ttft"]
     assert len(data["runs"]) == 3
@@ -45,7 +48,7 @@ def test_cluster_load_bench() -> None:
     for run in runs.values():
         assert run["requests"] == requests
         assert run["finished"] == requests  # every turn ended with "length" (ignore_eos)
-        assert run["generated_tokens"] == requests * MAX_NEW_TOKENS
+        assert run["generated_tokens"] == data["workload_answer_tokens"]  # ignore_eos
         assert run["prompt_tokens"] == data["workload_prompt_tokens"]
         assert 0.0 <= run["cached_share"] <= 1.0
         assert sum(run["requests_per_worker"].values()) == requests

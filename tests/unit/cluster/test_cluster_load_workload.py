@@ -32,8 +32,10 @@ class Server:
     """Answers every Generate with ANSWER; the first turns are held until `hold` of them are
     in flight together, so a run that never has that many at once cannot end."""
 
-    def __init__(self, hold: int) -> None:
+    def __init__(self, hold: int, *, full_answers: bool = False) -> None:
         self.hold = hold
+        self.full_answers = full_answers  # answer max_new_tokens tokens instead of ANSWER
+        self.max_new_tokens: dict[str, int] = {}
         self.in_flight = 0
         self.most_in_flight = 0
         self.first_turns = 0
@@ -45,6 +47,8 @@ class Server:
 
     async def _stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         self.prompts[request.request_id] = list(request.token_ids)
+        self.max_new_tokens[request.request_id] = request.sampling_params.max_new_tokens
+        answer = [7] * request.sampling_params.max_new_tokens if self.full_answers else ANSWER
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -53,7 +57,7 @@ class Server:
                 if self.first_turns == self.hold:
                     self.all_started.set()
                 await self.all_started.wait()
-            yield pb.GenerateResponse(token_ids=ANSWER)
+            yield pb.GenerateResponse(token_ids=answer)
             yield pb.GenerateResponse(
                 finish_reason="length",
                 usage=pb.Usage(prompt_tokens=len(request.token_ids)),
@@ -79,6 +83,25 @@ def test_the_open_loop_draws_its_schedule_from_the_seed_and_keeps_the_text() -> 
     assert many.arrivals is not None
     gaps = [b - a for a, b in zip(many.arrivals, many.arrivals[1:], strict=False)]
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.2)  # 1 / rate
+
+
+def test_answer_lengths_are_drawn_per_turn_from_the_seed_and_sent_as_max_new_tokens() -> None:
+    argv = ("--seed=3", "--sessions=40", "--turns=3", "--max-new-tokens=16")
+    work = cluster_load.make_workload(args_of(*argv))
+    again = cluster_load.make_workload(args_of(*argv))
+    fixed = cluster_load.make_workload(args_of(*argv, "--fixed-answers"))
+    lengths = [n for turns in work.answers for n in turns]
+    assert work.answers == again.answers
+    assert (fixed.system, fixed.users) == (work.system, work.users)  # the same text
+    assert fixed.answers == [[16] * 3] * 40
+    assert min(lengths) >= 8 and max(lengths) <= 24 and len(set(lengths)) > 8
+    assert statistics.mean(lengths) == pytest.approx(16, rel=0.15)
+    server = Server(hold=1, full_answers=True)
+    results = drive(server, work, concurrency=4)
+    for r in results:
+        assert server.max_new_tokens[r.request_id] == work.answers[r.session][r.turn]
+        assert len(r.answer) == work.answers[r.session][r.turn]
+    assert sum(map(len, server.prompts.values())) == work.prompt_tokens
 
 
 def test_the_open_loop_does_not_wait_for_a_client() -> None:
