@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -216,6 +216,13 @@ class TTFTPolicy(Policy):
     Requests without a key are placed by cost alone, and memory pressure (below) comes
     first.
 
+    Where workers tie (a new session's least loaded, or the cheapest by cost, hit and load:
+    an idle cluster), the one holding the fewest of the sessions this policy placed (per
+    unit of speed) wins, then add order: a lone client's sessions, one at a time, took
+    every idle worker's place in turn on worker 0 (bench/cluster_load.py, 1 client: 36 of
+    36 turns there); now they alternate (18 / 18), the shared system prompt computed once
+    on each worker.
+
     Memory is the other thing a placement spends: KV written beyond a pool's unallocated
     room evicts cached prefixes that later turns may hit. So when the cheapest worker's pool
     is less than `BALANCE_FREE_SHARE` free, a worker within `ttft_balance_tokens` of the
@@ -242,7 +249,9 @@ class TTFTPolicy(Policy):
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
-        self._sessions: OrderedDict[str, None] = OrderedDict()  # placed keys, oldest first
+        # placed keys -> the worker of their latest placement, oldest first
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._held: Counter[str] = Counter()  # worker -> its sessions in `_sessions`
 
     def pick(self, request: RouteRequest, candidates: Candidates) -> int:
         c = candidates
@@ -263,17 +272,39 @@ class TTFTPolicy(Policy):
             and request.session_key not in self._sessions
             and c.hit_tokens[near].max() > c.hit_tokens[near].min()
         ):  # a new session drawn by a prefix that not every near worker holds: least loaded
-            return first_min((c.load / c.speed, *keys), near)
+            load = c.load / c.speed
+            return self._fewest_sessions(c, near & (load == load[near].min()), keys)
+        tied = (
+            (cost == cost[best]) & (c.hit_tokens == c.hit_tokens[best]) & (c.load == c.load[best])
+        )
+        if np.count_nonzero(tied) > 1:
+            return self._fewest_sessions(c, tied, (c.order,))
         return best
+
+    def _fewest_sessions(self, c: Candidates, among: np.ndarray, keys: Sequence[np.ndarray]) -> int:
+        """Of `among`, the one holding the fewest placed sessions per unit of speed, then by
+        `keys`."""
+        held = np.zeros(len(c))
+        at = np.flatnonzero(among)
+        held[at] = [self._held[w] for w in c.worker_id[at]]
+        return first_min((held / c.speed, *keys), among)
 
     def placed(self, request: RouteRequest, chosen: Candidate) -> None:
         key = request.session_key
         if key is None:
             return
-        self._sessions[key] = None
-        self._sessions.move_to_end(key)
+        before = self._sessions.pop(key, None)
+        if before is not None:
+            self._release(before)
+        self._sessions[key] = chosen.worker_id
+        self._held[chosen.worker_id] += 1
         if len(self._sessions) > SESSION_MEMORY:
-            self._sessions.popitem(last=False)
+            self._release(self._sessions.popitem(last=False)[1])
+
+    def _release(self, worker_id: str) -> None:
+        self._held[worker_id] -= 1
+        if not self._held[worker_id]:
+            del self._held[worker_id]
 
     def hold(self, request: RouteRequest, chosen: Candidate, waiting: Candidates) -> bool:
         """Wait while a faster worker that lacks room now is cheaper than `chosen` even

@@ -235,6 +235,55 @@ def test_ttft_places_a_new_session_on_the_least_loaded_worker_within_the_balance
         cluster.router.check()
 
 
+def test_ttft_breaks_ties_by_the_sessions_each_worker_holds() -> None:
+    """A lone client's sessions, one at a time on an idle cluster: the second goes to the
+    worker without the system prompt (the loads tie, b holds no session), and once both hold
+    it, new sessions alternate; a session's later turn still follows its history."""
+    system = list(range(1, 385))
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    c.report("a")
+    c.report("b")
+
+    def first_turn(i: int) -> list[int]:
+        return [*system, *range(1000 + 100 * i, 1090 + 100 * i)]
+
+    assert c.router.route("s0-t0", first_turn(0), 16, session_key="s0").worker_id == "a"
+    c.router.finish("s0-t0")
+    c.report("a", [stored(first_turn(0))])
+    assert c.router.route("s1-t0", first_turn(1), 16, session_key="s1").worker_id == "b"
+    c.router.finish("s1-t0")
+    c.report("b", [stored(first_turn(1))])
+    picks = []
+    for i in range(2, 6):
+        picks.append(c.router.route(f"s{i}-t0", first_turn(i), 16, session_key=f"s{i}").worker_id)
+        c.router.finish(f"s{i}-t0")
+    assert picks == ["a", "b", "a", "b"]
+    turn = [*first_turn(1), *range(5000, 5040)]  # s1's next turn: its history is on b
+    assert c.router.route("s1-t1", turn, 16, session_key="s1").worker_id == "b"
+    # Without session keys, ties go by add order as before.
+    assert c.router.route("n1", first_turn(7), 16).worker_id == "a"
+    c.router.check()
+
+
+def test_ttft_forgets_a_session_s_worker_when_the_session_moves_or_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(policies, "SESSION_MEMORY", 2)
+    ttft = policies.TTFTPolicy(RouterConfig(policy="ttft"))
+    a, b = Candidate("a", 0, 0, 0, 0, 1.0, 1000, 1000), Candidate("b", 1, 0, 0, 0, 1.0, 1000, 1000)
+
+    def pick(session: str) -> str:
+        return ttft.choose(RouteRequest("r", list(range(10)), 16, session), [a, b]).worker_id
+
+    ttft.placed(RouteRequest("r", [], 16, "s1"), a)
+    assert pick("s9") == "b"  # a holds one session
+    ttft.placed(RouteRequest("r", [], 16, "s1"), b)  # s1 moved to b
+    assert pick("s9") == "a"
+    ttft.placed(RouteRequest("r", [], 16, "s2"), a)
+    ttft.placed(RouteRequest("r", [], 16, "s3"), a)  # s1 (on b) forgotten: a 2, b 0
+    assert pick("s9") == "b"
+
+
 def test_ttft_counts_a_slower_worker_s_requests_for_more_when_placing_a_new_session() -> None:
     ttft = policies.TTFTPolicy(RouterConfig(policy="ttft"))
     request = RouteRequest("r", list(range(100)), 16, "s1")  # a: 50 cached, cost 50; b: 200
