@@ -134,7 +134,11 @@ class EngineWorker:
         engine = Engine(self.config, tp_ranks=ranks)
         on_report = self._push_report if self.router is not None else None
         self.loop = EngineLoop(
-            engine, self.worker_id, on_report=on_report, report_interval_s=self.report_interval_s
+            engine,
+            self.worker_id,
+            on_report=on_report,
+            report_interval_s=self.report_interval_s,
+            stream_interval_s=self.config.stream_interval_ms / 1e3,
         )
         self.loop.start()
         self.info = WorkerInfo(
@@ -180,12 +184,7 @@ class EngineWorker:
             while not finished:
                 chunk = await chunks.get()
                 while not chunk.finished and not chunks.empty():  # merge what piled up
-                    more = chunks.get_nowait()
-                    chunk.token_ids.extend(more.token_ids)
-                    if more.logprobs:
-                        chunk.logprobs = [*(chunk.logprobs or ()), *more.logprobs]
-                    chunk.finished, chunk.finish_reason = more.finished, more.finish_reason
-                    chunk.cached_tokens, chunk.error = more.cached_tokens, more.error
+                    chunk.merge(chunks.get_nowait())
                 finished = chunk.finished
                 chunk.worker_id = self.worker_id
                 yield chunk

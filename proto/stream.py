@@ -72,3 +72,14 @@ class GenerateChunk:
     worker_id: str = ""  # set by the cluster: the group that served it
     timings: RequestTimings | None = None  # on the chunk with the request's first token
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked
+
+    def merge(self, later: GenerateChunk) -> None:
+        """Append `later`, the same request's next chunk: its tokens (and their logprobs)
+        after these, its end and its error; the first token's timings stay."""
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs:
+            self.logprobs = [*(self.logprobs or ()), *later.logprobs]
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.cached_tokens = later.cached_tokens or self.cached_tokens
+        self.error = later.error
+        self.timings = self.timings or later.timings

@@ -67,6 +67,15 @@ class EngineConfig(BaseModel):
     )
     max_prefill_tokens: int = Field(default=16384, gt=0, description="new prompt tokens per step")
     max_running_requests: int = Field(default=256, gt=0)
+    stream_interval_ms: float = Field(
+        default=50.0,
+        ge=0,
+        le=1000,
+        description="a served request's tokens after its first leave its worker at most this "
+        "often, those of the steps in between in one message (its first token and its end "
+        "go at once): fewer messages through Ray and the ingress per token, as Ray Serve "
+        "LLM's stream_batching_interval_ms (50 ms); 0: each step's tokens at once",
+    )
     max_model_len: int | None = Field(default=None, gt=0, description="defaults to the model's")
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     schedule_conservativeness: float = Field(

@@ -3,7 +3,9 @@
 The engine is not thread-safe, so exactly one thread touches it: this loop's. Other threads
 (an asyncio actor's event loop, the gRPC ingress) talk to it through `submit` / `abort`, which
 only queue a command and wake the loop. Each step's outputs go to the sink of their request
-(a callable; the worker actor's sink puts them on the request's asyncio queue). Every
+(a callable; the worker actor's sink puts them on the request's asyncio queue); with a
+`stream_interval_s`, a request's tokens after its first are held and go together at most
+that often (its end at once), so that fewer messages cross the process per token. Every
 `report_interval_s`, and right after a step that changed the cache or the queues or took
 requests, the loop hands a `WorkerReport` (headroom, the KV events since the last one, the ids
 of the requests taken since) to `on_report`. When the router answers that it lost track
@@ -77,16 +79,24 @@ class EngineLoop:
         *,
         on_report: Callable[[WorkerReport], None] | None = None,
         report_interval_s: float = DEFAULT_REPORT_INTERVAL_S,
+        stream_interval_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.instance_id = uuid.uuid4().hex
         self.on_report = on_report
         self.report_interval_s = report_interval_s
+        self.stream_interval_s = stream_interval_s
+        self._clock = clock  # of the stream interval
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Snapshot | None] = (
             queue.SimpleQueue()
         )
         self._sinks: dict[str, Sink] = {}  # open requests; touched by the loop thread only
+        # Stream interval (loop thread only): when each open request's last chunk with tokens
+        # went out, and the tokens held back since.
+        self._sent_s: dict[str, float] = {}
+        self._held: dict[str, GenerateChunk] = {}
         self._admitted: list[str] = []  # taken since the last report (loop thread only)
         self._snapshot_due = False  # the next report is a snapshot (loop thread only)
         self._snapshot_seq = 0  # seq of the last snapshot report
@@ -183,6 +193,8 @@ class EngineLoop:
                     # must find that turn's cache in the router already.
                     self._report(force=False)
                     self._dispatch(outputs)
+                    if self._held:
+                        self._flush_due()
                 else:
                     self._check_ranks()
                     self._report(force=False)
@@ -241,30 +253,64 @@ class EngineLoop:
         command.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
-        sink = self._sinks.pop(request_id, None)
+        sink = self._sinks.get(request_id)
         self.engine.abort(request_id)
         if sink is not None:
-            sink(GenerateChunk(request_id, finished=True, finish_reason=FinishReason.ABORT))
+            self._end(request_id, FinishReason.ABORT)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Each output to its request's sink, as a chunk. With a stream interval, a chunk goes
+        out at once only when it carries the request's first tokens or its end, or when the
+        interval has passed since the request's last chunk; else its tokens are held and go
+        with the next one (or `_flush_due`'s)."""
+        now = self._clock()
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
+            request_id = out.request_id
+            sink = self._sinks.get(request_id)
             if sink is None:
                 continue
-            if out.finished:
-                del self._sinks[out.request_id]
-            sink(
-                GenerateChunk(
-                    out.request_id,
-                    list(out.new_token_ids),
-                    out.finished,
-                    out.finish_reason,
-                    out.cached_tokens,
-                    out.error,
-                    timings=out.timings,
-                    logprobs=out.logprobs,
-                )
+            chunk = GenerateChunk(
+                request_id,
+                list(out.new_token_ids),
+                out.finished,
+                out.finish_reason,
+                out.cached_tokens,
+                out.error,
+                timings=out.timings,
+                logprobs=out.logprobs,
             )
+            held = self._held.pop(request_id, None)
+            if held is not None:
+                held.merge(chunk)
+                chunk = held
+            if out.finished:
+                del self._sinks[request_id]
+                self._sent_s.pop(request_id, None)
+            elif self.stream_interval_s > 0 and chunk.token_ids:
+                last = self._sent_s.get(request_id)
+                if last is not None and now - last < self.stream_interval_s:
+                    self._held[request_id] = chunk
+                    continue
+                self._sent_s[request_id] = now
+            sink(chunk)
+
+    def _flush_due(self) -> None:
+        """Send the held tokens whose request's interval has passed (its next step may be
+        long in coming: a long prefill of others, a retraction)."""
+        now = self._clock()
+        for request_id, chunk in list(self._held.items()):
+            if now - self._sent_s[request_id] >= self.stream_interval_s:
+                del self._held[request_id]
+                self._sent_s[request_id] = now
+                self._sinks[request_id](chunk)
+
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        """The request's last chunk, after the tokens held for it."""
+        sink = self._sinks.pop(request_id)
+        self._sent_s.pop(request_id, None)
+        chunk = self._held.pop(request_id, None) or GenerateChunk(request_id)
+        chunk.merge(GenerateChunk(request_id, finished=True, finish_reason=reason, error=error))
+        sink(chunk)
 
     def _check_ranks(self) -> None:
         launcher = self.engine.launcher
@@ -339,13 +385,12 @@ class EngineLoop:
             asyncio.run_coroutine_threadsafe(_cancel_all_and_stop(), loop)
 
     def _end_all(self, reason: FinishReason, message: str) -> None:
-        for request_id, sink in list(self._sinks.items()):
+        for request_id in list(self._sinks):
             try:
                 self.engine.abort(request_id)
             except Exception:  # the engine may be broken; the chunk still goes out
                 logger.debug("abort of %s failed", request_id, exc_info=True)
-            sink(GenerateChunk(request_id, finished=True, finish_reason=reason, error=message))
-        self._sinks.clear()
+            self._end(request_id, reason, message)
 
     def _fail_pending_adds(self) -> None:
         while True:

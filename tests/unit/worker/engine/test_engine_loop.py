@@ -249,3 +249,98 @@ def test_router_answers_ask_for_a_snapshot_unless_one_was_sent_after(engine: Eng
     finally:
         loop.stop()
         loop.wait(10)
+
+
+class Clock:
+    """The stream interval's clock, moved by the test (or by a sink) only."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stream_interval_holds_the_tokens_after_the_first_until_it_passes(
+    engine: Engine,
+) -> None:
+    """The first token goes at once, the end at once with what was held; in between a
+    request's tokens leave only once the interval has passed since its last chunk: here
+    never (the clock stands still), then at every step (each chunk moves the clock on by
+    the interval)."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
+    engine.flush_cache()
+    clock = Clock()
+    loop = EngineLoop(engine, "w0", stream_interval_s=1.0, clock=clock)
+    loop.start()
+    try:
+        still = Collector()
+        loop.submit(EngineRequest("still", [1, 2, 3, 4, 5], params), still).result(10)
+        chunks = still.until_finished()
+        assert [len(c.token_ids) for c in chunks] == [1, 5]
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert chunks[0].timings is not None and chunks[-1].finish_reason == "length"
+
+        class Ticking(Collector):
+            def __call__(self, chunk: GenerateChunk) -> None:
+                clock.now += 1.0
+                super().__call__(chunk)
+
+        ticking = Ticking()
+        loop.submit(EngineRequest("ticking", [1, 2, 3, 4, 5], params), ticking).result(10)
+        chunks = ticking.until_finished()
+        assert [len(c.token_ids) for c in chunks] == [1] * 6  # one per step, as without
+        assert [t for c in chunks for t in c.token_ids] == expected
+    finally:
+        loop.stop()
+        loop.wait(10)
+    engine.check()
+
+
+def test_held_tokens_go_with_an_abort_and_once_their_interval_passes(engine: Engine) -> None:
+    """An abort's last chunk carries the tokens held for the request; held tokens whose
+    interval has passed go out after the next step even if the request has no output in it
+    (`_flush_due`)."""
+    long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    twelve = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([[1, 2, 3]], twelve)[0].token_ids
+    engine.flush_cache()
+    loop = EngineLoop(engine, "w0", stream_interval_s=1.0, clock=Clock())
+    loop.start()
+    try:
+        sink = Collector()
+        loop.submit(EngineRequest("long", [1, 2, 3], long), sink).result(10)
+        first = sink.chunks.get(timeout=30)
+        assert len(first.token_ids) == 1
+
+        def generated(e: Engine) -> int:
+            return len(e.scheduler.running[0].output_ids)
+
+        while loop.call(generated).result(10) < 12:  # the steps go on; their tokens are held
+            pass
+        assert sink.chunks.empty()
+        loop.abort("long")
+        (last,) = sink.until_finished()
+        assert last.finish_reason == "abort" and len(last.token_ids) >= 11
+        assert [*first.token_ids, *last.token_ids][:12] == expected
+    finally:
+        loop.stop()
+        loop.wait(10)
+    engine.check()
+
+
+def test_held_tokens_leave_once_their_interval_passes_without_a_new_step() -> None:
+    clock = Clock()
+    loop = EngineLoop(None, "w0", stream_interval_s=1.0, clock=clock)  # type: ignore[arg-type]
+    sink = Collector()
+    loop._sinks["r"] = sink
+    loop._sent_s["r"] = 0.0
+    loop._held["r"] = GenerateChunk("r", [7, 8])
+    clock.now = 0.5
+    loop._flush_due()
+    assert sink.chunks.empty() and loop._held
+    clock.now = 1.0
+    loop._flush_due()
+    assert sink.chunks.get_nowait().token_ids == [7, 8]
+    assert not loop._held and loop._sent_s["r"] == 1.0
