@@ -43,7 +43,8 @@ prefills share steps and each first token waits for all of them.
 
     python bench/cluster_load.py [--json] [--policies round_robin,ttft] [--sessions 10]
         [--turns 6] [--concurrency 5 | --session-rate R] [--max-new-tokens 16] [--fixed-answers]
-        [--repeats 3] [--hidden 256] [--layers 4] [--window 32] [--router-config JSON] ...
+        [--repeats 3] [--hidden 256] [--layers 4] [--window 32] [--router-config JSON]
+        [--engine-config JSON] ...
 
 Each run also prints where the time to first token went (`RoutedCluster.breakdowns`): the
 router's answer, the engine's queue, the prefill, the way to the engine and back (and of it,
@@ -268,6 +269,7 @@ async def run_policy(
             max_total_tokens=args.max_total_tokens,
             seed=0,
             compile=workers_compile(),
+            **args.engine_config,
         ),
         router=RouterConfig(
             policy=policy,
@@ -475,6 +477,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default={},
         help="RouterConfig fields for every policy but the baseline, as JSON: "
         "'{\"prefix_load_weight\": 0.5}'",
+    )
+    parser.add_argument(
+        "--engine-config",
+        type=json.loads,
+        default={},
+        help="EngineConfig fields for every run, as JSON: '{\"stream_interval_ms\": 0}'",
     )
     parser.add_argument(
         "--simulate",
