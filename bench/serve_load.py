@@ -36,7 +36,8 @@ encodes as 3 other bytes, so an answer's own KV is seldom reused, only the histo
 (a real model's text round-trips).
 
     python bench/serve_load.py [--json] [--sessions 10] [--turns 6] [--concurrency 5]
-        [--max-tokens 16] [--fixed-answers] [--repeats 3] [--hidden 256] [--layers 4] [--window 32] ...
+        [--max-tokens 16] [--fixed-answers] [--repeats 3] [--app-config JSON]
+        [--hidden 256] [--layers 4] [--window 32] ...
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def run_routing(
         "seed": 0,
         "compile": workers_compile(),
         "routing": routing,
+        **args.app_config,
     }
     serve.run(build_app(app_args), name=app_name, route_prefix=f"/{app_name}")
     try:
@@ -356,6 +358,12 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = workload_parser(
         __doc__, tokens_flag="--max-tokens", tokens_help="answer tokens per turn"
+    )
+    parser.add_argument(
+        "--app-config",
+        type=json.loads,
+        default={},
+        help="Serve app arguments for both routings, as JSON: '{\"stream_interval_ms\": 0}'",
     )
     return parse_workload_args(parser, argv, tokens_dest="max_tokens", min_system=1)
 
