@@ -75,6 +75,7 @@ import grpc
 from cluster_predict import predict, prediction_errors, print_predictions
 from multiturn import (
     answer_lengths,
+    answers_text,
     local_ray,
     make_model,
     medians,
@@ -532,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"cluster_load: {REPLICAS} replicas × TP 1 (CPU), {args.sessions} sessions × "
         f"{args.turns} turns, {clients_of(args)}, system prompt {args.system_tokens} "
-        f"tokens, user ~{args.user_tokens}, answers {'' if args.fixed_answers else '~'}"
-        f"{args.max_new_tokens}; model hidden "
+        f"tokens, user ~{args.user_tokens}, answers "
+        f"{answers_text(args.max_new_tokens, args.fixed_answers)}; model hidden "
         f"{args.hidden}, {args.layers} layers, W = {args.window}; {work.prompt_tokens} prompt "
         f"tokens per run (load average {load_before:.2f})"
     )

@@ -69,6 +69,11 @@ def answer_lengths(seed: int, sessions: int, turns: int, mean: int, fixed: bool)
     return [[rng.randint(low, high) for _ in range(turns)] for _ in range(sessions)]
 
 
+def answers_text(mean: int, fixed: bool) -> str:
+    """How a run's header names its answer lengths: "16", or "~16" when drawn per turn."""
+    return f"{'' if fixed else '~'}{mean}"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

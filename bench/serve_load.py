@@ -58,6 +58,7 @@ from pathlib import Path
 import openai
 from multiturn import (
     answer_lengths,
+    answers_text,
     local_ray,
     make_model,
     medians,
@@ -396,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         f"serve_load: Serve app, {REPLICAS} worker replicas × TP 1 (CPU), {args.sessions} "
         f"sessions × {args.turns} turns, {args.concurrency} clients (openai, streaming chat), "
         f"system message {args.system_tokens} tokens, user ~{args.user_tokens}, answers "
-        f"{'' if args.fixed_answers else '~'}{args.max_tokens}; model hidden {args.hidden}, {args.layers} layers, W = "
-        f"{args.window} (load average {load_before:.2f})",
+        f"{answers_text(args.max_tokens, args.fixed_answers)}; model hidden {args.hidden}, "
+        f"{args.layers} layers, W = {args.window} (load average {load_before:.2f})",
         flush=True,
     )
     runs = run_on_serve(work, args)
