@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -97,6 +98,7 @@ class EngineLoop:
         # went out, and the tokens held back since.
         self._sent_s: dict[str, float] = {}
         self._held: dict[str, GenerateChunk] = {}
+        self._flush_at = math.inf  # no held chunk is due before this (it may be earlier)
         self._admitted: list[str] = []  # taken since the last report (loop thread only)
         self._snapshot_due = False  # the next report is a snapshot (loop thread only)
         self._snapshot_seq = 0  # seq of the last snapshot report
@@ -289,20 +291,31 @@ class EngineLoop:
             elif self.stream_interval_s > 0 and chunk.token_ids:
                 last = self._sent_s.get(request_id)
                 if last is not None and now - last < self.stream_interval_s:
-                    self._held[request_id] = chunk
+                    self._hold(request_id, chunk)
                     continue
                 self._sent_s[request_id] = now
             sink(chunk)
 
+    def _hold(self, request_id: str, chunk: GenerateChunk) -> None:
+        """Keep `chunk` for the request's next one; it is due an interval after the last."""
+        self._held[request_id] = chunk
+        self._flush_at = min(self._flush_at, self._sent_s[request_id] + self.stream_interval_s)
+
     def _flush_due(self) -> None:
         """Send the held tokens whose request's interval has passed (its next step may be
-        long in coming: a long prefill of others, a retraction)."""
+        long in coming: a long prefill of others, a retraction). Looks at them only once the
+        earliest may be due, not at every step (the running requests' tokens, held in turn,
+        go out with their own next output)."""
         now = self._clock()
+        if now < self._flush_at:
+            return
         for request_id, chunk in list(self._held.items()):
             if now - self._sent_s[request_id] >= self.stream_interval_s:
                 del self._held[request_id]
                 self._sent_s[request_id] = now
                 self._sinks[request_id](chunk)
+        interval = self.stream_interval_s
+        self._flush_at = min((self._sent_s[r] + interval for r in self._held), default=math.inf)
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """The request's last chunk, after the tokens held for it."""

@@ -336,7 +336,7 @@ def test_held_tokens_leave_once_their_interval_passes_without_a_new_step() -> No
     sink = Collector()
     loop._sinks["r"] = sink
     loop._sent_s["r"] = 0.0
-    loop._held["r"] = GenerateChunk("r", [7, 8])
+    loop._hold("r", GenerateChunk("r", [7, 8]))
     clock.now = 0.5
     loop._flush_due()
     assert sink.chunks.empty() and loop._held
