@@ -14,7 +14,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from swaserve.cluster.model_info import WorkerInfo
-from swaserve.cluster.serve import ANY_WORKER
+from swaserve.cluster.serve import ANY_WORKER, DirectRouter
 from swaserve.cluster.worker_group import EngineWorker, RankWorker
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.stream import FinishReason, GenerateChunk
@@ -50,7 +50,7 @@ class SwaWorker(EngineWorker):
                 .remote()
                 for rank in range(1, config.tp_size)
             ]
-        super().__init__(worker_id, config, ranks, router, report_interval_s)
+        super().__init__(worker_id, config, ranks, DirectRouter(router), report_interval_s)
         self.start_sync()
 
     async def info_of(self) -> WorkerInfo:

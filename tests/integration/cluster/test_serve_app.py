@@ -506,9 +506,10 @@ def test_grpc_through_serves_proxy_needs_the_api_key_when_one_is_set(serve_app: 
         serve.delete("keyed")
 
 
-def _rank_pids_of(app: str) -> list[int]:
-    """The processes of the TP ranks 1.. that the app's worker replica started (the actors
-    that replica owns). Ray's state API needs a dashboard the session's Ray has not got."""
+def _owned_pids(app: str, deployment: str, actor_class: str) -> list[int]:
+    """The processes of the `actor_class` actors that the app's `deployment` replicas started
+    (the actors those replicas own). Ray's state API needs a dashboard the session's Ray has
+    not got."""
     from ray._private import state
 
     def where(address: dict[str, Any]) -> tuple[str, int]:
@@ -518,12 +519,22 @@ def _rank_pids_of(app: str) -> list[int]:
     replicas = {
         where(a["Address"])
         for a in actors
-        if a["ActorClassName"] == f"ServeReplica:{app}:SwaWorker"
+        if a["ActorClassName"] == f"ServeReplica:{app}:{deployment}"
     }
     return [
         a["Pid"]
         for a in actors
-        if a["ActorClassName"] == "RankWorker" and where(a["OwnerAddress"]) in replicas
+        if a["ActorClassName"] == actor_class and where(a["OwnerAddress"]) in replicas
+    ]
+
+
+def _replica_pids(app: str, deployment: str) -> list[int]:
+    from ray._private import state
+
+    return [
+        a["Pid"]
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] == f"ServeReplica:{app}:{deployment}"
     ]
 
 
@@ -545,7 +556,7 @@ def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
             items = list(stub.Generate(request, metadata=metadata, timeout=60))
             assert [t for i in items for t in i.token_ids] == expected
             before = items[-1].worker_id
-            [pid] = _rank_pids_of(app)
+            [pid] = _owned_pids(app, "SwaWorker", "RankWorker")
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S  # a bound; the wait is for a state
             while True:
@@ -568,3 +579,60 @@ def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
 
 def replica_states(app: str) -> dict[str, int]:
     return dict(serve.status().applications[app].deployments["SwaWorker"].replica_states)
+
+
+def test_the_router_restarts_in_place_and_a_replaced_router_replica_starts_a_new_one(
+    serve_app: ServeApp,
+) -> None:
+    """The ingress and the workers call the router actor that the SwaRouter replica owns.
+    Its process killed, Ray restarts it in place and the workers' reports rebuild it; its
+    replica killed (and the actor with it), Serve starts a new replica with a new actor, and
+    the ingress and the workers fetch that one. Both times the app serves the same answer."""
+    app = "router-heal"
+    args = {"model": str(serve_app.model), "replicas": 1, "tp_size": 1, "device": "cpu"}
+    serve.run(build_app({**args, "max_total_tokens": 1024}), name=app, route_prefix=f"/{app}")
+    try:
+        prompt = [51, 52, 53, 54]
+        expected = reference_tokens(serve_app.model, [prompt], [5])[0]
+        request = pb.GenerateRequest(
+            token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=5, temperature=0)
+        )
+        metadata = [("application", app)]
+        with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+
+            def generate() -> list[int]:
+                items = list(stub.Generate(request, metadata=metadata, timeout=60))
+                return [t for i in items for t in i.token_ids]
+
+            def router_back(old_pid: int) -> None:
+                """Wait until a new router actor runs and holds the worker's report."""
+                deadline = time.monotonic() + STARTUP_TIMEOUT_S  # a bound; the wait is a state
+                while True:
+                    pids = _owned_pids(app, "SwaRouter", "RouterActor")
+                    if pids and old_pid not in pids:
+                        try:
+                            load = stub.GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=30)
+                        except grpc.RpcError as exc:  # the ingress's calls met the old actor
+                            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                        else:
+                            if len(load.workers) == 1:
+                                return
+                    assert time.monotonic() < deadline, f"no router came back: {pids}"
+                    time.sleep(0.2)
+
+            assert generate() == expected
+            [router_pid] = _owned_pids(app, "SwaRouter", "RouterActor")
+            os.kill(router_pid, signal.SIGKILL)
+            router_back(router_pid)
+            assert generate() == expected
+
+            [router_pid] = _owned_pids(app, "SwaRouter", "RouterActor")
+            [replica_pid] = _replica_pids(app, "SwaRouter")
+            os.kill(replica_pid, signal.SIGKILL)  # its router actor ends with it
+            router_back(router_pid)
+            assert replica_pid not in _replica_pids(app, "SwaRouter")
+            assert generate() == expected
+        assert len(_owned_pids(app, "SwaRouter", "RouterActor")) == 1
+    finally:
+        serve.delete(app)

@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
-from routed_fakes import FakeRouter, Handle, counting_tokens, model_info
+from routed_fakes import Done, FakeRouter, Handle, counting_tokens, model_info
 
 from swaserve.cluster import routed
 from swaserve.cluster.grpc_server import UNAUTHENTICATED_DETAILS, RpcFailure
@@ -26,7 +26,7 @@ from swaserve.cluster.openai_api.protocol import APIError
 from swaserve.cluster.openai_api.responses import ResponseStore, SharedResponseStore, Stored
 from swaserve.cluster.routed import InvalidRequest, Unavailable
 from swaserve.cluster.router_actor import RouteAnswer
-from swaserve.cluster.serve import ServeAppArgs, ServeCluster, SwaIngress
+from swaserve.cluster.serve import DirectRouter, ServeAppArgs, ServeCluster, SwaIngress
 from swaserve.cluster.serve_worker import SwaWorker
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.sampling_params import SamplingParams
@@ -224,11 +224,88 @@ class ScriptedWorkers:
         pass
 
 
+class RouterReplica:
+    """The SwaRouter deployment: `actor()` hands out its router actor, the next of `actors`
+    after the one before died (Serve replaced the replica); `fetches` counts the calls."""
+
+    def __init__(self, *actors: Any) -> None:
+        self.actors = list(actors)
+        self.fetches = 0
+
+    def actor(self) -> Handle:
+        self.fetches += 1
+        return Handle(self.actors[0])
+
+
+def router_replica(router: Any) -> Handle:
+    return Handle(RouterReplica(router))
+
+
+class Raises:
+    """An awaitable that raises `error` (a Ray call whose actor died)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __await__(self) -> Generator[None, None, Any]:
+        raise self.error
+        yield
+
+
+class RouterActorStub:
+    """Records each `finish` when it is called; answers its name, or `ActorDiedError` once
+    `dead`."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.dead = name, False
+        self.finished: list[str] = []
+
+    def finish(self, request_id: str) -> Any:
+        self.finished.append(request_id)
+        return Raises(ActorDiedError()) if self.dead else Done(self.name)
+
+
+def test_the_direct_router_fetches_the_actor_once_and_again_after_it_died() -> None:
+    first, second = RouterActorStub("first"), RouterActorStub("second")
+    replica = RouterReplica(first, second)
+    router = DirectRouter(Handle(replica))
+
+    async def run() -> None:
+        assert await router.finish.remote("r1") == "first"
+        router.finish.remote("r2")  # not awaited: it went out all the same
+        assert first.finished == ["r1", "r2"] and replica.fetches == 1
+        first.dead = True
+        with pytest.raises(RayActorError):
+            await router.finish.remote("r3")
+        replica.actors.pop(0)  # Serve replaced the replica; the new one has a new actor
+        assert await router.finish.remote("r4") == "second"
+        assert replica.fetches == 2
+        assert (first.finished, second.finished) == (["r1", "r2", "r3"], ["r4"])
+
+    asyncio.run(run())
+
+
+def test_the_direct_router_called_off_an_event_loop_calls_when_awaited() -> None:
+    """A worker's report is sent from the engine loop's thread (no event loop there) and
+    its answer awaited on another: before the actor is known, the call goes out there."""
+    actor = RouterActorStub("router")
+    router = DirectRouter(Handle(RouterReplica(actor)))
+    answer = router.finish.remote("report-1")
+    assert actor.finished == []
+
+    async def wait() -> Any:
+        return await answer
+
+    assert asyncio.run(wait()) == "router"
+    router.finish.remote("report-2")  # the actor is known now: the call goes out at once
+    assert actor.finished == ["report-1", "report-2"]
+
+
 def serve_cluster(
     model_dir: Path, scripts: dict[str, list[Behaviour]]
 ) -> tuple[ServeCluster, FakeRouter, ScriptedWorkers]:
     router, workers = FakeRouter(list(scripts)), ScriptedWorkers(scripts)
-    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
     cluster.model_info = model_info(model_dir)
     return cluster, router, workers
 
@@ -309,7 +386,7 @@ def test_a_migrating_request_is_routed_again_after_the_router_took_its_finish(
     (else the router, still holding the id, refuses it: a 400 for a request that was fine)."""
     router = LateFinishRouter(["w0", "w1"])
     workers = ScriptedWorkers({"w0": [breaks_after(2, ActorDiedError())], "w1": [serves()]})
-    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
     cluster.model_info = model_info(model_dir)
     assert generated(cluster) == EVERY_TOKEN
     assert router.routed == ["w0", "w1"] and cluster.migrations == 1
@@ -324,7 +401,7 @@ def test_a_stream_ends_after_the_router_took_its_finish_so_its_id_is_free_at_onc
     router = LateFinishRouter(["w0"])
     refused = RequestError("the prompt does not fit the SWA pool")
     workers = ScriptedWorkers({"w0": [serves(), answers(refused), serves()]})
-    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
     cluster.model_info = model_info(model_dir)
     assert generated(cluster) == EVERY_TOKEN
     assert router.held == set()
@@ -348,7 +425,7 @@ def test_a_router_that_takes_no_finish_does_not_hold_the_stream(
     monkeypatch.setattr(routed, "FINISH_TIMEOUT_S", 0.01)
     router = HungFinishRouter(["w0"])
     workers = ScriptedWorkers({"w0": [serves()]})
-    cluster = ServeCluster(Handle(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
     cluster.model_info = model_info(model_dir)
     assert generated(cluster) == EVERY_TOKEN
 
@@ -424,7 +501,7 @@ def ingress(model_dir: Path, api_key: str | None) -> SwaIngress:
     made = SwaIngress.__new__(SwaIngress)
     args = ServeAppArgs(model=str(model_dir), api_key=api_key)
     responses = Handle(ResponseStore())
-    asyncio.run(SwaIngress.__init__(made, Handle(router), Handle(workers), responses, args))
+    asyncio.run(SwaIngress.__init__(made, router_replica(router), Handle(workers), responses, args))
     made.cluster.model_info = model_info(model_dir)
     return made
 
