@@ -327,9 +327,10 @@ class RoutedCluster:
                                 )
                             item.cached_tokens = cached
                             sent.extend(item.token_ids)
+                            if finished:  # before the yield: a caller may stop at this chunk
+                                generated = left - (params.max_new_tokens - len(sent))
                             yield item
                         if finished:
-                            generated = left - (params.max_new_tokens - len(sent))
                             break
                     else:
                         raise WorkerLost("the stream ended early")

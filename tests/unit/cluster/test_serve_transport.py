@@ -305,7 +305,9 @@ def serve_cluster(
     model_dir: Path, scripts: dict[str, list[Behaviour]]
 ) -> tuple[ServeCluster, FakeRouter, ScriptedWorkers]:
     router, workers = FakeRouter(list(scripts)), ScriptedWorkers(scripts)
-    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(
+        router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir))
+    )
     cluster.model_info = model_info(model_dir)
     return cluster, router, workers
 
@@ -340,6 +342,27 @@ def test_a_dead_worker_is_removed_and_its_request_migrates(model_dir: Path) -> N
     assert cluster.migrations == 1
     # The lost attempt tells the router nothing of speed; the one that ran to its end, its tokens.
     assert router.finished == [("r1", None), ("r1", len(EVERY_TOKEN) - 2)]
+
+
+def test_a_caller_that_stops_at_the_last_chunk_still_tells_the_router_the_tokens(
+    model_dir: Path,
+) -> None:
+    """The OpenAI API returns at the chunk that carries the finish reason and closes the
+    stream there: the router's finish still says the request ran to its end, with its tokens
+    (the worker's speed; the in-flight view keeps the request as likely cached)."""
+    cluster, router, _ = serve_cluster(model_dir, {"w0": [serves()]})
+
+    async def run() -> list[int]:
+        tokens = []
+        async with contextlib.aclosing(cluster.generate("r1", PROMPT, PARAMS)) as stream:
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                if chunk.finished:
+                    return tokens
+        return []
+
+    assert asyncio.run(run()) == EVERY_TOKEN
+    assert router.finished == [("r1", len(EVERY_TOKEN))]
 
 
 class LateFinishRouter(FakeRouter):
@@ -386,7 +409,9 @@ def test_a_migrating_request_is_routed_again_after_the_router_took_its_finish(
     (else the router, still holding the id, refuses it: a 400 for a request that was fine)."""
     router = LateFinishRouter(["w0", "w1"])
     workers = ScriptedWorkers({"w0": [breaks_after(2, ActorDiedError())], "w1": [serves()]})
-    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(
+        router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir))
+    )
     cluster.model_info = model_info(model_dir)
     assert generated(cluster) == EVERY_TOKEN
     assert router.routed == ["w0", "w1"] and cluster.migrations == 1
@@ -401,7 +426,9 @@ def test_a_stream_ends_after_the_router_took_its_finish_so_its_id_is_free_at_onc
     router = LateFinishRouter(["w0"])
     refused = RequestError("the prompt does not fit the SWA pool")
     workers = ScriptedWorkers({"w0": [serves(), answers(refused), serves()]})
-    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(
+        router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir))
+    )
     cluster.model_info = model_info(model_dir)
     assert generated(cluster) == EVERY_TOKEN
     assert router.held == set()
@@ -425,7 +452,9 @@ def test_a_router_that_takes_no_finish_does_not_hold_the_stream(
     monkeypatch.setattr(routed, "FINISH_TIMEOUT_S", 0.01)
     router = HungFinishRouter(["w0"])
     workers = ScriptedWorkers({"w0": [serves()]})
-    cluster = ServeCluster(router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir)))
+    cluster = ServeCluster(
+        router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir))
+    )
     cluster.model_info = model_info(model_dir)
     assert generated(cluster) == EVERY_TOKEN
 
