@@ -364,8 +364,9 @@ class RoutedCluster:
                     # once (the router refuses an id it still holds). Its last tokens are out.
                     await self._await_finish(finishing)
                     return
-        except Exception:
-            # An error ends the stream too: a caller may retry with the same id at once.
+        except (Exception, GeneratorExit):
+            # An error ends the stream too, and so does a caller that closes it (at the chunk
+            # with the finish reason, or early): either may use the same id again at once.
             if finishing is not None:
                 await self._await_finish(finishing)
             raise

@@ -344,27 +344,6 @@ def test_a_dead_worker_is_removed_and_its_request_migrates(model_dir: Path) -> N
     assert router.finished == [("r1", None), ("r1", len(EVERY_TOKEN) - 2)]
 
 
-def test_a_caller_that_stops_at_the_last_chunk_still_tells_the_router_the_tokens(
-    model_dir: Path,
-) -> None:
-    """The OpenAI API returns at the chunk that carries the finish reason and closes the
-    stream there: the router's finish still says the request ran to its end, with its tokens
-    (the worker's speed; the in-flight view keeps the request as likely cached)."""
-    cluster, router, _ = serve_cluster(model_dir, {"w0": [serves()]})
-
-    async def run() -> list[int]:
-        tokens = []
-        async with contextlib.aclosing(cluster.generate("r1", PROMPT, PARAMS)) as stream:
-            async for chunk in stream:
-                tokens += chunk.token_ids
-                if chunk.finished:
-                    return tokens
-        return []
-
-    assert asyncio.run(run()) == EVERY_TOKEN
-    assert router.finished == [("r1", len(EVERY_TOKEN))]
-
-
 class LateFinishRouter(FakeRouter):
     """A router that refuses to route an id it still holds, as `Router.route` does, and
     takes a `finish` only when its caller awaits it: an async Ray actor may run a call after
@@ -400,6 +379,35 @@ class LateCall:
         self.call()
         return
         yield  # a generator: `await` takes the call at once
+
+
+def test_a_caller_that_stops_at_the_last_chunk_still_tells_the_router_the_tokens(
+    model_dir: Path,
+) -> None:
+    """The OpenAI API and the gRPC service return at the chunk that carries the finish reason
+    and close the stream there. The router's finish still says the request ran to its end,
+    with its tokens (the worker's speed; the in-flight view keeps it as likely cached), and
+    the stream ends once the router took it: its id is free at once."""
+    router = LateFinishRouter(["w0"])
+    workers = ScriptedWorkers({"w0": [serves(), serves()]})
+    cluster = ServeCluster(
+        router_replica(router), Handle(workers), ServeAppArgs(model=str(model_dir))
+    )
+    cluster.model_info = model_info(model_dir)
+
+    async def until_the_last_chunk() -> list[int]:
+        tokens = []
+        async with contextlib.aclosing(cluster.generate("r1", PROMPT, PARAMS)) as stream:
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                if chunk.finished:
+                    break
+        return tokens
+
+    assert asyncio.run(until_the_last_chunk()) == EVERY_TOKEN
+    assert router.held == set()
+    assert router.finished == [("r1", len(EVERY_TOKEN))]
+    assert asyncio.run(until_the_last_chunk()) == EVERY_TOKEN
 
 
 def test_a_migrating_request_is_routed_again_after_the_router_took_its_finish(
