@@ -4,6 +4,7 @@ limit, the API key on the gRPC path, and a replica replaced after its TP rank di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -538,19 +539,31 @@ def _replica_pids(app: str, deployment: str) -> list[int]:
     ]
 
 
+@contextlib.contextmanager
+def one_replica_app(serve_app: ServeApp, app: str, tp_size: int) -> Iterator[list[tuple[str, str]]]:
+    """An app of one worker replica (`tp_size` ranks) beside the module's, deleted after;
+    yields the gRPC metadata that reaches it through Serve's proxy."""
+    args = {"model": str(serve_app.model), "replicas": 1, "tp_size": tp_size, "device": "cpu"}
+    serve.run(build_app({**args, "max_total_tokens": 1024}), name=app, route_prefix=f"/{app}")
+    try:
+        yield [("application", app)]
+    finally:
+        serve.delete(app)
+
+
+def greedy_request(model: Path, prompt: list[int]) -> tuple[pb.GenerateRequest, list[int]]:
+    """A 5-token greedy request and the tokens the reference run gives it."""
+    expected = reference_tokens(model, [prompt], [5])[0]
+    params = pb.SamplingParams(max_new_tokens=5, temperature=0)
+    return pb.GenerateRequest(token_ids=prompt, sampling_params=params), expected
+
+
 def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
     serve_app: ServeApp,
 ) -> None:
     app = "tp2-heal"
-    args = {"model": str(serve_app.model), "replicas": 1, "tp_size": 2, "device": "cpu"}
-    serve.run(build_app({**args, "max_total_tokens": 1024}), name=app, route_prefix=f"/{app}")
-    try:
-        prompt = [41, 42, 43, 44]
-        expected = reference_tokens(serve_app.model, [prompt], [5])[0]
-        request = pb.GenerateRequest(
-            token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=5, temperature=0)
-        )
-        metadata = [("application", app)]
+    request, expected = greedy_request(serve_app.model, [41, 42, 43, 44])
+    with one_replica_app(serve_app, app, tp_size=2) as metadata:
         with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
             items = list(stub.Generate(request, metadata=metadata, timeout=60))
@@ -573,8 +586,6 @@ def test_a_replica_whose_tp_rank_died_fails_its_health_check_and_is_replaced(
         while (states := replica_states(app)) != {"RUNNING": 1}:
             assert time.monotonic() < deadline, states
             time.sleep(0.2)
-    finally:
-        serve.delete(app)
 
 
 def replica_states(app: str) -> dict[str, int]:
@@ -589,15 +600,8 @@ def test_the_router_restarts_in_place_and_a_replaced_router_replica_starts_a_new
     replica killed (and the actor with it), Serve starts a new replica with a new actor, and
     the ingress and the workers fetch that one. Both times the app serves the same answer."""
     app = "router-heal"
-    args = {"model": str(serve_app.model), "replicas": 1, "tp_size": 1, "device": "cpu"}
-    serve.run(build_app({**args, "max_total_tokens": 1024}), name=app, route_prefix=f"/{app}")
-    try:
-        prompt = [51, 52, 53, 54]
-        expected = reference_tokens(serve_app.model, [prompt], [5])[0]
-        request = pb.GenerateRequest(
-            token_ids=prompt, sampling_params=pb.SamplingParams(max_new_tokens=5, temperature=0)
-        )
-        metadata = [("application", app)]
+    request, expected = greedy_request(serve_app.model, [51, 52, 53, 54])
+    with one_replica_app(serve_app, app, tp_size=1) as metadata:
         with grpc.insecure_channel(f"127.0.0.1:{serve_app.grpc_port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
 
@@ -634,5 +638,3 @@ def test_the_router_restarts_in_place_and_a_replaced_router_replica_starts_a_new
             assert replica_pid not in _replica_pids(app, "SwaRouter")
             assert generate() == expected
         assert len(_owned_pids(app, "SwaRouter", "RouterActor")) == 1
-    finally:
-        serve.delete(app)
