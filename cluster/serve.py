@@ -217,6 +217,7 @@ class DirectRouter:
     def __init__(self, deployment: Any) -> None:
         self.deployment = deployment
         self._actor: Any = None
+        self._fetching: asyncio.Task[Any] | None = None  # the one fetch the callers await
 
     def __getattr__(self, method: str) -> _RouterMethod:
         if method.startswith("_"):
@@ -234,10 +235,28 @@ class DirectRouter:
         return loop.create_task(self._call_fetched(method, args))
 
     async def _call_fetched(self, method: str, args: tuple[Any, ...]) -> Any:
-        if self._actor is None:
-            self._actor = await self.deployment.actor.remote()
         actor = self._actor
+        if actor is None:
+            actor = await self._fetch()
         return await _RouterAnswer(self, actor, getattr(actor, method).remote(*args))
+
+    async def _fetch(self) -> Any:
+        """The actor's handle from the deployment: one call for all the callers that wait
+        for it (a worker sends a report every 100 ms while a replaced replica starts)."""
+        loop = asyncio.get_running_loop()
+        fetching = self._fetching
+        if fetching is None or fetching.get_loop() is not loop:
+            fetching = self._fetching = loop.create_task(self._ask_deployment())
+        try:
+            return await asyncio.shield(fetching)
+        finally:
+            if fetching.done() and self._fetching is fetching:
+                self._fetching = None
+
+    async def _ask_deployment(self) -> Any:
+        actor = await self.deployment.actor.remote()
+        self._actor = actor
+        return actor
 
     def _forget(self, actor: Any) -> None:
         if self._actor is actor:

@@ -301,6 +301,35 @@ def test_the_direct_router_called_off_an_event_loop_calls_when_awaited() -> None
     assert actor.finished == ["report-1", "report-2"]
 
 
+class SlowReplica(RouterReplica):
+    """Hands out the actor only once `started` is set (a replica Serve is starting)."""
+
+    def __init__(self, *actors: Any) -> None:
+        super().__init__(*actors)
+        self.started = asyncio.Event()
+
+    async def actor(self) -> Handle:  # type: ignore[override]
+        self.fetches += 1
+        await self.started.wait()
+        return Handle(self.actors[0])
+
+
+def test_the_callers_that_wait_for_the_actor_share_one_fetch() -> None:
+    actor = RouterActorStub("router")
+    replica = SlowReplica(actor)
+    router = DirectRouter(Handle(replica))
+
+    async def run() -> list[Any]:
+        calls = [router.finish.remote(f"report-{i}") for i in range(5)]
+        await asyncio.sleep(0)  # every call is waiting for the one fetch
+        replica.started.set()
+        return [await call for call in calls]
+
+    assert asyncio.run(run()) == ["router"] * 5
+    assert replica.fetches == 1
+    assert actor.finished == [f"report-{i}" for i in range(5)]
+
+
 def serve_cluster(
     model_dir: Path, scripts: dict[str, list[Behaviour]]
 ) -> tuple[ServeCluster, FakeRouter, ScriptedWorkers]:
