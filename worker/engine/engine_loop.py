@@ -309,13 +309,15 @@ class EngineLoop:
         now = self._clock()
         if now < self._flush_at:
             return
+        self._flush_at = math.inf
         for request_id, chunk in list(self._held.items()):
-            if now - self._sent_s[request_id] >= self.stream_interval_s:
+            sent_s = self._sent_s[request_id]
+            if now - sent_s >= self.stream_interval_s:
                 del self._held[request_id]
                 self._sent_s[request_id] = now
                 self._sinks[request_id](chunk)
-        interval = self.stream_interval_s
-        self._flush_at = min((self._sent_s[r] + interval for r in self._held), default=math.inf)
+            else:
+                self._flush_at = min(self._flush_at, sent_s + self.stream_interval_s)
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """The request's last chunk, after the tokens held for it."""

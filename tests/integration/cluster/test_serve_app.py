@@ -507,36 +507,31 @@ def test_grpc_through_serves_proxy_needs_the_api_key_when_one_is_set(serve_app: 
         serve.delete("keyed")
 
 
-def _owned_pids(app: str, deployment: str, actor_class: str) -> list[int]:
-    """The processes of the `actor_class` actors that the app's `deployment` replicas started
-    (the actors those replicas own). Ray's state API needs a dashboard the session's Ray has
-    not got."""
+def _alive(actor_class: str) -> list[dict[str, Any]]:
+    """The live actors of `actor_class` (Ray's state API needs a dashboard the session's Ray
+    has not got)."""
     from ray._private import state
 
-    def where(address: dict[str, Any]) -> tuple[str, int]:
-        return address["IPAddress"], address["Port"]
-
-    actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
-    replicas = {
-        where(a["Address"])
-        for a in actors
-        if a["ActorClassName"] == f"ServeReplica:{app}:{deployment}"
-    }
     return [
-        a["Pid"]
-        for a in actors
-        if a["ActorClassName"] == actor_class and where(a["OwnerAddress"]) in replicas
+        a
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] == actor_class
     ]
 
 
 def _replica_pids(app: str, deployment: str) -> list[int]:
-    from ray._private import state
+    return [a["Pid"] for a in _alive(f"ServeReplica:{app}:{deployment}")]
 
-    return [
-        a["Pid"]
-        for a in state.actors().values()
-        if a["State"] == "ALIVE" and a["ActorClassName"] == f"ServeReplica:{app}:{deployment}"
-    ]
+
+def _owned_pids(app: str, deployment: str, actor_class: str) -> list[int]:
+    """The processes of the `actor_class` actors that the app's `deployment` replicas started
+    (the actors those replicas own)."""
+
+    def where(address: dict[str, Any]) -> tuple[str, int]:
+        return address["IPAddress"], address["Port"]
+
+    replicas = {where(a["Address"]) for a in _alive(f"ServeReplica:{app}:{deployment}")}
+    return [a["Pid"] for a in _alive(actor_class) if where(a["OwnerAddress"]) in replicas]
 
 
 @contextlib.contextmanager
