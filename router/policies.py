@@ -210,11 +210,18 @@ class TTFTPolicy(Policy):
     one a session whose next turn will follow, a slower worker's counting for more; ties:
     the keys below); a shared prefix shorter than the slack is then computed once more, on
     the second worker, and the sessions split. Where they all hold the same prefix, only
-    the queues differ, and the cheapest wins as for any request (on bench/router_sim.py's
-    agentic trace, whose fan-outs each open a session, placing those by load too raised
-    TTFT p99 at 500 ms-late reports from 268 / 863 ms to 513 / 1089 on seeds 0 / 1).
-    Requests without a key are placed by cost alone, and memory pressure (below) comes
-    first.
+    the queues differ now, but the queue is a moment's: a worker whose sessions are between
+    two turns (no request in flight) looks emptier than one whose sessions all have a
+    request in flight. So the new session goes to the near worker holding the fewest of
+    the sessions this policy placed (per unit of speed), then the cheapest of those: its
+    first token waits at most `ttft_balance_tokens` longer than at the cheapest, and the
+    workers take the sessions, hence their later turns, in turn. Placed by the queue alone,
+    the 10 sessions of bench/cluster_load.py's 5 clients split 6 / 4 or 7 / 3 in about a
+    third of the runs (36-42 of 60 turns on one worker); now 5 / 5. Placing them by load
+    (`load / speed`) instead raised bench/router_sim.py's agentic TTFT p99 at 500 ms-late
+    reports from 268 / 863 ms to 513 / 1089 on seeds 0 / 1: its fan-outs each open a
+    session, all at once, and the loads they see lag. Requests without a key are placed by
+    cost alone, and memory pressure (below) comes first.
 
     Where workers tie (a new session's least loaded, or the cheapest by cost, hit and load:
     an idle cluster), the one holding the fewest of the sessions this policy placed (per
@@ -267,13 +274,13 @@ class TTFTPolicy(Policy):
             spares = near & (evicted[best] - evicted >= writes - writes[best])
             if np.count_nonzero(spares) > 1:
                 return first_min((evicted, -c.free_tokens, *keys), spares)
-        if (
-            request.session_key is not None
-            and request.session_key not in self._sessions
-            and c.hit_tokens[near].max() > c.hit_tokens[near].min()
-        ):  # a new session drawn by a prefix that not every near worker holds: least loaded
-            load = c.load / c.speed
-            return self._fewest_sessions(c, near & (load == load[near].min()), keys)
+        if request.session_key is not None and request.session_key not in self._sessions:
+            if c.hit_tokens[near].max() > c.hit_tokens[near].min():
+                # drawn by a prefix that not every near worker holds: the least loaded
+                load = c.load / c.speed
+                return self._fewest_sessions(c, near & (load == load[near].min()), keys)
+            # every near worker holds the same prefix: the fewest sessions, then the cheapest
+            return self._fewest_sessions(c, near, keys)
         tied = (
             (cost == cost[best]) & (c.hit_tokens == c.hit_tokens[best]) & (c.load == c.load[best])
         )

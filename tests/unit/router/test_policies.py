@@ -214,8 +214,9 @@ def test_ttft_places_a_new_session_on_the_least_loaded_worker_within_the_balance
     assert c.router.route("t1", turn1, 16, session_key="s1").worker_id == "b"
     assert c.router.route("t2", turn2, 16, session_key="s1").worker_id == "a"  # the cheapest
     assert c.router.route("n1", turn1, 16).worker_id == "a"  # no key: the cheapest
-    # Where every near worker holds the same prefix, the cost decides for a new session too:
-    # only a prefix that one worker lacks draws sessions where they would pile up.
+    # Where every near worker holds the same prefix and as many placed sessions, the cost
+    # decides for a new session too: only a prefix that one worker lacks draws sessions by
+    # load.
     both = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
     both.report("a", [stored(system)], num_running=3, queued_prefill_tokens=3)
     both.report("b", [stored(system)], queued_prefill_tokens=40)
@@ -233,6 +234,38 @@ def test_ttft_places_a_new_session_on_the_least_loaded_worker_within_the_balance
     assert full.router.route("t1", turn1, 16, session_key="s1").worker_id == "b"
     for cluster in (c, both, tight, full):
         cluster.router.check()
+
+
+def test_ttft_places_a_new_session_on_a_shared_prefix_where_the_fewest_sessions_are() -> None:
+    """Where every worker within `ttft_balance_tokens` of the cheapest holds the same prefix
+    of a new session, the one holding the fewest placed sessions takes it, even if its queue
+    is longer just now (the other's sessions may be between turns); past the slack the
+    cheapest does. A known session's turn, and a request without a key, go to the cheapest."""
+    system = list(range(1, 385))
+
+    def first_turn(i: int) -> list[int]:
+        return [*system, *range(1000 + 100 * i, 1090 + 100 * i)]
+
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    c.report("a", [stored(system)])
+    c.report("b", [stored(system)])
+    c.report("b", queued_prefill_tokens=2000)  # past the slack: a takes two sessions
+    for i in range(2):
+        assert c.router.route(f"s{i}", first_turn(i), 16, session_key=f"s{i}").worker_id == "a"
+        c.router.finish(f"s{i}")
+    # Both hold the system prompt; b is 50 tokens of queue dearer, a holds 2 sessions to 0.
+    c.report("b", queued_prefill_tokens=50)
+    assert c.router.route("s2", first_turn(2), 16, session_key="s2").worker_id == "b"
+    assert c.router.route("n", first_turn(9), 16).worker_id == "a"  # no key: the cheapest
+    c.router.finish("n")
+    turn = [*first_turn(0), *range(5000, 5040)]  # s0's next turn: the cheapest, a
+    assert c.router.route("s0-t1", turn, 16, session_key="s0").worker_id == "a"
+    c.router.finish("s0-t1")
+    c.router.finish("s2")
+    # Past the slack the cheapest takes a new session, however many sessions it holds.
+    c.report("b", queued_prefill_tokens=2000)
+    assert c.router.route("s3", first_turn(3), 16, session_key="s3").worker_id == "a"
+    c.router.check()
 
 
 def test_ttft_breaks_ties_by_the_sessions_each_worker_holds() -> None:
