@@ -275,12 +275,13 @@ class TTFTPolicy(Policy):
             if np.count_nonzero(spares) > 1:
                 return first_min((evicted, -c.free_tokens, *keys), spares)
         if request.session_key is not None and request.session_key not in self._sessions:
+            # A new session: of the near workers, the fewest sessions, then the cheapest; of
+            # the least loaded of them where it is drawn by a prefix that not all of them hold.
+            among = near
             if c.hit_tokens[near].max() > c.hit_tokens[near].min():
-                # drawn by a prefix that not every near worker holds: the least loaded
                 load = c.load / c.speed
-                return self._fewest_sessions(c, near & (load == load[near].min()), keys)
-            # every near worker holds the same prefix: the fewest sessions, then the cheapest
-            return self._fewest_sessions(c, near, keys)
+                among = near & (load == load[near].min())
+            return self._fewest_sessions(c, among, keys)
         tied = (
             (cost == cost[best]) & (c.hit_tokens == c.hit_tokens[best]) & (c.load == c.load[best])
         )

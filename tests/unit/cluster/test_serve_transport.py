@@ -302,14 +302,17 @@ def test_the_direct_router_called_off_an_event_loop_calls_when_awaited() -> None
 
 
 class SlowReplica(RouterReplica):
-    """Hands out the actor only once `started` is set (a replica Serve is starting)."""
+    """Hands out the actor only once `started` is set (a replica Serve is starting); `asked`
+    is set once a fetch is waiting for it."""
 
     def __init__(self, *actors: Any) -> None:
         super().__init__(*actors)
         self.started = asyncio.Event()
+        self.asked = asyncio.Event()
 
     async def actor(self) -> Handle:  # type: ignore[override]
         self.fetches += 1
+        self.asked.set()
         await self.started.wait()
         return Handle(self.actors[0])
 
@@ -321,7 +324,7 @@ def test_the_callers_that_wait_for_the_actor_share_one_fetch() -> None:
 
     async def run() -> list[Any]:
         calls = [router.finish.remote(f"report-{i}") for i in range(5)]
-        await asyncio.sleep(0)  # every call is waiting for the one fetch
+        await replica.asked.wait()  # the fetch began after every call was made: all wait
         replica.started.set()
         return [await call for call in calls]
 
