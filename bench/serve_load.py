@@ -1,6 +1,8 @@
 """Multi-turn chat over the OpenAI API against the Ray Serve app (`swaserve.cluster.serve`,
-2 worker replicas × TP 1): swaserve's router placing the requests (`routing="swaserve"`)
-against Serve's default power-of-two routing (`routing="serve"`), in the same process.
+2 worker replicas × TP 1): swaserve's router with its default policy placing the requests
+(`routing="swaserve"`) against the same router's round robin (`router_policy="round_robin"`,
+the baseline of bench/cluster_load.py) and against Serve's default power-of-two routing
+(`routing="serve"`), in the same process (`--routings`, the last the candidate).
 
 Workload (drawn once per seed, replayed for every run): S sessions share a system message;
 turn k of a session sends the messages of turns 1..k-1, each followed by the assistant's
@@ -16,8 +18,9 @@ Each run deploys the app fresh as its own Serve application (cold prefix caches,
 step compiled before serving as in bench/cluster_load.py; its own name and route prefix,
 deleted after the run) on one Serve instance, sends one warm-up request per worker (a system
 message no workload prompt shares beyond the template's first 2 tokens), then the workload.
-Runs alternate serve / swaserve for `--repeats` rounds, so that a busy machine slows both
-alike; the median of each figure over the rounds counts.
+Runs alternate the routings (round_robin, serve, swaserve) for `--repeats` rounds, so that
+a busy machine slows them alike; the median of each figure over the rounds counts, and the
+candidate's ratio to each other routing is printed.
 
 Per run: completion tokens / s over the run, TTFT p50 / p99 (send → first chunk with a
 content delta), cached-token share (Σ usage.prompt_tokens_details.cached_tokens / Σ
@@ -28,16 +31,18 @@ end-to-end latency count per worker, warm-up excluded) and whether every answer 
 first run's (greedy: neither cache hits nor the worker may change the text).
 
 Read the figures with two effects in mind: Serve's power-of-two routing takes the less loaded
-of the 2 replicas for every request, so a session's next turn finds its history about half
-the time (the shared system message is cached on both), and it balances the requests, which
-sticky sessions do not (see "requests per worker"). And the tiny random model's answers are
+of the 2 replicas for every request, and in a closed loop the replica that just finished a
+session's turn is often the less loaded one when that session's next turn comes, so it keeps
+more of a session's turns together than round robin does by chance (see "hist hit"); it
+balances the requests, which sticky sessions do not (see "requests per worker"). Round robin
+and swaserve pay the same hop to the router; Serve's routing does not take it. And the tiny random model's answers are
 random bytes, mostly invalid UTF-8: they come back as U+FFFD, which the next turn's prompt
 encodes as 3 other bytes, so an answer's own KV is seldom reused, only the history before it
 (a real model's text round-trips).
 
     python bench/serve_load.py [--json] [--sessions 10] [--turns 6] [--concurrency 5]
         [--max-tokens 16] [--fixed-answers] [--repeats 3] [--app-config JSON]
-        [--hidden 256] [--layers 4] [--window 32] ...
+        [--routings round_robin,serve,swaserve] [--hidden 256] [--layers 4] [--window 32] ...
 """
 
 from __future__ import annotations
@@ -72,8 +77,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from swaserve.cluster.serve import build_app
+from swaserve.router import POLICIES
 
-BASELINE, CANDIDATE = "serve", "swaserve"
+SERVE, SWASERVE = "serve", "swaserve"
+DEFAULT_ROUTINGS = ("round_robin", SERVE, SWASERVE)
 REPLICAS = 2
 REQUEST_TIMEOUT_S = 600.0
 E2E_COUNT = "swaserve:e2e_request_latency_seconds_count"
@@ -226,6 +233,15 @@ def requests_per_worker(base_url: str) -> dict[str, float]:
     return out
 
 
+def routing_args(routing: str) -> dict[str, str]:
+    """The Serve app's arguments for one of `--routings`: `serve` (Serve's power-of-two),
+    `swaserve` (swaserve's router, its default policy or --app-config's `router_policy`), or
+    a router policy's name (swaserve's router with that policy)."""
+    if routing in (SERVE, SWASERVE):
+        return {"routing": routing}
+    return {"routing": SWASERVE, "router_policy": routing}
+
+
 def run_routing(
     routing: str,
     app_name: str,
@@ -244,8 +260,8 @@ def run_routing(
         "max_total_tokens": args.max_total_tokens,
         "seed": 0,
         "compile": workers_compile(),
-        "routing": routing,
         **args.app_config,
+        **routing_args(routing),
     }
     serve.run(build_app(app_args), name=app_name, route_prefix=f"/{app_name}")
     try:
@@ -320,8 +336,8 @@ def run_all(
     reference: dict[tuple[int, int], str] | None = None
     print(HEADER, flush=True)
     for round_ in range(args.repeats):
-        for routing in (BASELINE, CANDIDATE):
-            app_name = f"{routing}-{round_ + 1}"
+        for routing in args.routings:
+            app_name = f"{routing.replace('_', '-')}-{round_ + 1}"
             results, wall_s, per_worker = run_routing(
                 routing, app_name, http_port, model_dir, work, args
             )
@@ -334,7 +350,7 @@ def run_all(
 
 
 HEADER = (
-    f"{'round':>5} {'routing':<9} {'wall s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+    f"{'round':>5} {'routing':<11} {'wall s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
     f"{'cached':>7} {'hist hit':>8} {'done':>5}  requests per worker"
 )
 
@@ -342,7 +358,7 @@ HEADER = (
 def print_row(run: dict) -> None:
     per_worker = " ".join(str(n) for n in run["requests_per_worker"].values())
     print(
-        f"{run['round']!s:>5} {run['routing']:<9} {run['wall_s']:>7.2f} {run['tok_s']:>7.1f} "
+        f"{run['round']!s:>5} {run['routing']:<11} {run['wall_s']:>7.2f} {run['tok_s']:>7.1f} "
         f"{run['ttft_p50_ms']:>7.0f}ms {run['ttft_p99_ms']:>7.0f}ms "
         f"{run['cached_share']:>7.3f} {run['history_hit_share']:>8.2f} {run['finished']:>5}  "
         f"{per_worker}",
@@ -350,10 +366,33 @@ def print_row(run: dict) -> None:
     )
 
 
-def summarize(runs: list[dict]) -> dict[str, dict]:
+def summarize(runs: list[dict], routings: list[str]) -> dict[str, dict]:
     """Per routing, the median over its rounds of each figure."""
     keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "cached_share", "wall_s", "history_hit_share")
-    return medians(runs, "routing", (BASELINE, CANDIDATE), keys)
+    return medians(runs, "routing", routings, keys)
+
+
+def ratios_to(base: dict, cand: dict) -> dict[str, float]:
+    return {
+        "tok_s": cand["tok_s"] / base["tok_s"],
+        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
+        "cached_share": cand["cached_share"] / max(base["cached_share"], 1e-9),
+        "wall": cand["wall_s"] / base["wall_s"],
+    }
+
+
+def parse_routings(text: str) -> list[str]:
+    routings = [name.strip() for name in text.split(",") if name.strip()]
+    known = {SERVE, SWASERVE, *POLICIES}
+    unknown = [name for name in routings if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown routing {', '.join(unknown)}; choose from {', '.join(sorted(known))}"
+        )
+    if len(routings) < 2 or len(set(routings)) != len(routings):
+        raise argparse.ArgumentTypeError("give two or more routings, each once")
+    return routings
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -364,7 +403,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--app-config",
         type=json.loads,
         default={},
-        help="Serve app arguments for both routings, as JSON: '{\"stream_interval_ms\": 0}'",
+        help="Serve app arguments for every routing, as JSON: '{\"stream_interval_ms\": 0}'",
+    )
+    parser.add_argument(
+        "--routings",
+        type=parse_routings,
+        default=list(DEFAULT_ROUTINGS),
+        help="comma-separated, the last the candidate, each run once per round: serve "
+        "(Serve's power-of-two), swaserve (swaserve's router, its default policy) or a router "
+        f"policy (swaserve's router with it; default: {','.join(DEFAULT_ROUTINGS)})",
     )
     return parse_workload_args(parser, argv, tokens_dest="max_tokens", min_system=1)
 
@@ -403,23 +450,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = run_on_serve(work, args)
     load_after = os.getloadavg()[0]
-    median = summarize(runs)
-    base, cand = median[BASELINE], median[CANDIDATE]
-    ratios = {
-        "tok_s": cand["tok_s"] / base["tok_s"],
-        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
-        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
-        "cached_share": cand["cached_share"] / max(base["cached_share"], 1e-9),
-        "wall": cand["wall_s"] / base["wall_s"],
-    }
+    median = summarize(runs, args.routings)
+    candidate = args.routings[-1]
+    ratios = {base: ratios_to(median[base], median[candidate]) for base in args.routings[:-1]}
     agree = min(r["answers_equal_first_run"] for r in runs)
+    for base, ratio in ratios.items():
+        print(
+            f"median of {args.repeats}: {candidate} / {base}: throughput "
+            f"{ratio['tok_s']:.2f}x, TTFT p50 {ratio['ttft_p50']:.2f}x, p99 "
+            f"{ratio['ttft_p99']:.2f}x, wall {ratio['wall']:.2f}x; cached share "
+            f"{median[candidate]['cached_share']:.3f} vs {median[base]['cached_share']:.3f} "
+            f"({ratio['cached_share']:.2f}x)",
+            flush=True,
+        )
     print(
-        f"median of {args.repeats}: {CANDIDATE} / {BASELINE}: throughput {ratios['tok_s']:.2f}x, "
-        f"TTFT p50 {ratios['ttft_p50']:.2f}x, p99 {ratios['ttft_p99']:.2f}x, wall "
-        f"{ratios['wall']:.2f}x; cached share {cand['cached_share']:.3f} vs "
-        f"{base['cached_share']:.3f} ({ratios['cached_share']:.2f}x); answers equal to the "
-        f"first run's: {agree:.0%} of requests in the worst run (load average "
-        f"{load_before:.2f} before, {load_after:.2f} after)",
+        f"answers equal to the first run's: {agree:.0%} of requests in the worst run (load "
+        f"average {load_before:.2f} before, {load_after:.2f} after)",
         flush=True,
     )
     if args.json:
@@ -431,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "fixed_answers": args.fixed_answers,
             "repeats": args.repeats,
+            "routings": args.routings,
             "workload_requests": work.num_requests,
             "workload_answer_tokens": sum(map(sum, work.answers)),
             "load_average_before": load_before,

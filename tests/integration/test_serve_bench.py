@@ -1,8 +1,8 @@
 """bench/serve_load.py end to end at tiny sizes, in a subprocess (its own local Ray and Serve,
 shut down by the bench): the stock `openai` client streams every turn of every session under
-both routings, the usage the server reports adds up, and swaserve's router reuses more prompt
-tokens than Serve's power-of-two routing on a multi-turn chat over 2 replicas. No timing
-asserts.
+each routing (the router's round robin, Serve's power-of-two, the router's default policy),
+the usage the server reports adds up, and swaserve's router reuses more prompt tokens than
+either baseline on a multi-turn chat over 2 replicas. No timing asserts.
 
 Sizes: the margin comes from the turns Serve sends to the worker without the session's
 history (about half of them), each losing that history; so the history must outweigh the
@@ -37,7 +37,9 @@ def test_serve_load_bench() -> None:
 
     requests = SESSIONS * TURNS
     assert data["workload_requests"] == requests
-    assert [run["routing"] for run in data["runs"]] == ["serve", "swaserve"]
+    assert data["routings"] == ["round_robin", "serve", "swaserve"]
+    assert [run["routing"] for run in data["runs"]] == data["routings"]
+    assert set(data["ratios"]) == {"round_robin", "serve"}
     runs = {run["routing"]: run for run in data["runs"]}
     for run in runs.values():
         assert run["requests"] == requests
@@ -47,13 +49,19 @@ def test_serve_load_bench() -> None:
         assert 0.0 <= run["history_hit_share"] <= 1.0
         assert sum(run["requests_per_worker"].values()) == requests
     assert len(runs["serve"]["requests_per_worker"]) == 2
+    # Round robin through the app's router: the requests alternate between the replicas.
+    assert sorted(runs["round_robin"]["requests_per_worker"].values()) == [
+        requests // 2,
+        requests // 2,
+    ]
     # Every session shares the system prompt: once the first prompt is in flight on a worker,
     # later sessions may all follow it there while its queue stays short.
     assert 1 <= len(runs["swaserve"]["requests_per_worker"]) <= 2
     # Greedy decoding: the routing and the cache hits must not change a single answer, so
     # both runs send the same prompts.
-    assert runs["swaserve"]["answers_equal_first_run"] == 1.0
-    assert runs["swaserve"]["prompt_tokens"] == runs["serve"]["prompt_tokens"]
+    for routing in ("serve", "swaserve"):
+        assert runs[routing]["answers_equal_first_run"] == 1.0
+        assert runs[routing]["prompt_tokens"] == runs["round_robin"]["prompt_tokens"]
     # swaserve's router (`ttft`) keeps a turn on the worker holding its history unless the
     # queue there is longer than the history. Serve's power-of-two routing keeps a turn there
     # by chance, with clients moving in step often enough to match it over 18 follow-ups (15 of
@@ -61,3 +69,7 @@ def test_serve_load_bench() -> None:
     assert runs["swaserve"]["history_hit_share"] >= runs["serve"]["history_hit_share"]
     assert runs["swaserve"]["history_hit_share"] >= 0.75
     assert runs["swaserve"]["cached_share"] > runs["serve"]["cached_share"]
+    # Round robin places a turn by its arrival among all clients' turns, not by where the
+    # session's history is: it finds it there only by chance.
+    assert runs["swaserve"]["history_hit_share"] > runs["round_robin"]["history_hit_share"]
+    assert runs["swaserve"]["cached_share"] > runs["round_robin"]["cached_share"]
