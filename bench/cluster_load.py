@@ -81,6 +81,9 @@ from multiturn import (
     medians,
     parse_workload_args,
     percentile,
+    ratios_to,
+    round_ratios,
+    round_ratios_text,
     workers_compile,
     workload_parser,
 )
@@ -443,15 +446,6 @@ def summarize(runs: list[dict], policies: tuple[str, ...]) -> dict[str, dict]:
     return medians(runs, "policy", policies, keys)
 
 
-def ratios_to(base: dict, cand: dict) -> dict[str, float]:
-    return {
-        "tok_s": cand["tok_s"] / base["tok_s"],
-        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
-        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
-        "wall": cand["wall_s"] / base["wall_s"],
-    }
-
-
 def parse_policies(text: str) -> tuple[str, ...]:
     policies = tuple(p.strip() for p in text.split(",") if p.strip())
     unknown = [p for p in policies if p not in POLICIES]
@@ -543,13 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     median = summarize(runs, args.policies)
     baseline = args.policies[0]
     ratios = {p: ratios_to(median[baseline], median[p]) for p in args.policies[1:]}
+    spreads = {p: round_ratios(runs, "policy", baseline, p) for p in args.policies[1:]}
     agree = min(r["answers_equal_first_run"] for r in runs)
     for policy, ratio in ratios.items():
         print(
             f"median of {args.repeats}: {policy} / {baseline}: throughput {ratio['tok_s']:.2f}x, "
             f"TTFT p50 {ratio['ttft_p50']:.2f}x, p99 {ratio['ttft_p99']:.2f}x, wall "
             f"{ratio['wall']:.2f}x; cached share {median[policy]['cached_share']:.3f} vs "
-            f"{median[baseline]['cached_share']:.3f}"
+            f"{median[baseline]['cached_share']:.3f}; {round_ratios_text(spreads[policy])}"
         )
     print(
         f"answers equal to the first run's: {agree:.0%} of requests in the worst run (load "
@@ -575,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_after": load_after,
             "median": median,
             "ratios": ratios,
+            "round_ratios": spreads,
             "answers_equal_first_run": agree,
             "runs": runs,
         }

@@ -89,6 +89,40 @@ def medians(
     }
 
 
+def ratios_to(base: dict, cand: dict) -> dict[str, float]:
+    """The candidate's figures over the baseline's (one run's, or medians)."""
+    return {
+        "tok_s": cand["tok_s"] / base["tok_s"],
+        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
+        "wall": cand["wall_s"] / base["wall_s"],
+        "cached_share": cand["cached_share"] / max(base["cached_share"], 1e-9),
+    }
+
+
+def round_ratios(runs: list[dict], by: str, base: str, cand: str) -> dict[str, list[float]]:
+    """Per figure of `ratios_to`, the lowest and highest over the rounds of the candidate's
+    run over the baseline's run of the same round: how far the ratio moves from round to
+    round, beside the ratio of the medians."""
+    per_round = []
+    for round_ in sorted({r["round"] for r in runs}):
+        pair = {r[by]: r for r in runs if r["round"] == round_}
+        if base in pair and cand in pair:
+            per_round.append(ratios_to(pair[base], pair[cand]))
+    return {k: [min(r[k] for r in per_round), max(r[k] for r in per_round)] for k in per_round[0]}
+
+
+def round_ratios_text(spread: dict[str, list[float]]) -> str:
+    def span(key: str) -> str:
+        low, high = spread[key]
+        return f"{low:.2f}-{high:.2f}x"
+
+    return (
+        f"per round: throughput {span('tok_s')}, TTFT p50 {span('ttft_p50')}, "
+        f"p99 {span('ttft_p99')}"
+    )
+
+
 def make_model(path: str | Path, args: argparse.Namespace) -> Path:
     """The benches' tiny GPT-OSS model at `path`, sized by --layers, --window, --hidden."""
     return make_tiny_model(

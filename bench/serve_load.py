@@ -69,6 +69,9 @@ from multiturn import (
     medians,
     parse_workload_args,
     percentile,
+    ratios_to,
+    round_ratios,
+    round_ratios_text,
     workers_compile,
     workload_parser,
 )
@@ -372,16 +375,6 @@ def summarize(runs: list[dict], routings: list[str]) -> dict[str, dict]:
     return medians(runs, "routing", routings, keys)
 
 
-def ratios_to(base: dict, cand: dict) -> dict[str, float]:
-    return {
-        "tok_s": cand["tok_s"] / base["tok_s"],
-        "ttft_p50": cand["ttft_p50_ms"] / base["ttft_p50_ms"],
-        "ttft_p99": cand["ttft_p99_ms"] / base["ttft_p99_ms"],
-        "cached_share": cand["cached_share"] / max(base["cached_share"], 1e-9),
-        "wall": cand["wall_s"] / base["wall_s"],
-    }
-
-
 def parse_routings(text: str) -> list[str]:
     routings = [name.strip() for name in text.split(",") if name.strip()]
     known = {SERVE, SWASERVE, *POLICIES}
@@ -453,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     median = summarize(runs, args.routings)
     candidate = args.routings[-1]
     ratios = {base: ratios_to(median[base], median[candidate]) for base in args.routings[:-1]}
+    spreads = {base: round_ratios(runs, "routing", base, candidate) for base in args.routings[:-1]}
     agree = min(r["answers_equal_first_run"] for r in runs)
     for base, ratio in ratios.items():
         print(
@@ -460,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio['tok_s']:.2f}x, TTFT p50 {ratio['ttft_p50']:.2f}x, p99 "
             f"{ratio['ttft_p99']:.2f}x, wall {ratio['wall']:.2f}x; cached share "
             f"{median[candidate]['cached_share']:.3f} vs {median[base]['cached_share']:.3f} "
-            f"({ratio['cached_share']:.2f}x)",
+            f"({ratio['cached_share']:.2f}x); {round_ratios_text(spreads[base])}",
             flush=True,
         )
     print(
@@ -484,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_after": load_after,
             "median": median,
             "ratios": ratios,
+            "round_ratios": spreads,
             "answers_equal_first_run": agree,
             "runs": runs,
         }

@@ -45,6 +45,8 @@ def test_cluster_load_bench() -> None:
     assert len(data["runs"]) == 3
     assert data["policies"] == ["round_robin", "prefix", "ttft"]
     assert sorted(data["ratios"]) == ["prefix", "ttft"]  # each against the first, the baseline
+    for policy, ratio in data["ratios"].items():  # one round: its ratio is the medians'
+        assert data["round_ratios"][policy]["ttft_p50"] == [ratio["ttft_p50"]] * 2
     for run in runs.values():
         assert run["requests"] == requests
         assert run["finished"] == requests  # every turn ended with "length" (ignore_eos)

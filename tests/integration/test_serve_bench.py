@@ -39,7 +39,9 @@ def test_serve_load_bench() -> None:
     assert data["workload_requests"] == requests
     assert data["routings"] == ["round_robin", "serve", "swaserve"]
     assert [run["routing"] for run in data["runs"]] == data["routings"]
-    assert set(data["ratios"]) == {"round_robin", "serve"}
+    assert set(data["ratios"]) == set(data["round_ratios"]) == {"round_robin", "serve"}
+    for base, ratio in data["ratios"].items():  # one round: its ratio is the medians'
+        assert data["round_ratios"][base]["tok_s"] == [ratio["tok_s"]] * 2
     runs = {run["routing"]: run for run in data["runs"]}
     for run in runs.values():
         assert run["requests"] == requests

@@ -10,6 +10,7 @@ import statistics
 from collections.abc import AsyncIterator
 
 import cluster_load
+import multiturn
 import pytest
 
 from swaserve.proto.swaserve.v1 import inference_pb2 as pb
@@ -145,3 +146,32 @@ def test_bad_open_loop_options_are_refused(
         cluster_load.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_round_ratios_span_each_rounds_candidate_over_its_baseline() -> None:
+    """The spread printed beside the ratio of the medians pairs the runs of one round: the
+    candidate of round 1 over the baseline of round 1, never over another round's."""
+
+    def run(round_: int, policy: str, p50: float, tok_s: float) -> dict:
+        return {
+            "round": round_,
+            "policy": policy,
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": 2 * p50,
+            "tok_s": tok_s,
+            "wall_s": 1.0,
+            "cached_share": 0.5,
+        }
+
+    runs = [
+        run(1, "round_robin", 100.0, 200.0),
+        run(1, "ttft", 80.0, 300.0),
+        run(2, "round_robin", 50.0, 100.0),
+        run(2, "ttft", 45.0, 110.0),
+    ]
+    spread = multiturn.round_ratios(runs, "policy", "round_robin", "ttft")
+    assert spread["ttft_p50"] == pytest.approx([0.8, 0.9])  # 80/100 and 45/50, not 45/100
+    assert spread["tok_s"] == pytest.approx([1.1, 1.5])
+    assert spread["cached_share"] == pytest.approx([1.0, 1.0])
+    text = multiturn.round_ratios_text(spread)
+    assert "TTFT p50 0.80-0.90x" in text and "throughput 1.10-1.50x" in text
