@@ -1,4 +1,4 @@
-"""Multi-turn chat over gRPC against a local cluster (2 replicas × TP 1): routing policies
+"""Multi-turn chat over gRPC against a local cluster (`--replicas`, 2 × TP 1): routing policies
 against a baseline, in the same process (`--policies`, the first is the baseline; default
 `round_robin,ttft`, ttft being the router's default; e.g. `power_of_two,ttft,prefix` sets Ray
 Serve's default router, power of two choices, against ours).
@@ -99,7 +99,6 @@ from swaserve.worker import EngineConfig
 from swaserve.worker.engine.stats import StepRecord
 
 DEFAULT_POLICIES = ("round_robin", "ttft")  # the first: the baseline
-REPLICAS = 2
 WORKLOAD_TOKENS = range(1, 256)  # byte tokens of the tiny tokenizer; warm-ups use 0 only
 RPC_TIMEOUT_S = 600.0
 
@@ -236,10 +235,10 @@ async def arriving(
     await session(stub, work, i, out)
 
 
-async def warm_up(stub: pb_grpc.InferenceStub) -> None:
+async def warm_up(stub: pb_grpc.InferenceStub, replicas: int) -> None:
     """One request per worker, sent together (both policies spread them over the workers);
     their tokens (0) start no workload prompt."""
-    await asyncio.gather(*(send(stub, [0] * 16 + [i], f"warmup-{i}", 4) for i in range(REPLICAS)))
+    await asyncio.gather(*(send(stub, [0] * 16 + [i], f"warmup-{i}", 4) for i in range(replicas)))
 
 
 async def drive(
@@ -279,7 +278,7 @@ async def run_policy(
             policy=policy,
             **(args.router_config if policy != args.policies[0] else {}),
         ),
-        replicas=REPLICAS,
+        replicas=args.replicas,
         report_interval_s=0.1,
     )
     cluster = await Cluster.start(config)
@@ -289,7 +288,7 @@ async def run_policy(
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.InferenceStub(channel)
-                await warm_up(stub)
+                await warm_up(stub, args.replicas)
                 before = await cluster.router_stats()
                 cluster.breakdowns.clear()
                 await take_step_logs(cluster)  # the warm-up's steps
@@ -504,7 +503,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_on_ray(work: Workload, args: argparse.Namespace) -> tuple[list[dict], dict | None]:
     """Every run, on a local Ray started here (and shut down) unless one is up already; with
     `--simulate`, then the simulator's predictions (`predict`)."""
-    with local_ray(), tempfile.TemporaryDirectory() as tmp:
+    with local_ray(num_cpus=max(8, args.replicas + 4)), tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_model(tmp, args))
         runs = asyncio.run(run_all(model_dir, work, args))
         predicted = predict(runs, model_dir, work, args) if args.simulate else None
@@ -525,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     work = make_workload(args)
     load_before = os.getloadavg()[0]
     print(
-        f"cluster_load: {REPLICAS} replicas × TP 1 (CPU), {args.sessions} sessions × "
+        f"cluster_load: {args.replicas} replicas × TP 1 (CPU), {args.sessions} sessions × "
         f"{args.turns} turns, {clients_of(args)}, system prompt {args.system_tokens} "
         f"tokens, user ~{args.user_tokens}, answers "
         f"{answers_text(args.max_new_tokens, args.fixed_answers)}; model hidden "
@@ -554,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         print_predictions(median, predicted)
     if args.json:
         report = {
-            "replicas": REPLICAS,
+            "replicas": args.replicas,
             "policies": list(args.policies),
             "sessions": args.sessions,
             "turns": args.turns,

@@ -44,6 +44,7 @@ def predict(runs: list[dict], model_dir: str, work: Any, args: argparse.Namespac
             answers=answers,
             concurrency=args.concurrency,
             calibration=calibration,
+            replicas=args.replicas,
         )
     out["workload"] = {
         "system": work.system,

@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=concurrency,
                 calibration=calibration,
                 engine_config=args.engine_config,
+                replicas=report.get("replicas", 2),
             )
             r = results[policy]
             print(

@@ -37,6 +37,13 @@ def workload_parser(
     parser.add_argument("--system-tokens", type=int, default=384, help="shared system prompt")
     parser.add_argument("--user-tokens", type=int, default=128, help="mean tokens per user turn")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="worker replicas (TP 1 each); with N of them round robin keeps about 1/N of a "
+        "session's turns on the worker of its turn before by chance",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--window", type=int, default=32, help="W of the sliding layers")

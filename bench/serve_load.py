@@ -1,5 +1,5 @@
 """Multi-turn chat over the OpenAI API against the Ray Serve app (`swaserve.cluster.serve`,
-2 worker replicas × TP 1): swaserve's router with its default policy placing the requests
+`--replicas`, 2 × TP 1): swaserve's router with its default policy placing the requests
 (`routing="swaserve"`) against the same router's round robin (`router_policy="round_robin"`,
 the baseline of bench/cluster_load.py) and against Serve's default power-of-two routing
 (`routing="serve"`), in the same process (`--routings`, the last the candidate).
@@ -84,7 +84,6 @@ from swaserve.router import POLICIES
 
 SERVE, SWASERVE = "serve", "swaserve"
 DEFAULT_ROUTINGS = ("round_robin", SERVE, SWASERVE)
-REPLICAS = 2
 REQUEST_TIMEOUT_S = 600.0
 E2E_COUNT = "swaserve:e2e_request_latency_seconds_count"
 MODEL_NAME = "tiny-gpt-oss"  # the model dir in the temp dir; the app serves it by this name
@@ -199,13 +198,13 @@ async def client_loop(
             messages.append({"role": "assistant", "content": answer})
 
 
-async def warm_up(client: openai.AsyncOpenAI) -> None:
+async def warm_up(client: openai.AsyncOpenAI, replicas: int) -> None:
     """One request per worker, sent together; their system message ("warm-up", with capitals
     and a dash) starts no workload prompt beyond the template's first tokens."""
     await asyncio.gather(
         *(
             send(client, [{"role": "system", "content": f"Warm-up {i}"}], f"warmup-{i}", 4)
-            for i in range(REPLICAS)
+            for i in range(replicas)
         )
     )
 
@@ -257,7 +256,7 @@ def run_routing(
     seconds, and the requests per worker over the workload (warm-up excluded)."""
     app_args = {
         "model": model_dir,
-        "replicas": REPLICAS,
+        "replicas": args.replicas,
         "tp_size": 1,
         "device": "cpu",
         "max_total_tokens": args.max_total_tokens,
@@ -278,7 +277,7 @@ def run_routing(
                 timeout=REQUEST_TIMEOUT_S,
             )
             async with client:
-                await warm_up(client)
+                await warm_up(client, args.replicas)
                 before = await asyncio.to_thread(requests_per_worker, base_url)
                 results, wall_s = await drive(client, work, args.concurrency)
                 after = await asyncio.to_thread(requests_per_worker, base_url)
@@ -418,7 +417,7 @@ def free_port() -> int:
 def run_on_serve(work: ChatWorkload, args: argparse.Namespace) -> list[dict]:
     """Every run, on a local Ray and a Serve instance started here and shut down whatever
     happens (Serve's gRPC proxy stays off: no servicer functions)."""
-    with local_ray():
+    with local_ray(num_cpus=max(8, args.replicas + 4)):
         http_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         try:
@@ -434,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     work = make_workload(args)
     load_before = os.getloadavg()[0]
     print(
-        f"serve_load: Serve app, {REPLICAS} worker replicas × TP 1 (CPU), {args.sessions} "
+        f"serve_load: Serve app, {args.replicas} worker replicas × TP 1 (CPU), {args.sessions} "
         f"sessions × {args.turns} turns, {args.concurrency} clients (openai, streaming chat), "
         f"system message {args.system_tokens} tokens, user ~{args.user_tokens}, answers "
         f"{answers_text(args.max_tokens, args.fixed_answers)}; model hidden {args.hidden}, "
@@ -464,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         report = {
-            "replicas": REPLICAS,
+            "replicas": args.replicas,
             "sessions": args.sessions,
             "turns": args.turns,
             "concurrency": args.concurrency,

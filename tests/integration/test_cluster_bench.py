@@ -1,7 +1,7 @@
 """bench/cluster_load.py end to end at tiny sizes, in a subprocess (its own local Ray, shut
 down by the bench): every policy named serves every turn of every session, the usage the
 server reports adds up to the workload, and prefix routing reuses more prompt tokens than round
-robin on a multi-turn workload over 2 workers; `--simulate` fits the simulator to the runs and
+robin on a multi-turn workload over 3 workers (`--replicas`); `--simulate` fits the simulator to the runs and
 replays them. No timing asserts."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from bench_subprocess import ROOT, run_bench_script
 
 SESSIONS, TURNS, MAX_NEW_TOKENS = 4, 3, 8
+REPLICAS = 3
 
 
 @pytest.mark.slow
@@ -29,6 +30,7 @@ def test_cluster_load_bench() -> None:
         "--window=8",
         "--max-total-tokens=4096",
         "--repeats=1",
+        f"--replicas={REPLICAS}",
         "--policies=round_robin,prefix,ttft",
         "--simulate",
         "--sim-repeats=1",
@@ -61,13 +63,13 @@ def test_cluster_load_bench() -> None:
     # Greedy decoding: where the prefix cache hits must not change a single token.
     assert runs["prefix"]["answers_equal_first_run"] == 1.0
     assert runs["ttft"]["answers_equal_first_run"] == 1.0
-    # Round robin moves a session's turns between the 2 workers; prefix keeps them together.
+    # Round robin moves a session's turns between the workers; prefix keeps them together.
     # User turns longer than the system prompt make the history, not the shared prompt (which
     # window checkpoints and repair keep on both workers), what a misrouted turn loses.
     assert runs["prefix"]["cached_share"] > runs["round_robin"]["cached_share"]
+    assert data["replicas"] == REPLICAS
     assert runs["round_robin"]["requests_per_worker"] == {
-        "worker-0": requests // 2,
-        "worker-1": requests // 2,
+        f"worker-{i}": requests // REPLICAS for i in range(REPLICAS)
     }
     # The simulator, fitted to these runs' engine steps and hops, replayed every policy on
     # the same workload with the real answers, its engines reusing as the real ones do.
