@@ -1,7 +1,8 @@
-"""Multi-turn chat over gRPC against a local cluster (`--replicas`, 2 × TP 1): routing policies
-against a baseline, in the same process (`--policies`, the first is the baseline; default
-`round_robin,ttft`, ttft being the router's default; e.g. `power_of_two,ttft,prefix` sets Ray
-Serve's default router, power of two choices, against ours).
+"""Multi-turn chat over gRPC against a local cluster (`--replicas`, default 2, × TP 1):
+routing policies against a baseline, in the same process (`--policies`, the first is the
+baseline; default `round_robin,ttft`, ttft being the router's default; e.g.
+`power_of_two,ttft,prefix` sets Ray Serve's default router, power of two choices, against
+ours).
 
 Workload (drawn once per seed, replayed for every run): S sessions share a system prompt;
 turn 1 of a session is the system prompt + a user message, turn k the prompt of turn k-1 +
@@ -236,8 +237,8 @@ async def arriving(
 
 
 async def warm_up(stub: pb_grpc.InferenceStub, replicas: int) -> None:
-    """One request per worker, sent together (both policies spread them over the workers);
-    their tokens (0) start no workload prompt."""
+    """One request per worker, sent together (no cache holds their prompts yet, so every
+    policy spreads them over the workers); their tokens (0) start no workload prompt."""
     await asyncio.gather(*(send(stub, [0] * 16 + [i], f"warmup-{i}", 4) for i in range(replicas)))
 
 

@@ -8,7 +8,7 @@ import contextlib
 import os
 import random
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import ray
@@ -36,7 +36,7 @@ def workload_parser(
     )
     parser.add_argument("--system-tokens", type=int, default=384, help="shared system prompt")
     parser.add_argument("--user-tokens", type=int, default=128, help="mean tokens per user turn")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of baseline + candidate")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant")
     parser.add_argument(
         "--replicas",
         type=int,
@@ -58,7 +58,8 @@ def parse_workload_args(
 ) -> argparse.Namespace:
     """Parse, refusing counts below 1 and a system prompt shorter than `min_system`."""
     args = parser.parse_args(argv)
-    for name in ("sessions", "turns", "concurrency", tokens_dest, "repeats", "user_tokens"):
+    counts = ("sessions", "turns", "concurrency", tokens_dest, "repeats", "user_tokens", "replicas")
+    for name in counts:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.system_tokens < min_system:
@@ -87,7 +88,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def medians(
-    runs: list[dict], by: str, variants: tuple[str, ...], keys: tuple[str, ...]
+    runs: list[dict], by: str, variants: Sequence[str], keys: tuple[str, ...]
 ) -> dict[str, dict]:
     """Per variant (the runs' `by` field), the median over its rounds of each figure."""
     return {
@@ -116,6 +117,8 @@ def round_ratios(runs: list[dict], by: str, base: str, cand: str) -> dict[str, l
         pair = {r[by]: r for r in runs if r["round"] == round_}
         if base in pair and cand in pair:
             per_round.append(ratios_to(pair[base], pair[cand]))
+    if not per_round:
+        raise ValueError(f"no round ran both {base} and {cand}")
     return {k: [min(r[k] for r in per_round), max(r[k] for r in per_round)] for k in per_round[0]}
 
 

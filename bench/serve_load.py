@@ -1,8 +1,9 @@
 """Multi-turn chat over the OpenAI API against the Ray Serve app (`swaserve.cluster.serve`,
-`--replicas`, 2 × TP 1): swaserve's router with its default policy placing the requests
-(`routing="swaserve"`) against the same router's round robin (`router_policy="round_robin"`,
-the baseline of bench/cluster_load.py) and against Serve's default power-of-two routing
-(`routing="serve"`), in the same process (`--routings`, the last the candidate).
+`--replicas` worker replicas, default 2, × TP 1): the routings of `--routings` (the last the
+candidate) in the same process; by default swaserve's router with its default policy
+placing the requests (`routing="swaserve"`) against the same router's round robin
+(`router_policy="round_robin"`, the baseline of bench/cluster_load.py) and against Serve's
+default power-of-two routing (`routing="serve"`).
 
 Workload (drawn once per seed, replayed for every run): S sessions share a system message;
 turn k of a session sends the messages of turns 1..k-1, each followed by the assistant's
@@ -18,7 +19,7 @@ Each run deploys the app fresh as its own Serve application (cold prefix caches,
 step compiled before serving as in bench/cluster_load.py; its own name and route prefix,
 deleted after the run) on one Serve instance, sends one warm-up request per worker (a system
 message no workload prompt shares beyond the template's first 2 tokens), then the workload.
-Runs alternate the routings (round_robin, serve, swaserve) for `--repeats` rounds, so that
+Runs alternate the routings (by default round_robin, serve, swaserve) for `--repeats` rounds, so that
 a busy machine slows them alike; the median of each figure over the rounds counts, and the
 candidate's ratio to each other routing is printed.
 
@@ -31,7 +32,7 @@ end-to-end latency count per worker, warm-up excluded) and whether every answer 
 first run's (greedy: neither cache hits nor the worker may change the text).
 
 Read the figures with two effects in mind: Serve's power-of-two routing takes the less loaded
-of the 2 replicas for every request, and in a closed loop the replica that just finished a
+of two replicas drawn at random for every request, and in a closed loop the replica that just finished a
 session's turn is often the less loaded one when that session's next turn comes, so it keeps
 more of a session's turns together than round robin does by chance (see "hist hit"); it
 balances the requests, which sticky sessions do not (see "requests per worker"). Round robin
@@ -256,7 +257,6 @@ def run_routing(
     seconds, and the requests per worker over the workload (warm-up excluded)."""
     app_args = {
         "model": model_dir,
-        "replicas": args.replicas,
         "tp_size": 1,
         "device": "cpu",
         "max_total_tokens": args.max_total_tokens,
@@ -264,6 +264,7 @@ def run_routing(
         "compile": workers_compile(),
         **args.app_config,
         **routing_args(routing),
+        "replicas": args.replicas,  # --app-config's would not reach the warm-up and the report
     }
     serve.run(build_app(app_args), name=app_name, route_prefix=f"/{app_name}")
     try:
@@ -402,7 +403,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=parse_routings,
         default=list(DEFAULT_ROUTINGS),
         help="comma-separated, the last the candidate, each run once per round: serve "
-        "(Serve's power-of-two), swaserve (swaserve's router, its default policy) or a router "
+        "(Serve's power-of-two), swaserve (swaserve's router, its default policy or "
+        "--app-config's router_policy) or a router "
         f"policy (swaserve's router with it; default: {','.join(DEFAULT_ROUTINGS)})",
     )
     return parse_workload_args(parser, argv, tokens_dest="max_tokens", min_system=1)

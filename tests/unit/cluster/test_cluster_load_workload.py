@@ -175,3 +175,5 @@ def test_the_round_ratios_span_each_rounds_candidate_over_its_baseline() -> None
     assert spread["cached_share"] == pytest.approx([1.0, 1.0])
     text = multiturn.round_ratios_text(spread)
     assert "TTFT p50 0.80-0.90x" in text and "throughput 1.10-1.50x" in text
+    with pytest.raises(ValueError, match="no round ran both"):
+        multiturn.round_ratios(runs[:1] + runs[3:], "policy", "round_robin", "ttft")
