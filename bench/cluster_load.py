@@ -80,6 +80,7 @@ from multiturn import (
     local_ray,
     make_model,
     medians,
+    parse_variants,
     parse_workload_args,
     percentile,
     ratios_to,
@@ -447,15 +448,7 @@ def summarize(runs: list[dict], policies: tuple[str, ...]) -> dict[str, dict]:
 
 
 def parse_policies(text: str) -> tuple[str, ...]:
-    policies = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {unknown[0]!r}; choose from {sorted(POLICIES)}"
-        )
-    if len(policies) < 2 or len(set(policies)) != len(policies):
-        raise argparse.ArgumentTypeError("name at least two different policies")
-    return policies
+    return tuple(parse_variants(text, POLICIES, "policy", "policies"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ import contextlib
 import os
 import random
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import ray
@@ -65,6 +65,20 @@ def parse_workload_args(
     if args.system_tokens < min_system:
         parser.error(f"--system-tokens must be at least {min_system}")
     return args
+
+
+def parse_variants(text: str, known: Iterable[str], what: str, plural: str) -> list[str]:
+    """A comma-separated list of two or more different names out of `known` (what a bench
+    compares: `what` / `plural` name them in the errors)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {unknown[0]!r}; choose from {sorted(known)}"
+        )
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"name at least two different {plural}")
+    return names
 
 
 def answer_lengths(seed: int, sessions: int, turns: int, mean: int, fixed: bool) -> list[list[int]]:

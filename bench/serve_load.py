@@ -68,6 +68,7 @@ from multiturn import (
     local_ray,
     make_model,
     medians,
+    parse_variants,
     parse_workload_args,
     percentile,
     ratios_to,
@@ -376,16 +377,7 @@ def summarize(runs: list[dict], routings: list[str]) -> dict[str, dict]:
 
 
 def parse_routings(text: str) -> list[str]:
-    routings = [name.strip() for name in text.split(",") if name.strip()]
-    known = {SERVE, SWASERVE, *POLICIES}
-    unknown = [name for name in routings if name not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown routing {', '.join(unknown)}; choose from {', '.join(sorted(known))}"
-        )
-    if len(routings) < 2 or len(set(routings)) != len(routings):
-        raise argparse.ArgumentTypeError("give two or more routings, each once")
-    return routings
+    return parse_variants(text, {SERVE, SWASERVE, *POLICIES}, "routing", "routings")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
