@@ -268,6 +268,43 @@ def test_ttft_places_a_new_session_on_a_shared_prefix_where_the_fewest_sessions_
     c.router.check()
 
 
+def test_ttft_moves_a_session_only_to_a_worker_holding_fewer_sessions() -> None:
+    """A known session's turn that is cheaper elsewhere stays on its worker unless the other
+    holds fewer sessions, or its worker's queue is past `ttft_balance_tokens`: a turn that
+    moves takes the session's later turns along, and a worker whose sessions are between
+    turns looks emptier than it is (one such move put 4 of 10 sessions on one of 4 workers)."""
+    system = list(range(1, 385))
+
+    def first_turn(i: int) -> list[int]:
+        return [*system, *range(1000 + 100 * i, 1090 + 100 * i)]
+
+    def next_turn(i: int) -> list[int]:
+        return [*first_turn(i), *range(5000 + 100 * i, 5040 + 100 * i)]
+
+    def route(request_id: str, tokens: list[int], session: str) -> str:
+        worker = c.router.route(request_id, tokens, 16, session_key=session).worker_id
+        c.router.finish(request_id)
+        return worker
+
+    c = Cluster("a", "b", policy="ttft", inflight_prefixes=False)
+    c.report("a", [stored(system)])
+    c.report("b", [stored(system)], queued_prefill_tokens=2000)  # past the slack
+    assert [route(f"s{i}", first_turn(i), f"s{i}") for i in range(2)] == ["a", "a"]
+    c.report("b", queued_prefill_tokens=0)
+    assert [route(f"s{i}", first_turn(i), f"s{i}") for i in (2, 3)] == ["b", "b"]  # 2 each
+    c.report("a", [stored(first_turn(0)), stored(first_turn(1))], queued_prefill_tokens=300)
+    # s0's turn: 40 new tokens and 300 queued on a, 130 on an idle b; b holds as many.
+    assert route("s0-t1", next_turn(0), "s0") == "a"
+    # Past the slack on a, s1 leaves whatever b holds: b holds 3 sessions, a 1.
+    c.report("a", queued_prefill_tokens=2000)
+    assert route("s1-t1", next_turn(1), "s1") == "b"
+    # s2's turn is cheaper on a, which holds fewer: it moves.
+    c.report("a", queued_prefill_tokens=0)
+    c.report("b", [stored(first_turn(2)), stored(first_turn(3))], queued_prefill_tokens=300)
+    assert route("s2-t1", next_turn(2), "s2") == "a"
+    c.router.check()
+
+
 def test_ttft_breaks_ties_by_the_sessions_each_worker_holds() -> None:
     """A lone client's sessions, one at a time on an idle cluster: the second goes to the
     worker without the system prompt (the loads tie, b holds no session), and once both hold
