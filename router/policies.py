@@ -302,10 +302,11 @@ class TTFTPolicy(Policy):
                 h = home[0]
                 among[h] = False
                 if near[h]:
-                    held = self._held_per_speed(c)
+                    held = self._held_per_speed(c, near)
                     among &= (cost <= cost[h]) & (held < held[h])
                     if not among.any():
                         return int(h)
+                    return first_min((held, *keys), among)
             return self._fewest_sessions(c, among, keys)
         tied = (
             (cost == cost[best]) & (c.hit_tokens == c.hit_tokens[best]) & (c.load == c.load[best])
@@ -314,14 +315,18 @@ class TTFTPolicy(Policy):
             return self._fewest_sessions(c, tied, (c.order,))
         return best
 
-    def _held_per_speed(self, c: Candidates) -> np.ndarray:
-        """Each candidate's sessions placed by this policy, per unit of its speed."""
-        return np.array([self._held[w] for w in c.worker_id], np.float64) / c.speed
+    def _held_per_speed(self, c: Candidates, among: np.ndarray) -> np.ndarray:
+        """The sessions this policy placed on each of `among`, per unit of its speed (0 for
+        the other candidates: a decision reads only those it chooses from)."""
+        held = np.zeros(len(c))
+        at = np.flatnonzero(among)
+        held[at] = [self._held[w] for w in c.worker_id[at]]
+        return held / c.speed
 
     def _fewest_sessions(self, c: Candidates, among: np.ndarray, keys: Sequence[np.ndarray]) -> int:
         """Of `among`, the one holding the fewest placed sessions per unit of speed, then by
         `keys`."""
-        return first_min((self._held_per_speed(c), *keys), among)
+        return first_min((self._held_per_speed(c, among), *keys), among)
 
     def placed(self, request: RouteRequest, chosen: Candidate) -> None:
         key = request.session_key
