@@ -29,7 +29,11 @@ usage.prompt_tokens), wall time; also "hist hit" (of the turns k >= 2, those who
 tokens cover all of turn k-1's prompt: they found the session's history, in effect on the
 worker that served turn k-1), requests per worker (the app's /metrics: the ingress's
 end-to-end latency count per worker, warm-up excluded) and whether every answer equals the
-first run's (greedy: neither cache hits nor the worker may change the text).
+first run's (greedy: neither cache hits nor the worker may change the text). Below each run,
+where the first tokens went, as means per request: the client's TTFT, the ingress's (from the
+request's arrival there: the rest is Serve's HTTP proxy and the client), and its parts from
+/metrics (`swaserve:request_{route,queue,prefill,transport}_time_seconds`; "before routing" is
+the chat template and the tokenizer).
 
 Read the figures with two effects in mind: Serve's power-of-two routing takes the less loaded
 of two replicas drawn at random for every request, and in a closed loop the replica that just finished a
@@ -224,16 +228,45 @@ async def drive(
     return results, time.perf_counter() - start
 
 
-def requests_per_worker(base_url: str) -> dict[str, float]:
-    """The app's /metrics: requests its ingress saw end, per worker."""
+PARTS = ("route", "queue", "prefill", "transport")  # swaserve:request_<part>_time_seconds
+TTFT = "swaserve:time_to_first_token_seconds"
+
+
+def scrape(base_url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The app's /metrics: requests its ingress saw end, per worker, and each histogram's
+    `_sum` and `_count` summed over its labels."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
         text = response.read().decode()
-    out: dict[str, float] = {}
+    per_worker: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == E2E_COUNT:
                 worker = sample.labels.get("worker", "")
-                out[worker] = out.get(worker, 0.0) + sample.value
+                per_worker[worker] = per_worker.get(worker, 0.0) + sample.value
+            if sample.name.endswith(("_sum", "_count")):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return per_worker, totals
+
+
+def ttft_parts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per request between two scrapes: the ingress's time to first token
+    (from the request's arrival) and its parts from asking the router (`route`, the engine's
+    `queue`, `prefill`, `transport`); `before_route` is what the ingress did first (the chat
+    template, tokenizing). Empty where no request had its parts."""
+
+    def mean_ms(name: str) -> float | None:
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        if count <= 0:
+            return None
+        return 1e3 * (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / count
+
+    ingress = mean_ms(TTFT)
+    parts = {part: mean_ms(f"swaserve:request_{part}_time_seconds") for part in PARTS}
+    if ingress is None or any(v is None for v in parts.values()):
+        return {}
+    out = {"ingress": ingress, **{k: v for k, v in parts.items() if v is not None}}
+    out["before_route"] = ingress - sum(out[part] for part in PARTS)
     return out
 
 
@@ -253,9 +286,10 @@ def run_routing(
     model_dir: str,
     work: ChatWorkload,
     args: argparse.Namespace,
-) -> tuple[list[TurnResult], float, dict[str, int]]:
+) -> tuple[list[TurnResult], float, dict[str, int], dict[str, float]]:
     """A fresh Serve application for one run, deleted whatever happens; the results, the wall
-    seconds, and the requests per worker over the workload (warm-up excluded)."""
+    seconds, the requests per worker and the TTFT parts (`ttft_parts`) over the workload
+    (warm-up excluded)."""
     app_args = {
         "model": model_dir,
         "tp_size": 1,
@@ -271,7 +305,9 @@ def run_routing(
     try:
         base_url = f"http://127.0.0.1:{http_port}/{app_name}"
 
-        async def go() -> tuple[list[TurnResult], float, dict[str, float], dict[str, float]]:
+        Scrape = tuple[dict[str, float], dict[str, float]]
+
+        async def go() -> tuple[list[TurnResult], float, Scrape, Scrape]:
             client = openai.AsyncOpenAI(
                 base_url=f"{base_url}/v1",
                 api_key="unused",
@@ -280,18 +316,21 @@ def run_routing(
             )
             async with client:
                 await warm_up(client, args.replicas)
-                before = await asyncio.to_thread(requests_per_worker, base_url)
+                before = await asyncio.to_thread(scrape, base_url)
                 results, wall_s = await drive(client, work, args.concurrency)
-                after = await asyncio.to_thread(requests_per_worker, base_url)
+                after = await asyncio.to_thread(scrape, base_url)
             return results, wall_s, before, after
 
         results, wall_s, before, after = asyncio.run(go())
     finally:
         serve.delete(app_name)
+    (workers_before, totals_before), (workers_after, totals_after) = before, after
     per_worker = {
-        w: round(n - before.get(w, 0.0)) for w, n in sorted(after.items()) if n > before.get(w, 0)
+        w: round(n - workers_before.get(w, 0.0))
+        for w, n in sorted(workers_after.items())
+        if n > workers_before.get(w, 0)
     }
-    return results, wall_s, per_worker
+    return results, wall_s, per_worker, ttft_parts(totals_before, totals_after)
 
 
 def metrics(
@@ -342,13 +381,22 @@ def run_all(
     for round_ in range(args.repeats):
         for routing in args.routings:
             app_name = f"{routing.replace('_', '-')}-{round_ + 1}"
-            results, wall_s, per_worker = run_routing(
+            results, wall_s, per_worker, parts = run_routing(
                 routing, app_name, http_port, model_dir, work, args
             )
             m = metrics(results, wall_s, per_worker, reference)
             if reference is None:
                 reference = {(r.session, r.turn): r.answer for r in results}
-            runs.append({"round": round_ + 1, "routing": routing, **m})
+            ttft_mean_ms = 1e3 * sum(r.ttft_s for r in results) / len(results)
+            runs.append(
+                {
+                    "round": round_ + 1,
+                    "routing": routing,
+                    **m,
+                    "ttft_mean_ms": ttft_mean_ms,
+                    "ttft_parts_ms": parts,
+                }
+            )
             print_row(runs[-1])
     return runs
 
@@ -368,6 +416,15 @@ def print_row(run: dict) -> None:
         f"{per_worker}",
         flush=True,
     )
+    parts = run["ttft_parts_ms"]
+    if parts:
+        print(
+            f"      TTFT means: client {run['ttft_mean_ms']:.0f} ms, ingress {parts['ingress']:.0f} "
+            f"ms: before routing {parts['before_route']:.0f}, route {parts['route']:.0f}, engine "
+            f"queue {parts['queue']:.0f}, prefill {parts['prefill']:.0f}, transport "
+            f"{parts['transport']:.0f} ms",
+            flush=True,
+        )
 
 
 def summarize(runs: list[dict], routings: list[str]) -> dict[str, dict]:

@@ -190,6 +190,8 @@ class InferenceService:
     def __init__(self, cluster: RoutedCluster, metrics: ServingMetrics | None = None) -> None:
         self.cluster = cluster
         self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(cluster)
         self._open: set[str] = set()
 
     @property

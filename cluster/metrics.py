@@ -4,7 +4,9 @@ know them, with labels `model_name` and `worker`.
 Three sources, one registry per ingress process:
 
 - per request, measured in the ingress (gRPC and HTTP alike): time to first token,
-  inter-token latency, end-to-end latency (histograms);
+  inter-token latency, end-to-end latency (histograms), and where the first token's time went
+  (`watch(cluster)`: the `RoutedCluster`'s `TTFTBreakdown` of each request, in four parts:
+  routing, the engine's queue, prefill, and the transport between them);
 - per worker, read at scrape time from the router's view (`Cluster.load()`: each worker's last
   headroom report) and the router's own counters (`Cluster.router_stats()`): running and
   waiting requests, full and SWA pool usage, prefix-cache queries and hits (tokens), tombstoned
@@ -26,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from swaserve.cluster.routed import TTFTBreakdown
     from swaserve.cluster.router_actor import WorkerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -194,8 +197,48 @@ class ServingMetrics:
             "time from request arrival to its last token",
             E2E_BUCKETS_S,
         )
+        # The parts of the first token's time (`TTFTBreakdown`), vLLM's queue and prefill times
+        # among them; their sum is the time to first token from asking the router.
+        self.route_time = histogram(
+            "request_route_time_seconds",
+            "time from asking the router to its answer: its decision and its admission queue",
+            LATENCY_BUCKETS_S,
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "time a request waited in its worker's engine queue before it was admitted",
+            LATENCY_BUCKETS_S,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "time from a request's admission to its first token: the steps that computed its prompt",
+            LATENCY_BUCKETS_S,
+        )
+        self.transport_time = histogram(
+            "request_transport_time_seconds",
+            "the rest of the time to first token: to the worker and back, and the wait for its "
+            "engine loop to take the request (the step under way)",
+            LATENCY_BUCKETS_S,
+        )
         self.snapshot = ClusterSnapshotCollector(model_name)
         self.registry.register(self.snapshot)
+
+    def watch(self, cluster: Any) -> None:
+        """Record where each first token of `cluster` (a `RoutedCluster`) went; an ingress that
+        shares this registry with another watches the same cluster once."""
+        if hasattr(cluster, "on_ttft_breakdown"):
+            cluster.on_ttft_breakdown = self.observe_ttft_parts
+
+    def observe_ttft_parts(self, breakdown: TTFTBreakdown) -> None:
+        """One request's `TTFTBreakdown`: its route, and the worker's parts when it sent them."""
+        labels = (self.model_name, breakdown.worker_id)
+        self.route_time.labels(*labels).observe(breakdown.route_s)
+        timings, transport_s = breakdown.worker, breakdown.transport_s
+        if timings is None or transport_s is None:
+            return
+        self.queue_time.labels(*labels).observe(timings.queued_s)
+        self.prefill_time.labels(*labels).observe(timings.prefill_s)
+        self.transport_time.labels(*labels).observe(max(0.0, transport_s))
 
     def tracker(self, arrival_s: float) -> RequestTimer:
         return RequestTimer(self, arrival_s)

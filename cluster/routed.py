@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,8 @@ class RoutedCluster:
         self.breakdowns: collections.deque[TTFTBreakdown] = collections.deque(
             maxlen=BREAKDOWNS_KEPT
         )
+        # Called with each breakdown as it is taken (`ServingMetrics.watch`).
+        self.on_ttft_breakdown: Callable[[TTFTBreakdown], None] | None = None
         self._ids = itertools.count()
 
     # ---- what a subclass provides ----------------------------------------------------------
@@ -320,11 +322,12 @@ class RoutedCluster:
                             if cached is None:
                                 cached = item.cached_tokens
                                 first_s = time.monotonic() - asked_s
-                                self.breakdowns.append(
-                                    TTFTBreakdown(
-                                        request_id, worker, route_s, cached, item.timings, first_s
-                                    )
+                                breakdown = TTFTBreakdown(
+                                    request_id, worker, route_s, cached, item.timings, first_s
                                 )
+                                self.breakdowns.append(breakdown)
+                                if self.on_ttft_breakdown is not None:
+                                    self.on_ttft_breakdown(breakdown)
                             item.cached_tokens = cached
                             sent.extend(item.token_ids)
                             if finished:  # before the yield: a caller may stop at this chunk

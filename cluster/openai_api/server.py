@@ -34,6 +34,8 @@ class OpenAIServer:
         if api_key is not None and not api_key.strip():
             raise ValueError("api_key must not be empty")
         self.cluster, self.metrics = cluster, metrics
+        if metrics is not None:
+            metrics.watch(cluster)
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None
         self.started = int(time.time())
         self.jobs = JobBuilder(cluster)  # request body -> Job (tokenizes: off the event loop)

@@ -50,6 +50,13 @@ def test_serve_load_bench() -> None:
         assert 0.0 <= run["cached_share"] <= 1.0
         assert 0.0 <= run["history_hit_share"] <= 1.0
         assert sum(run["requests_per_worker"].values()) == requests
+        # where the first tokens went, from the app's /metrics: every part was timed, and the
+        # ingress's mean is the parts' with what it did before routing
+        parts = run["ttft_parts_ms"]
+        assert set(parts) == {"ingress", "before_route", "route", "queue", "prefill", "transport"}
+        assert all(parts[k] >= 0.0 for k in ("route", "queue", "prefill", "transport"))
+        assert parts["prefill"] > 0.0
+        assert 0.0 <= parts["before_route"] < parts["ingress"] <= run["ttft_mean_ms"]
     assert len(runs["serve"]["requests_per_worker"]) == 2
     # Round robin through the app's router: the requests alternate between the replicas.
     assert sorted(runs["round_robin"]["requests_per_worker"].values()) == [

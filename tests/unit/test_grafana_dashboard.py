@@ -15,8 +15,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swaserve.cluster.metrics import ServingMetrics
+from swaserve.cluster.routed import TTFTBreakdown
 from swaserve.cluster.router_actor import WorkerStatus
 from swaserve.proto.messages import Headroom
+from swaserve.proto.stream import RequestTimings
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "swaserve-dashboard.json"
 GRID_COLUMNS = 24
@@ -47,9 +49,9 @@ HEADROOM = Headroom(
 def exported() -> dict[str, tuple[str, frozenset[str]]]:
     """Each sample name the registry exposes → (its family's name, the labels it carries).
 
-    The registry is fed one worker, one routing decision and one request, so every family has
-    samples; a family's sample names are the client's own suffix rules (`_bucket`/`_count`/
-    `_sum` for a histogram, `_total` for a counter). The `_created` timestamp families that
+    The registry is fed one worker, one routing decision and one request (with its first
+    token's parts), so every family has samples; a family's sample names are the client's own
+    suffix rules (`_bucket`/`_count`/`_sum` for a histogram, `_total` for a counter). The `_created` timestamp families that
     prometheus-client adds beside each histogram are left out: nothing to chart.
     """
     metrics = ServingMetrics("m")
@@ -61,6 +63,8 @@ def exported() -> dict[str, tuple[str, frozenset[str]]]:
     timer.tokens(1, "worker-0", now_s=0.1)
     timer.tokens(1, "worker-0", now_s=0.2)
     timer.finish(now_s=0.3)
+    timings = RequestTimings(0.01, 0.05, "", 1, 0, 8)
+    metrics.observe_ttft_parts(TTFTBreakdown("r", "worker-0", 0.01, 0, timings, 0.1))
     text = generate_latest(metrics.registry).decode()
     out: dict[str, tuple[str, frozenset[str]]] = {}
     for family in text_string_to_metric_families(text):
@@ -133,7 +137,7 @@ def test_the_checkers_catch_what_they_are_for() -> None:
 
 def test_exported_families_are_the_ones_the_dashboard_was_built_for() -> None:
     families = {family for family, _ in exported().values()}
-    assert len(families) == 21
+    assert len(families) == 25
     assert exported()["swaserve:router_decisions_total"] == (
         "swaserve:router_decisions",
         frozenset({"model_name", "policy", "outcome"}),

@@ -823,6 +823,15 @@ def test_metrics_list_design_names_and_count_requests(
     assert after[e2e][f"{e2e}_count"] == before[e2e][f"{e2e}_count"] + 1
     itl = "swaserve:inter_token_latency_seconds"
     assert after[itl][f"{itl}_count"] == before[itl][f"{itl}_count"] + 2  # 3 tokens, 2 gaps
+    # where its first token's time went: four parts, each once, adding up to no more than the
+    # time to first token (which starts earlier, at the request's arrival)
+    parts = 0.0
+    for part in ("route", "queue", "prefill", "transport"):
+        name = f"swaserve:request_{part}_time_seconds"
+        assert after[name][f"{name}_count"] == before.get(name, {}).get(f"{name}_count", 0) + 1
+        parts += after[name][f"{name}_sum"] - before.get(name, {}).get(f"{name}_sum", 0.0)
+    grew = after[ttft][f"{ttft}_sum"] - before[ttft][f"{ttft}_sum"]
+    assert 0.0 < parts <= grew + 1e-6, (parts, grew)
 
 
 @pytest.mark.parametrize("how", ["stream", "whole"])

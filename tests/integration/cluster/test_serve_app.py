@@ -269,10 +269,14 @@ def test_metrics_list_the_names_and_follow_the_requests(serve_app: ServeApp) -> 
         "swaserve:inter_token_latency_seconds_count",
         "swaserve:e2e_request_latency_seconds_count",
         "swaserve:router_decisions_total",
+        "swaserve:request_route_time_seconds_count",
+        "swaserve:request_prefill_time_seconds_count",
     ):
         assert name in names, name
     for name in (
         "swaserve:time_to_first_token_seconds_count",
+        "swaserve:request_route_time_seconds_count",
+        "swaserve:request_transport_time_seconds_count",
         "swaserve:prefix_cache_queries_total",
     ):
         assert total(after, name) > total(before, name), name

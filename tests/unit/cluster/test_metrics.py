@@ -7,8 +7,10 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from swaserve.cluster.metrics import ServingMetrics, tombstoned_tokens
+from swaserve.cluster.routed import TTFTBreakdown
 from swaserve.cluster.router_actor import WorkerStatus
 from swaserve.proto.messages import Headroom
+from swaserve.proto.stream import RequestTimings
 
 HEADROOM = Headroom(
     full_total_tokens=1000,
@@ -102,6 +104,31 @@ def test_every_token_after_the_first_is_one_inter_token_sample() -> None:
     assert got["swaserve:time_to_first_token_seconds_sum", w] == 0.25
     assert got["swaserve:inter_token_latency_seconds_count", w] == 2
     assert abs(got["swaserve:inter_token_latency_seconds_sum", w] - 0.2) < 1e-9
+
+
+def test_a_first_tokens_parts_go_to_their_histograms_by_worker() -> None:
+    """`watch` hooks a cluster's breakdowns; a worker that sent no timings gives the route only."""
+
+    class Cluster:
+        on_ttft_breakdown = None
+
+    metrics, cluster = ServingMetrics("tiny"), Cluster()
+    metrics.watch(cluster)
+    metrics.watch(object())  # not a RoutedCluster: nothing to hook, no error
+    assert cluster.on_ttft_breakdown is not None
+    timings = RequestTimings(0.02, 0.25, "", 1, 0, 16, loop_wait_s=0.01)
+    cluster.on_ttft_breakdown(TTFTBreakdown("r1", "worker-0", 0.005, 8, timings, 0.3))
+    cluster.on_ttft_breakdown(TTFTBreakdown("r2", "worker-1", 0.004, 0, None, 0.1))
+    got = samples(asyncio.run(metrics.render(Snapshot())))
+    w0 = (("model_name", "tiny"), ("worker", "worker-0"))
+    w1 = (("model_name", "tiny"), ("worker", "worker-1"))
+    assert got["swaserve:request_route_time_seconds_sum", w0] == 0.005
+    assert got["swaserve:request_route_time_seconds_sum", w1] == 0.004
+    assert got["swaserve:request_queue_time_seconds_sum", w0] == 0.02
+    assert got["swaserve:request_prefill_time_seconds_sum", w0] == 0.25
+    assert abs(got["swaserve:request_transport_time_seconds_sum", w0] - 0.025) < 1e-9
+    for part in ("queue", "prefill", "transport"):
+        assert ("swaserve:request_" + part + "_time_seconds_count", w1) not in got
 
 
 def test_single_pool_workers_have_no_tombstones() -> None:
