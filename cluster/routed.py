@@ -322,8 +322,13 @@ class RoutedCluster:
                             if cached is None:
                                 cached = item.cached_tokens
                                 first_s = time.monotonic() - asked_s
-                                breakdown = TTFTBreakdown(
-                                    request_id, worker, route_s, cached, item.timings, first_s
+                                breakdown = TTFTBreakdown(  # the worker that served it
+                                    request_id,
+                                    item.worker_id,
+                                    route_s,
+                                    cached,
+                                    item.timings,
+                                    first_s,
                                 )
                                 self.breakdowns.append(breakdown)
                                 if self.on_ttft_breakdown is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from routed_fakes import FakeCluster
 
+from swaserve.cluster.metrics import ServingMetrics
 from swaserve.proto.engine_request import EngineRequest
 from swaserve.proto.sampling_params import SamplingParams
 from swaserve.proto.stream import GenerateChunk, RequestTimings
@@ -63,3 +64,26 @@ def test_one_breakdown_per_request_with_the_workers_timings(
     run(plain, "c")
     [only] = plain.breakdowns
     assert (only.request_id, only.worker, only.transport_s) == ("c", None, None)
+
+
+def test_an_ingress_metrics_get_every_breakdown_as_it_is_taken(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """`ServingMetrics.watch`: each breakdown reaches the parts histograms, by its worker."""
+    model_dir = tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
+    cluster = TimedCluster(model_dir, None, ["w0"])
+    metrics = ServingMetrics("tiny")
+    metrics.watch(cluster)
+    run(cluster, "a", "b")
+    labels = {"model_name": "tiny", "worker": "w0"}
+    registry = metrics.registry
+    for part, each in (("route", None), ("queue", 0.5), ("prefill", 0.25), ("transport", None)):
+        name = f"swaserve:request_{part}_time_seconds"
+        assert registry.get_sample_value(f"{name}_count", labels) == 2, part
+        if each is not None:
+            assert registry.get_sample_value(f"{name}_sum", labels) == 2 * each, part
+    route = registry.get_sample_value("swaserve:request_route_time_seconds_sum", labels)
+    assert route == sum(b.route_s for b in cluster.breakdowns)
+    # the fake's timings are longer than its requests took: a negative rest counts as 0
+    transport = registry.get_sample_value("swaserve:request_transport_time_seconds_sum", labels)
+    assert transport == sum(max(0.0, b.transport_s or 0.0) for b in cluster.breakdowns) == 0.0
