@@ -253,7 +253,8 @@ def ttft_parts(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     """Mean milliseconds per request between two scrapes: the ingress's time to first token
     (from the request's arrival) and its parts from asking the router (`route`, the engine's
     `queue`, `prefill`, `transport`); `before_route` is what the ingress did first (the chat
-    template, tokenizing). Empty where no request had its parts."""
+    template, tokenizing), about: a retried request's parts are its last attempt's. One ingress
+    replica's view (the app's default). Empty where no request had its parts."""
 
     def mean_ms(name: str) -> float | None:
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)

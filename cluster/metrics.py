@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from swaserve.cluster.routed import TTFTBreakdown
+    from swaserve.cluster.routed import RoutedCluster, TTFTBreakdown
     from swaserve.cluster.router_actor import WorkerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -223,11 +223,11 @@ class ServingMetrics:
         self.snapshot = ClusterSnapshotCollector(model_name)
         self.registry.register(self.snapshot)
 
-    def watch(self, cluster: Any) -> None:
-        """Record where each first token of `cluster` (a `RoutedCluster`) went; an ingress that
-        shares this registry with another watches the same cluster once."""
-        if hasattr(cluster, "on_ttft_breakdown"):
-            cluster.on_ttft_breakdown = self.observe_ttft_parts
+    def watch(self, cluster: RoutedCluster) -> None:
+        """Record where each first token of `cluster` went. Idempotent: the ingresses of one
+        process (gRPC and HTTP) share a registry and both call it; a cluster reports to one
+        registry, the last that watched it."""
+        cluster.on_ttft_breakdown = self.observe_ttft_parts
 
     def observe_ttft_parts(self, breakdown: TTFTBreakdown) -> None:
         """One request's `TTFTBreakdown`: its route, and the worker's parts when it sent them."""

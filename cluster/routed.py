@@ -332,7 +332,10 @@ class RoutedCluster:
                                 )
                                 self.breakdowns.append(breakdown)
                                 if self.on_ttft_breakdown is not None:
-                                    self.on_ttft_breakdown(breakdown)
+                                    try:  # metrics must never fail a request
+                                        self.on_ttft_breakdown(breakdown)
+                                    except Exception:
+                                        logger.exception("recording %s's first token", request_id)
                             item.cached_tokens = cached
                             sent.extend(item.token_ids)
                             if finished:  # before the yield: a caller may stop at this chunk

@@ -269,7 +269,7 @@ def test_metrics_list_the_names_and_follow_the_requests(serve_app: ServeApp) -> 
         "swaserve:inter_token_latency_seconds_count",
         "swaserve:e2e_request_latency_seconds_count",
         "swaserve:router_decisions_total",
-        "swaserve:request_route_time_seconds_count",
+        "swaserve:request_queue_time_seconds_count",
         "swaserve:request_prefill_time_seconds_count",
     ):
         assert name in names, name

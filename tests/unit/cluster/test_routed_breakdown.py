@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from routed_fakes import FakeCluster
 
@@ -87,3 +88,33 @@ def test_an_ingress_metrics_get_every_breakdown_as_it_is_taken(
     # the fake's timings are longer than its requests took: a negative rest counts as 0
     transport = registry.get_sample_value("swaserve:request_transport_time_seconds_sum", labels)
     assert transport == sum(max(0.0, b.transport_s or 0.0) for b in cluster.breakdowns) == 0.0
+
+
+class AnyReplicaCluster(TimedCluster):
+    """As under the Serve app's own routing: the route names no worker ("*"), and the replica
+    that took the request names itself on its chunks."""
+
+    async def _route(self, *args: Any, **kwargs: Any) -> str:
+        await super()._route(*args, **kwargs)
+        return "*"
+
+    async def _stream(
+        self, worker_id: str, request: EngineRequest
+    ) -> AsyncIterator[GenerateChunk | Exception]:
+        async for item in super()._stream("w0", request):
+            if isinstance(item, GenerateChunk) and item.token_ids:
+                item.worker_id = "replica-7"
+            yield item
+
+
+def test_a_breakdown_names_the_worker_that_served_the_request(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    model_dir = tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
+    cluster = AnyReplicaCluster(model_dir, None, ["w0"])
+    metrics = ServingMetrics("tiny")
+    metrics.watch(cluster)
+    run(cluster, "a")
+    assert [b.worker_id for b in cluster.breakdowns] == ["replica-7"]
+    served = {"model_name": "tiny", "worker": "replica-7"}
+    assert metrics.registry.get_sample_value("swaserve:request_prefill_time_seconds_count", served)
