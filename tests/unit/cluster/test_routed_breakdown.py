@@ -67,15 +67,23 @@ def test_one_breakdown_per_request_with_the_workers_timings(
     assert (only.request_id, only.worker, only.transport_s) == ("c", None, None)
 
 
+def watched(
+    kind: type[TimedCluster], tiny_model_factory: Callable[..., Path], *request_ids: str
+) -> tuple[TimedCluster, ServingMetrics]:
+    """A `kind` cluster of one worker ("w0") watched by a registry, after `request_ids` ran."""
+    model_dir = tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
+    cluster = kind(model_dir, None, ["w0"])
+    metrics = ServingMetrics("tiny")
+    metrics.watch(cluster)
+    run(cluster, *request_ids)
+    return cluster, metrics
+
+
 def test_an_ingress_metrics_get_every_breakdown_as_it_is_taken(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
     """`ServingMetrics.watch`: each breakdown reaches the parts histograms, by its worker."""
-    model_dir = tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
-    cluster = TimedCluster(model_dir, None, ["w0"])
-    metrics = ServingMetrics("tiny")
-    metrics.watch(cluster)
-    run(cluster, "a", "b")
+    cluster, metrics = watched(TimedCluster, tiny_model_factory, "a", "b")
     labels = {"model_name": "tiny", "worker": "w0"}
     registry = metrics.registry
     for part, each in (("route", None), ("queue", 0.5), ("prefill", 0.25), ("transport", None)):
@@ -110,11 +118,7 @@ class AnyReplicaCluster(TimedCluster):
 def test_a_breakdown_names_the_worker_that_served_the_request(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
-    model_dir = tiny_model_factory(arch="gpt-oss", num_layers=2, sliding_window_size=4)
-    cluster = AnyReplicaCluster(model_dir, None, ["w0"])
-    metrics = ServingMetrics("tiny")
-    metrics.watch(cluster)
-    run(cluster, "a")
+    cluster, metrics = watched(AnyReplicaCluster, tiny_model_factory, "a")
     assert [b.worker_id for b in cluster.breakdowns] == ["replica-7"]
     served = {"model_name": "tiny", "worker": "replica-7"}
     assert metrics.registry.get_sample_value("swaserve:request_prefill_time_seconds_count", served)
