@@ -85,6 +85,7 @@ from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from swaserve.cluster.metrics import TTFT_PARTS
 from swaserve.cluster.serve import build_app
 from swaserve.router import POLICIES
 
@@ -228,11 +229,11 @@ async def drive(
     return results, time.perf_counter() - start
 
 
-PARTS = ("route", "queue", "prefill", "transport")  # swaserve:request_<part>_time_seconds
 TTFT = "swaserve:time_to_first_token_seconds"
+Scrape = tuple[dict[str, float], dict[str, float]]  # requests per worker, histogram totals
 
 
-def scrape(base_url: str) -> tuple[dict[str, float], dict[str, float]]:
+def scrape(base_url: str) -> Scrape:
     """The app's /metrics: requests its ingress saw end, per worker, and each histogram's
     `_sum` and `_count` summed over its labels."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
@@ -262,12 +263,12 @@ def ttft_parts(before: dict[str, float], after: dict[str, float]) -> dict[str, f
             return None
         return 1e3 * (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / count
 
-    ingress = mean_ms(TTFT)
-    parts = {part: mean_ms(f"swaserve:request_{part}_time_seconds") for part in PARTS}
-    if ingress is None or any(v is None for v in parts.values()):
+    means = {"ingress": mean_ms(TTFT)}
+    means |= {part: mean_ms(f"swaserve:request_{part}_time_seconds") for part in TTFT_PARTS}
+    out = {name: mean for name, mean in means.items() if mean is not None}
+    if len(out) < len(means):
         return {}
-    out = {"ingress": ingress, **{k: v for k, v in parts.items() if v is not None}}
-    out["before_route"] = ingress - sum(out[part] for part in PARTS)
+    out["before_route"] = out["ingress"] - sum(out[part] for part in TTFT_PARTS)
     return out
 
 
@@ -305,8 +306,6 @@ def run_routing(
     serve.run(build_app(app_args), name=app_name, route_prefix=f"/{app_name}")
     try:
         base_url = f"http://127.0.0.1:{http_port}/{app_name}"
-
-        Scrape = tuple[dict[str, float], dict[str, float]]
 
         async def go() -> tuple[list[TurnResult], float, Scrape, Scrape]:
             client = openai.AsyncOpenAI(

@@ -37,6 +37,14 @@ LATENCY_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+TTFT_PARTS = {  # where a first token's time went (`TTFTBreakdown`); they add up to it
+    "route": "time from asking the router to its answer: its decision and its admission queue",
+    "queue": "time a request waited in its worker's engine queue before it was admitted",
+    "prefill": "time from a request's admission to its first token: the steps that computed "
+    "its prompt",
+    "transport": "the rest of the time to first token: to the worker and back, and the wait "
+    "for its engine loop to take the request (the step under way)",
+}
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -198,28 +206,11 @@ class ServingMetrics:
             E2E_BUCKETS_S,
         )
         # The parts of the first token's time (`TTFTBreakdown`), vLLM's queue and prefill times
-        # among them; their sum is the time to first token from asking the router.
-        self.route_time = histogram(
-            "request_route_time_seconds",
-            "time from asking the router to its answer: its decision and its admission queue",
-            LATENCY_BUCKETS_S,
-        )
-        self.queue_time = histogram(
-            "request_queue_time_seconds",
-            "time a request waited in its worker's engine queue before it was admitted",
-            LATENCY_BUCKETS_S,
-        )
-        self.prefill_time = histogram(
-            "request_prefill_time_seconds",
-            "time from a request's admission to its first token: the steps that computed its prompt",
-            LATENCY_BUCKETS_S,
-        )
-        self.transport_time = histogram(
-            "request_transport_time_seconds",
-            "the rest of the time to first token: to the worker and back, and the wait for its "
-            "engine loop to take the request (the step under way)",
-            LATENCY_BUCKETS_S,
-        )
+        # among them: `swaserve:request_<part>_time_seconds`.
+        self.ttft_parts = {
+            part: histogram(f"request_{part}_time_seconds", doc, LATENCY_BUCKETS_S)
+            for part, doc in TTFT_PARTS.items()
+        }
         self.snapshot = ClusterSnapshotCollector(model_name)
         self.registry.register(self.snapshot)
 
@@ -231,14 +222,16 @@ class ServingMetrics:
 
     def observe_ttft_parts(self, breakdown: TTFTBreakdown) -> None:
         """One request's `TTFTBreakdown`: its route, and the worker's parts when it sent them."""
-        labels = (self.model_name, breakdown.worker_id)
-        self.route_time.labels(*labels).observe(breakdown.route_s)
+        seconds = {"route": breakdown.route_s}
         timings, transport_s = breakdown.worker, breakdown.transport_s
-        if timings is None or transport_s is None:
-            return
-        self.queue_time.labels(*labels).observe(timings.queued_s)
-        self.prefill_time.labels(*labels).observe(timings.prefill_s)
-        self.transport_time.labels(*labels).observe(max(0.0, transport_s))
+        if timings is not None and transport_s is not None:
+            seconds |= {
+                "queue": timings.queued_s,
+                "prefill": timings.prefill_s,
+                "transport": max(0.0, transport_s),
+            }
+        for part, value in seconds.items():
+            self.ttft_parts[part].labels(self.model_name, breakdown.worker_id).observe(value)
 
     def tracker(self, arrival_s: float) -> RequestTimer:
         return RequestTimer(self, arrival_s)

@@ -51,8 +51,9 @@ def exported() -> dict[str, tuple[str, frozenset[str]]]:
 
     The registry is fed one worker, one routing decision and one request (with its first
     token's parts), so every family has samples; a family's sample names are the client's own
-    suffix rules (`_bucket`/`_count`/`_sum` for a histogram, `_total` for a counter). The `_created` timestamp families that
-    prometheus-client adds beside each histogram are left out: nothing to chart.
+    suffix rules (`_bucket`/`_count`/`_sum` for a histogram, `_total` for a counter). The
+    `_created` timestamp families that prometheus-client adds beside each histogram are left
+    out: nothing to chart.
     """
     metrics = ServingMetrics("m")
     metrics.snapshot.update(
