@@ -50,7 +50,13 @@ prefills share steps and each first token waits for all of them.
 Each run also prints where the time to first token went (`RoutedCluster.breakdowns`): the
 router's answer, the engine's queue, the prefill, the way to the engine and back (and of it,
 the wait for the step under way), the steps a prefill took with the decode rows and prompt
-tokens they carried, and what held requests at admission.
+tokens they carried, and what held requests at admission; then the TTFT p50 of its requests
+by the prompt tokens they computed (a user message: a turn that found its history; up to one
+turn more; more) and the CPU per request of the engines, the router and this process (the
+gRPC server and the clients). The end of the output compares those like for like (medians of
+the rounds): in a closed loop a policy that saves work gets its clients' next turns sooner,
+so its engines are busier and a request of one size waits longer than the baseline's of the
+same size; what it saves per request shows in the CPU figures.
 
 `--simulate` then fits bench/cluster_sim.py to the runs (the engines' step logs and the
 measured hops), replays the same workload and policies on it, and prints its TTFT p50 / p99
@@ -67,6 +73,8 @@ import itertools
 import json
 import os
 import random
+import resource
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -262,11 +270,17 @@ async def drive(
 async def run_policy(
     policy: str, model_dir: str, work: Workload, args: argparse.Namespace
 ) -> tuple[
-    list[TurnResult], float, dict[str, int], list[TTFTBreakdown], dict[str, list[StepRecord]]
+    list[TurnResult],
+    float,
+    dict[str, int],
+    list[TTFTBreakdown],
+    dict[str, list[StepRecord]],
+    dict[str, float] | None,
 ]:
     """A fresh cluster and server for one run, both stopped whatever happens; the results,
     the wall seconds, the router's counters over the workload (warm-up excluded), and where
-    each workload request's time to first token went (`RoutedCluster.breakdowns`)."""
+    each workload request's time to first token went (`RoutedCluster.breakdowns`), its
+    engines' steps, and the CPU per request of the engines, the router and this process."""
     config = ClusterConfig(
         engine=EngineConfig(
             model=model_dir,
@@ -294,7 +308,10 @@ async def run_policy(
                 before = await cluster.router_stats()
                 cluster.breakdowns.clear()
                 await take_step_logs(cluster)  # the warm-up's steps
+                pids = await cpu_pids(cluster)
+                cpu_before = cpu_seconds(pids)
                 results, wall_s = await drive(stub, work, args.concurrency)
+                cpu = cpu_per_request(cpu_before, cpu_seconds(pids), len(results))
                 after = await cluster.router_stats()
                 breakdowns = list(cluster.breakdowns)
                 steps = await take_step_logs(cluster)
@@ -308,7 +325,7 @@ async def run_policy(
         "predicted_hit_tokens": after["predicted_hit_tokens"] - before["predicted_hit_tokens"],
         "queued": after["decisions"].get(queued, 0) - before["decisions"].get(queued, 0),
     }
-    return results, wall_s, router, breakdowns, steps
+    return results, wall_s, router, breakdowns, steps, cpu
 
 
 async def take_step_logs(cluster: Cluster) -> dict[str, list[StepRecord]]:
@@ -347,12 +364,76 @@ def ttft_parts(breakdowns: list[TTFTBreakdown]) -> dict:
     }
 
 
+def size_classes(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """The upper bounds of `ttft_by_size`'s classes of computed prompt tokens: what a turn
+    that found its history computes at most (its user message, and the last token of the
+    answer before it), then what one that missed one turn of it computes at most."""
+    message = args.user_tokens + args.user_tokens // 2
+    answer = args.max_new_tokens + args.max_new_tokens // 2
+    return (("a message", message + 1), ("+1 turn", 2 * message + answer + 1))
+
+
+def ttft_by_size(results: list[TurnResult], classes: tuple[tuple[str, int], ...]) -> dict:
+    """TTFT p50 (ms) and count of the requests by the prompt tokens they computed (not
+    cached), in `size_classes`' classes and above the last: requests of one size compare
+    like for like across policies. In a closed loop a policy that saves work gets its
+    clients' next turns sooner, so its engines run busier and its requests of a size wait
+    longer than the baseline's of the same size."""
+    groups: dict[str, list[float]] = {name: [] for name, _ in classes}
+    groups["more"] = []
+    for r in results:
+        computed = r.prompt_tokens - r.cached_tokens
+        name = next((name for name, bound in classes if computed <= bound), "more")
+        groups[name].append(1e3 * r.ttft_s)
+    return {
+        name: {"requests": len(ms), "p50_ms": percentile(ms, 0.50) if ms else None}
+        for name, ms in groups.items()
+    }
+
+
+async def cpu_pids(cluster: Cluster) -> dict[str, list[int]]:
+    """The processes whose CPU `cpu_seconds` reads: each worker's engine (TP rank 0) and the
+    router; "ingress and clients" is this process (the gRPC server and the load's clients)."""
+    ids = sorted(cluster.groups)
+    engines = await asyncio.gather(*(cluster.groups[w].engine.pid.remote() for w in ids))
+    return {"engines": list(engines), "router": [await cluster.router.pid.remote()]}
+
+
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float] | None:
+    """CPU seconds (user + system) each group of processes has used so far; None where
+    /proc does not say (not Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    try:
+        out = {name: sum(used(p) for p in group) for name, group in pids.items()}
+    except OSError:
+        return None
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return out | {"ingress and clients": own.ru_utime + own.ru_stime}
+
+
+def cpu_per_request(
+    before: dict[str, float] | None, after: dict[str, float] | None, requests: int
+) -> dict[str, float] | None:
+    """CPU ms per workload request of each group, between two `cpu_seconds`."""
+    if before is None or after is None:
+        return None
+    return {name: 1e3 * (after[name] - before[name]) / max(requests, 1) for name in before}
+
+
 def metrics(
     results: list[TurnResult],
     wall_s: float,
     router: dict[str, int],
     reference: dict | None,
     breakdowns: list[TTFTBreakdown],
+    classes: tuple[tuple[str, int], ...] = (),
+    cpu: dict[str, float] | None = None,
 ) -> dict:
     """The figures of one run; `router`: the router's counters over it; `reference`:
     (session, turn) -> answer of the first run."""
@@ -385,6 +466,8 @@ def metrics(
         "requests_per_worker": dict(sorted(Counter(r.worker_id for r in results).items())),
         "answers_equal_first_run": agree,
         "ttft_parts": ttft_parts(breakdowns),
+        "ttft_by_size": ttft_by_size(results, classes),
+        "cpu_ms_per_request": cpu,
     }
 
 
@@ -394,10 +477,10 @@ async def run_all(model_dir: str, work: Workload, args: argparse.Namespace) -> l
     print(HEADER, flush=True)
     for round_ in range(args.repeats):
         for policy in args.policies:
-            results, wall_s, router, breakdowns, steps = await run_policy(
+            results, wall_s, router, breakdowns, steps, cpu = await run_policy(
                 policy, model_dir, work, args
             )
-            m = metrics(results, wall_s, router, reference, breakdowns)
+            m = metrics(results, wall_s, router, reference, breakdowns, size_classes(args), cpu)
             if reference is None:
                 reference = {(r.session, r.turn): r.answer for r in results}
             hops = hops_of({r.request_id: r.ttft_s for r in results}, breakdowns)
@@ -439,6 +522,75 @@ def print_row(run: dict) -> None:
         f"{parts['prompt_tokens_per_prefill_step']:.0f} prompt tokens each; admitted: {held}",
         flush=True,
     )
+    sizes = ", ".join(
+        f"{name}: {c['p50_ms']:.0f} ms ({c['requests']})"
+        for name, c in run["ttft_by_size"].items()
+        if c["requests"]
+    )
+    cpu = run["cpu_ms_per_request"]
+    cpu_text = (
+        ""
+        if cpu is None
+        else "; CPU per request: " + ", ".join(f"{k} {v:.1f} ms" for k, v in cpu.items())
+    )
+    print(f"{'':>5} TTFT p50 by computed prompt tokens: {sizes}{cpu_text}", flush=True)
+
+
+def like_for_like(runs: list[dict], policies: tuple[str, ...]) -> dict[str, dict]:
+    """Per policy, the median over its rounds of each size class's TTFT p50 (`ttft_by_size`,
+    rounds without requests of the class left out) and of each CPU figure per request."""
+
+    def median_of(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    out: dict[str, dict] = {}
+    for policy in policies:
+        mine = [r for r in runs if r["policy"] == policy]
+        classes = mine[0]["ttft_by_size"]
+        cpus = [r["cpu_ms_per_request"] for r in mine if r["cpu_ms_per_request"] is not None]
+        out[policy] = {
+            "ttft_p50_ms_by_size": {
+                name: median_of(
+                    [
+                        r["ttft_by_size"][name]["p50_ms"]
+                        for r in mine
+                        if r["ttft_by_size"][name]["requests"]
+                    ]
+                )
+                for name in classes
+            },
+            "requests_by_size": {
+                name: sum(r["ttft_by_size"][name]["requests"] for r in mine) for name in classes
+            },
+            "cpu_ms_per_request": (
+                {k: statistics.median(c[k] for c in cpus) for k in cpus[0]} if cpus else None
+            ),
+        }
+    return out
+
+
+def print_like_for_like(alike: dict[str, dict], baseline: str) -> None:
+    base = alike[baseline]
+    for policy, mine in alike.items():
+        if policy == baseline:
+            continue
+        sizes = []
+        for name, ms in mine["ttft_p50_ms_by_size"].items():
+            theirs = base["ttft_p50_ms_by_size"][name]
+            if ms is None or theirs is None:
+                continue
+            n, m = mine["requests_by_size"][name], base["requests_by_size"][name]
+            sizes.append(f"{name} {ms:.0f} / {theirs:.0f} ms ({n} / {m} requests)")
+        print(
+            f"like for like, {policy} / {baseline}, TTFT p50 by computed prompt tokens: "
+            + ", ".join(sizes)
+        )
+        if mine["cpu_ms_per_request"] is not None and base["cpu_ms_per_request"] is not None:
+            cpu = ", ".join(
+                f"{k} {v:.1f} / {base['cpu_ms_per_request'][k]:.1f}"
+                for k, v in mine["cpu_ms_per_request"].items()
+            )
+            print(f"  CPU ms per request, {policy} / {baseline}: {cpu}")
 
 
 def summarize(runs: list[dict], policies: tuple[str, ...]) -> dict[str, dict]:
@@ -539,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio['wall']:.2f}x; cached share {median[policy]['cached_share']:.3f} vs "
             f"{median[baseline]['cached_share']:.3f}; {round_ratios_text(spreads[policy])}"
         )
+    alike = like_for_like(runs, args.policies)
+    print_like_for_like(alike, baseline)
     print(
         f"answers equal to the first run's: {agree:.0%} of requests in the worst run (load "
         f"average {load_before:.2f} before, {load_after:.2f} after)"
@@ -564,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             "median": median,
             "ratios": ratios,
             "round_ratios": spreads,
+            "like_for_like": alike,
             "answers_equal_first_run": agree,
             "runs": runs,
         }

@@ -60,6 +60,19 @@ def test_cluster_load_bench() -> None:
         parts = run["ttft_parts"]
         assert sum(parts["held_by"].values()) == requests
         assert parts["prefill_steps"] >= 1.0 and parts["prefill_ms"]["p50"] > 0
+        # Every request in one size class by the prompt tokens it computed; the CPU it took
+        # per request read from the engines', the router's and this process's counters.
+        sizes = run["ttft_by_size"]
+        assert list(sizes) == ["a message", "+1 turn", "more"]
+        assert sum(c["requests"] for c in sizes.values()) == requests
+        assert set(run["cpu_ms_per_request"]) == {"engines", "router", "ingress and clients"}
+        assert run["cpu_ms_per_request"]["engines"] > 0
+    alike = data["like_for_like"]
+    assert sorted(alike) == sorted(runs)
+    for policy, run in runs.items():  # one round: the medians are the run's own figures
+        sizes = {k: c["p50_ms"] for k, c in run["ttft_by_size"].items()}
+        assert alike[policy]["ttft_p50_ms_by_size"] == sizes
+        assert alike[policy]["cpu_ms_per_request"] == run["cpu_ms_per_request"]
     # Greedy decoding: where the prefix cache hits must not change a single token.
     assert runs["prefix"]["answers_equal_first_run"] == 1.0
     assert runs["ttft"]["answers_equal_first_run"] == 1.0

@@ -177,3 +177,36 @@ def test_the_round_ratios_span_each_rounds_candidate_over_its_baseline() -> None
     assert "TTFT p50 0.80-0.90x" in text and "throughput 1.10-1.50x" in text
     with pytest.raises(ValueError, match="no round ran both"):
         multiturn.round_ratios(runs[:1] + runs[3:], "policy", "round_robin", "ttft")
+
+
+def turn(prompt_tokens: int, cached_tokens: int, ttft_ms: float) -> cluster_load.TurnResult:
+    return cluster_load.TurnResult(
+        0, 0, "r", prompt_tokens, cached_tokens, (), "length", "worker-0", ttft_ms / 1e3, 1.0
+    )
+
+
+def test_requests_are_compared_by_the_prompt_tokens_they_computed() -> None:
+    args = args_of("--max-new-tokens=16")  # user messages of 4-12 tokens, answers of 8-24
+    classes = cluster_load.size_classes(args)
+    assert classes == (("a message", 13), ("+1 turn", 2 * 12 + 24 + 1))
+    work = cluster_load.make_workload(args_of("--max-new-tokens=16", "--sessions=40"))
+    longest = max(len(user) for turns in work.users for user in turns)
+    assert longest + 1 <= classes[0][1]  # a turn that found its history: its message (+ 1)
+    results = [turn(100, 87, 10.0), turn(100, 86, 30.0), turn(100, 51, 20.0), turn(60, 10, 50.0)]
+    sizes = cluster_load.ttft_by_size(results, classes)
+    assert sizes == {
+        "a message": {"requests": 1, "p50_ms": 10.0},  # 13 computed
+        "+1 turn": {"requests": 2, "p50_ms": 30.0},  # 14 and 49
+        "more": {"requests": 1, "p50_ms": 50.0},  # 50
+    }
+    empty = cluster_load.ttft_by_size(results[:1], classes)
+    assert empty["more"] == {"requests": 0, "p50_ms": None}
+    runs = [
+        {"policy": "a", "ttft_by_size": sizes, "cpu_ms_per_request": {"engines": 4.0}},
+        {"policy": "a", "ttft_by_size": empty, "cpu_ms_per_request": {"engines": 2.0}},
+        {"policy": "a", "ttft_by_size": sizes, "cpu_ms_per_request": None},  # no /proc
+    ]
+    alike = cluster_load.like_for_like(runs, ("a",))["a"]
+    assert alike["ttft_p50_ms_by_size"] == {"a message": 10.0, "+1 turn": 30.0, "more": 50.0}
+    assert alike["requests_by_size"] == {"a message": 3, "+1 turn": 4, "more": 2}
+    assert alike["cpu_ms_per_request"] == {"engines": 3.0}  # the median of the rounds that read it
