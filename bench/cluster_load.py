@@ -432,8 +432,8 @@ def metrics(
     router: dict[str, int],
     reference: dict | None,
     breakdowns: list[TTFTBreakdown],
-    classes: tuple[tuple[str, int], ...] = (),
-    cpu: dict[str, float] | None = None,
+    classes: tuple[tuple[str, int], ...],
+    cpu: dict[str, float] | None,
 ) -> dict:
     """The figures of one run; `router`: the router's counters over it; `reference`:
     (session, turn) -> answer of the first run."""
@@ -539,29 +539,19 @@ def print_row(run: dict) -> None:
 def like_for_like(runs: list[dict], policies: tuple[str, ...]) -> dict[str, dict]:
     """Per policy, the median over its rounds of each size class's TTFT p50 (`ttft_by_size`,
     rounds without requests of the class left out) and of each CPU figure per request."""
-
-    def median_of(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
-
     out: dict[str, dict] = {}
     for policy in policies:
         mine = [r for r in runs if r["policy"] == policy]
-        classes = mine[0]["ttft_by_size"]
+        sizes = [r["ttft_by_size"] for r in mine]
         cpus = [r["cpu_ms_per_request"] for r in mine if r["cpu_ms_per_request"] is not None]
+        p50s = {
+            name: [s[name]["p50_ms"] for s in sizes if s[name]["requests"]] for name in sizes[0]
+        }
         out[policy] = {
             "ttft_p50_ms_by_size": {
-                name: median_of(
-                    [
-                        r["ttft_by_size"][name]["p50_ms"]
-                        for r in mine
-                        if r["ttft_by_size"][name]["requests"]
-                    ]
-                )
-                for name in classes
+                k: statistics.median(v) if v else None for k, v in p50s.items()
             },
-            "requests_by_size": {
-                name: sum(r["ttft_by_size"][name]["requests"] for r in mine) for name in classes
-            },
+            "requests_by_size": {k: sum(s[k]["requests"] for s in sizes) for k in sizes[0]},
             "cpu_ms_per_request": (
                 {k: statistics.median(c[k] for c in cpus) for k in cpus[0]} if cpus else None
             ),
